@@ -1,0 +1,7 @@
+"""Shared fixtures. Each layer's fixtures live in batch_inference_tests/fixtures/."""
+
+pytest_plugins = [
+    "batch_inference_tests.fixtures.s3",
+    "batch_inference_tests.fixtures.models",
+    "batch_inference_tests.fixtures.pool",
+]
