@@ -1,0 +1,147 @@
+"""Wire types between the pipeline and the workers: plain JSON, pydantic, no pickle.
+
+A task is a *reference*: it names an input shard and output URLs; records never travel
+in a request. The same types are used in-process (``InProcessPool``) and over HTTP
+(``PoolClient`` -> worker), so the pipeline cannot tell the two apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+TaskKind = Literal["infer", "judge", "retry"]
+
+# Output keys each kind writes (see docs/ARCHITECTURE.md "Shard tasks").
+OUTPUT_KEYS: dict[str, frozenset[str]] = {
+    "infer": frozenset({"output"}),
+    "judge": frozenset({"approved", "rejected"}),
+    "retry": frozenset({"output", "checkpoint"}),
+}
+
+_SEED_MODULUS = 2**31 - 1  # fits every engine's seed type (torch, numpy, vLLM)
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SamplingConfig(_Wire):
+    """Sampling on the wire; mirrors ``engines.SamplingParams`` field for field.
+
+    ``seed`` is the run's *base* seed: each record gets ``derive_seed(seed, id, attempt)``
+    so a retry samples differently but repeatably.
+    """
+
+    max_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: tuple[str, ...] | None = None
+    min_tokens: int = Field(0, ge=0)
+
+    def to_params(self, *, seed: int | None = None) -> Any:
+        """The engine's ``SamplingParams`` for one record (``seed`` overrides the base)."""
+        from batch_inference.engines import SamplingParams
+
+        data = self.model_dump()
+        if data["stop"] is not None:
+            data["stop"] = list(data["stop"])
+        data["seed"] = self.seed if seed is None else seed
+        return SamplingParams(**data)
+
+
+class InferConfig(_Wire):
+    """How to turn a record into a prompt and sample it."""
+
+    template: str = Field(min_length=1)
+    sampling: SamplingConfig = SamplingConfig()
+
+
+class TaskSpec(_Wire):
+    """One shard task. ``outputs`` keys depend on ``kind`` (``OUTPUT_KEYS``).
+
+    ``judge`` is a ``batch_inference.judges.JudgeConfig`` dumped to JSON (the worker
+    validates it with that model). ``storage_options_ref`` names a storage profile in
+    the *worker's* own configuration: credentials never travel in a request.
+    """
+
+    task_id: str = Field(min_length=1, max_length=512)
+    kind: TaskKind
+    input_url: str = Field(min_length=1)
+    outputs: dict[str, str]
+    infer: InferConfig | None = None
+    judge: dict[str, Any] | None = None
+    max_attempts: int = Field(1, ge=1)
+    chunk_size: int = Field(2000, ge=1)
+    round: int = Field(0, ge=0)
+    storage_options_ref: str | None = None
+
+    @field_validator("judge", mode="before")
+    @classmethod
+    def _judge_as_json(cls, value: Any) -> Any:
+        if isinstance(value, BaseModel):  # a JudgeConfig instance
+            return value.model_dump(mode="json")
+        return value
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> TaskSpec:
+        want = OUTPUT_KEYS[self.kind]
+        if set(self.outputs) != want:
+            raise ValueError(f"task {self.task_id!r}: kind {self.kind!r} needs outputs {sorted(want)}, got {sorted(self.outputs)}")
+        if self.kind in ("infer", "retry") and self.infer is None:
+            raise ValueError(f"task {self.task_id!r}: kind {self.kind!r} needs an infer config")
+        if self.kind in ("judge", "retry") and self.judge is None:
+            raise ValueError(f"task {self.task_id!r}: kind {self.kind!r} needs a judge config")
+        return self
+
+    def urls(self) -> list[str]:
+        """Every URL the task reads or writes (for the worker's storage-root check)."""
+        return [self.input_url, *self.outputs.values()]
+
+
+class TaskResult(_Wire):
+    """What a finished task reports; ``cached`` means an idempotent replay."""
+
+    task_id: str
+    kind: TaskKind
+    worker: str
+    counts: dict[str, int]
+    records_in: int
+    tokens_in: int = 0
+    tokens_out: int = 0
+    wall_s: float = 0.0
+    engine_busy_s: float = 0.0
+    avg_fill: float = 0.0
+    cached: bool = False
+
+
+class TaskFailed(Exception):
+    """A task exhausted its retries; the caller quarantines ``spec`` (never requeues)."""
+
+    def __init__(self, spec: TaskSpec, errors: list[str]) -> None:
+        self.spec = spec
+        self.errors = list(errors)
+        last = self.errors[-1] if self.errors else "unknown error"
+        super().__init__(f"task {spec.task_id} ({spec.kind} {spec.input_url}) failed after {len(self.errors)} attempt(s): {last}")
+
+
+@runtime_checkable
+class TaskRunner(Protocol):
+    """What the pipeline drives: ``PoolClient`` (HTTP) and ``InProcessPool`` both fit."""
+
+    @property
+    def limit(self) -> int:  # replicas x concurrency: the dispatcher's in-flight cap
+        ...
+
+    async def run_task(self, spec: TaskSpec) -> TaskResult:  # retried inside; raises TaskFailed
+        ...
+
+
+def derive_seed(base: int | None, record_id: str, attempt: int) -> int:
+    """A per-record, per-attempt seed: stable across runs, processes and batch mixes."""
+    key = f"{0 if base is None else base}\x1f{record_id}\x1f{attempt}".encode()
+    digest = hashlib.blake2b(key, digest_size=8).digest()
+    return int.from_bytes(digest, "big") % _SEED_MODULUS
