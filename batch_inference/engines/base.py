@@ -1,0 +1,104 @@
+"""The engine protocol: what every engine takes and returns.
+
+Engines are blocking and batch-oriented; callers run ``generate`` with
+``asyncio.to_thread``. One bad item never fails its neighbours: it comes back as a
+``Completion`` with ``finish_reason="error"`` and ``error`` set.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "error"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings; frozen and hashable so engines can group by them."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] | None = None
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.stop is not None and not isinstance(self.stop, tuple):
+            # accept a list or a single string from config, keep the dataclass hashable
+            stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+            object.__setattr__(self, "stop", stop)
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One prompt's result. ``error`` is set (and ``finish_reason == "error"``) when it failed."""
+
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: FinishReason
+    error: str | None = None
+
+    @classmethod
+    def failed(cls, error: str, prompt_tokens: int = 0) -> Completion:
+        return cls(text="", prompt_tokens=prompt_tokens, completion_tokens=0, finish_reason="error", error=error)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What workers, batchers and judges call. Blocking; same order as the input."""
+
+    name: str
+    max_model_len: int
+    simulated: bool
+
+    def count_tokens(self, prompts: list[str]) -> list[int]: ...
+
+    def generate(self, prompts: list[str], params: SamplingParams | list[SamplingParams]) -> list[Completion]: ...
+
+    def close(self) -> None: ...
+
+
+def expand_params(prompts: Sequence[str], params: SamplingParams | Sequence[SamplingParams]) -> list[SamplingParams]:
+    """One SamplingParams per prompt (a single one is shared)."""
+    if isinstance(params, SamplingParams):
+        return [params] * len(prompts)
+    params = list(params)
+    if len(params) != len(prompts):
+        raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+    return params
+
+
+def group_by_params(params: Sequence[SamplingParams]) -> dict[SamplingParams, list[int]]:
+    """Indices of the prompts sharing each distinct SamplingParams, in first-seen order."""
+    groups: dict[SamplingParams, list[int]] = defaultdict(list)
+    for i, p in enumerate(params):
+        groups[p].append(i)
+    return dict(groups)
+
+
+def truncate_at_stop(text: str, stop: Sequence[str] | None) -> tuple[str, bool]:
+    """Cut ``text`` before the earliest stop string; returns (text, stopped)."""
+    if not stop:
+        return text, False
+    cut = min((i for s in stop if s and (i := text.find(s)) >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+def too_long_error(prompt_tokens: int, max_tokens: int, max_model_len: int) -> str | None:
+    """The per-item ``prompt_too_long`` error, or None when the request fits."""
+    if prompt_tokens + max_tokens > max_model_len:
+        return f"prompt_too_long: {prompt_tokens} prompt tokens + {max_tokens} max_tokens > max_model_len {max_model_len}"
+    return None

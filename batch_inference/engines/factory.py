@@ -1,0 +1,27 @@
+"""The one engine factory. Engine modules are imported lazily: building the simulated
+engine never imports torch, and vllm is imported only when asked for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batch_inference.engines.base import Engine
+from batch_inference.engines.config import EngineConfig
+
+
+def build_engine(config: EngineConfig | dict[str, Any]) -> Engine:
+    """Build the engine a config names (a dict is validated into ``EngineConfig`` first)."""
+    cfg = config if isinstance(config, EngineConfig) else EngineConfig.model_validate(config)
+    if cfg.kind == "simulated":
+        from batch_inference.engines.simulated import SimulatedEngine
+
+        return SimulatedEngine.from_config(cfg)
+    if cfg.kind == "transformers":
+        from batch_inference.engines.transformers_engine import TransformersEngine
+
+        return TransformersEngine.from_config(cfg)
+    if cfg.kind == "vllm":
+        from batch_inference.engines.vllm_engine import VllmEngine
+
+        return VllmEngine.from_config(cfg)
+    raise ValueError(f"unknown engine kind {cfg.kind!r}")  # unreachable: pydantic checks kind

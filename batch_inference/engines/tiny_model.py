@@ -1,0 +1,98 @@
+"""A real, tiny Llama model built offline: seeded random weights and a byte-level BPE
+tokenizer trained locally on a built-in text. Nothing is downloaded.
+
+Saved with ``save_pretrained`` (config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json, generation_config.json, chat template), so both
+``AutoModelForCausalLM`` and vLLM can load the directory. Random weights mean the text
+is gibberish, but the compute path (tokenise, batch, pad, generate, decode) is real.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+VOCAB_SIZE = 512
+MAX_POSITIONS = 2048
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<s>{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+
+# Training text for the tokenizer: varied English and JSON-ish text so that prompts in
+# tests and demos tokenise into a realistic mix of merges and bytes.
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A batch of prompts is tokenised, padded on
+the left and run through the model together; the results come back in the same order.
+Translate the following sentence into French. Summarise the article in one paragraph.
+Question: what is the capital of France? Answer: Paris. Question: how many legs does a
+spider have? Answer: eight. Is the answer correct? Reply APPROVED or REJECTED.
+{"id": "000000000001", "prompt": "Write a haiku about the sea", "result": "waves fold"}
+Large language models generate text one token at a time. Throughput grows with batch
+size until the accelerator is saturated; latency grows with the number of tokens.
+def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i * i)\n
+0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ? ' " # @ $ % & _ ~
+Streaming sharded JSONL keeps memory flat; a persistent worker keeps the model warm.
+"""
+
+
+def _train_tokenizer():  # -> PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)  # deterministic: single text, fixed order
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        padding_side="left",
+        model_max_length=MAX_POSITIONS,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def make_tiny_model(out_dir: str | Path, *, seed: int = 0) -> Path:
+    """Write the tiny model to ``out_dir`` and return it. Same seed => same weights."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer()
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=MAX_POSITIONS,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+    )
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,147 @@
+"""The transformers engine: ``AutoModelForCausalLM`` with left-padded batched generate.
+
+Runs the tiny offline model on CPU in tests and any causal LM on CUDA where present.
+Per-item safety: each prompt is tokenised and length-checked alone (an overlong prompt
+becomes a ``prompt_too_long`` error, its neighbours run); prompts are grouped by their
+SamplingParams and each group is one ``generate`` call; if a whole group raises, its
+items are retried one by one so a single bad item cannot fail the others.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from batch_inference.engines.base import (
+    Completion,
+    SamplingParams,
+    expand_params,
+    group_by_params,
+    too_long_error,
+    truncate_at_stop,
+)
+from batch_inference.engines.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class TransformersEngine:
+    """Blocking batched generation with a Hugging Face causal LM."""
+
+    simulated = False
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        num_threads: int | None = 1,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        if self.device == "cpu" and num_threads:
+            # Process-wide: on small shared CPUs one thread per worker process beats
+            # oversubscription (2 threads were up to 10x slower under load, DESIGN.md).
+            torch.set_num_threads(num_threads)
+        torch_dtype = _DTYPES.get(dtype) or (torch.bfloat16 if self.device == "cuda" else torch.float32)
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.tokenizer.model_max_length = 1 << 40  # lengths are checked per item below, against max_model_len
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(self.device).eval()
+        self.max_model_len = max_model_len or int(getattr(self.model.config, "max_position_embeddings", 2048))
+        self.name = f"transformers:{model}"
+        self._eos_ids = _eos_ids(self.model, self.tokenizer)
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> TransformersEngine:
+        assert cfg.model is not None  # EngineConfig guarantees it
+        return cls(cfg.model, device=cfg.device, dtype=cfg.dtype, num_threads=cfg.num_threads, max_model_len=cfg.max_model_len)
+
+    def _encode(self, prompts: list[str]) -> list[list[int]]:
+        return self.tokenizer(prompts, add_special_tokens=True)["input_ids"]
+
+    def count_tokens(self, prompts: list[str]) -> list[int]:
+        """Exact: the same tokenisation ``generate`` feeds the model."""
+        return [len(ids) for ids in self._encode(prompts)]
+
+    def generate(self, prompts: list[str], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        per_item = expand_params(prompts, params)
+        out: list[Completion | None] = [None] * len(prompts)
+        encoded: dict[int, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            try:
+                ids = self._encode([prompt])[0]
+            except Exception as exc:  # a prompt the tokenizer rejects fails alone
+                out[i] = Completion.failed(f"tokenizer_error: {type(exc).__name__}: {exc}")
+                continue
+            if err := too_long_error(len(ids), per_item[i].max_tokens, self.max_model_len):
+                out[i] = Completion.failed(err, prompt_tokens=len(ids))
+            elif not ids:
+                out[i] = Completion.failed("empty_prompt: the prompt has no tokens")
+            else:
+                encoded[i] = ids
+        runnable = list(encoded)
+        for p, idx in group_by_params([per_item[i] for i in runnable]).items():
+            items = [runnable[j] for j in idx]
+            for i, completion in zip(items, self._run_group([encoded[i] for i in items], p)):
+                out[i] = completion
+        return [c for c in out if c is not None]
+
+    def _run_group(self, batch: list[list[int]], p: SamplingParams) -> list[Completion]:
+        try:
+            return self._generate_batch(batch, p)
+        except Exception as exc:
+            if len(batch) == 1:
+                log.warning("generate failed for one item: %s", exc)
+                return [Completion.failed(f"engine_error: {type(exc).__name__}: {exc}", prompt_tokens=len(batch[0]))]
+            log.warning("generate failed for a group of %d; retrying item by item: %s", len(batch), exc)
+            return [self._run_group([ids], p)[0] for ids in batch]
+
+    @torch.inference_mode()
+    def _generate_batch(self, batch: list[list[int]], p: SamplingParams) -> list[Completion]:
+        enc = self.tokenizer.pad({"input_ids": batch}, padding=True, return_tensors="pt").to(self.device)
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": p.max_tokens,
+            "pad_token_id": self.tokenizer.pad_token_id,
+            "eos_token_id": self._eos_ids,
+        }
+        if p.min_tokens:
+            kwargs["min_new_tokens"] = p.min_tokens
+        if p.temperature > 0:
+            kwargs.update(do_sample=True, temperature=p.temperature, top_p=p.top_p, top_k=0)
+            if p.seed is not None:
+                torch.manual_seed(p.seed)  # one generator per group: sampling depends on the group
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        generated = self.model.generate(**enc, **kwargs)[:, enc["input_ids"].shape[1] :].tolist()
+        return [self._finish(ids, prompt, p) for ids, prompt in zip(generated, batch)]
+
+    def _finish(self, new_ids: list[int], prompt: list[int], p: SamplingParams) -> Completion:
+        """Cut at EOS (the rest is padding) and at stop strings; decide the finish reason."""
+        n = next((k for k, t in enumerate(new_ids) if t in self._eos_ids), None)
+        hit_eos = n is not None
+        tokens = new_ids[: n if hit_eos else len(new_ids)]
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        text, stopped = truncate_at_stop(text, p.stop)
+        completion_tokens = len(self._encode([text])[0]) if stopped else len(tokens)
+        reason = "stop" if hit_eos or stopped else "length"
+        return Completion(text=text, prompt_tokens=len(prompt), completion_tokens=completion_tokens, finish_reason=reason)
+
+    def close(self) -> None:
+        """Drop the model; frees GPU memory when on CUDA."""
+        self.model = None  # type: ignore[assignment]
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
+    return list(eos) if isinstance(eos, (list, tuple)) else [eos]
