@@ -1,0 +1,86 @@
+"""LLM judge: a prompt built from the record and its result, and a robust verdict parser.
+
+The judge call itself goes through the worker's engine and batcher like any inference;
+this module only renders prompts and parses replies. Parsing never raises: a reply with
+no verdict is ``Verdict(False, "unparseable_verdict")``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from batch_inference.engines.base import Completion, Engine, SamplingParams
+from batch_inference.judges.templates import MissingFieldError, PromptTemplate
+from batch_inference.judges.verdicts import Verdict
+
+# "first verdict word wins"; "not approved" counts as a rejection
+_KEYWORD = re.compile(r"\b(not\s+)?(approved?|rejected?)\b", re.IGNORECASE)
+_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
+
+UNPARSEABLE = "unparseable_verdict"
+
+
+def parse_keyword(text: str) -> Verdict:
+    """APPROVED/REJECTED anywhere (case, punctuation and markdown tolerated); first one wins."""
+    m = _KEYWORD.search(text or "")
+    if m is None:
+        return Verdict(False, UNPARSEABLE)
+    approved = m.group(2).lower().startswith("approve") and not m.group(1)
+    return Verdict(approved, "judge_approved" if approved else "judge_rejected")
+
+
+def parse_score(text: str, threshold: float) -> Verdict:
+    """The first number in the reply is the score; approved when ``score >= threshold``."""
+    m = _NUMBER.search(text or "")
+    if m is None:
+        return Verdict(False, UNPARSEABLE)
+    score = float(m.group())
+    approved = score >= threshold
+    return Verdict(approved, f"score {score:g} {'>=' if approved else '<'} threshold {threshold:g}", score=score)
+
+
+class LLMJudge:
+    """Renders judge prompts (``{result}`` is the inference result) and parses verdicts."""
+
+    def __init__(
+        self,
+        template: str,
+        *,
+        parse: Literal["keyword", "score"] = "keyword",
+        threshold: float = 0.5,
+        sampling: SamplingParams | None = None,
+    ) -> None:
+        self.template = PromptTemplate(template)
+        self.parse_mode = parse
+        self.threshold = threshold
+        self.sampling = sampling or SamplingParams(max_tokens=16, temperature=0.0)
+
+    def prompt(self, record: dict[str, Any], result: str) -> str:
+        """Raises MissingFieldError for a record the template cannot fill."""
+        return self.template.render({**record, "result": result})
+
+    def parse(self, text: str) -> Verdict:
+        return parse_keyword(text) if self.parse_mode == "keyword" else parse_score(text, self.threshold)
+
+    def verdict(self, completion: Completion) -> Verdict:
+        """The verdict for one judge completion (an engine error is a rejection with its reason)."""
+        if completion.error is not None:
+            return Verdict(False, f"judge_error: {completion.error}")
+        return self.parse(completion.text)
+
+    def judge_with(self, engine: Engine, records: Sequence[dict[str, Any]], results: Sequence[str]) -> list[Verdict]:
+        """Judge a batch directly on an engine (blocking; workers go through their batcher instead)."""
+        verdicts: list[Verdict | None] = [None] * len(records)
+        prompts: list[str] = []
+        index: list[int] = []
+        for i, (record, result) in enumerate(zip(records, results)):
+            try:
+                prompts.append(self.prompt(record, result))
+                index.append(i)
+            except MissingFieldError as exc:
+                verdicts[i] = Verdict(False, str(exc))
+        for i, completion in zip(index, engine.generate(prompts, self.sampling) if prompts else []):
+            verdicts[i] = self.verdict(completion)
+        return [v for v in verdicts if v is not None]
