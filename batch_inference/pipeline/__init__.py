@@ -1,0 +1,50 @@
+"""The pipeline layer: spec, layout, CPU passes, Strategy 1 rounds, Strategy 2 tail,
+the hybrid crossover and the run ledger. Runs without Dagster.
+
+Names are imported lazily so ``from batch_inference.pipeline import PipelineSpec`` does
+not pull in the pool or an engine.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    "PipelineSpec": "batch_inference.pipeline.spec",
+    "PoolSpec": "batch_inference.pipeline.spec",
+    "CrossoverRule": "batch_inference.pipeline.spec",
+    "SpecError": "batch_inference.pipeline.spec",
+    "RunLayout": "batch_inference.pipeline.layout",
+    "ShardSummary": "batch_inference.pipeline.summaries",
+    "PhaseSummary": "batch_inference.pipeline.summaries",
+    "RecompactSummary": "batch_inference.pipeline.summaries",
+    "Decision": "batch_inference.pipeline.summaries",
+    "RunSummary": "batch_inference.pipeline.summaries",
+    "Ledger": "batch_inference.pipeline.ledger",
+    "LedgerView": "batch_inference.pipeline.ledger",
+    "ConservationError": "batch_inference.pipeline.ledger",
+    "choose_crossover": "batch_inference.pipeline.crossover",
+    "shard_input": "batch_inference.pipeline.passes",
+    "recompact": "batch_inference.pipeline.passes",
+    "open_runner": "batch_inference.pipeline.runner",
+    "PipelineRun": "batch_inference.pipeline.run",
+    "Reporter": "batch_inference.pipeline.run",
+    "run_pipeline": "batch_inference.pipeline.run",
+    "run_step": "batch_inference.pipeline.run",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'batch_inference.pipeline' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

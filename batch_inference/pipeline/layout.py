@@ -1,0 +1,119 @@
+"""Every URL of one pipeline run, in one place (docs/ARCHITECTURE.md "Data layout").
+
+Everything a run writes lives under ``<base>/<run>/``, so two runs with different names
+never collide, and a re-run of the same spec finds its own earlier outputs (resume).
+Shard ``i`` of a phase keeps index ``i`` through the round (pending part-i -> inferred
+part-i -> approved/rejected part-i), so a step can tell which shards are already done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from batch_inference.storage.urls import join, normalize
+
+SUFFIX = ".jsonl.zst"
+
+
+def part(index: int, prefix: str = "part") -> str:
+    """The shard file name for index ``index`` (sorts in index order)."""
+    return f"{prefix}-{index:05d}{SUFFIX}"
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """The URLs of run ``run`` under ``base``. Pure: builds strings, touches nothing."""
+
+    base: str
+    run: str
+
+    def __post_init__(self) -> None:
+        if not self.run or "/" in self.run or self.run in (".", ".."):
+            raise ValueError(f"run name {self.run!r} must be a single path segment")
+        object.__setattr__(self, "base", normalize(self.base))
+
+    @property
+    def root(self) -> str:
+        return join(self.base, self.run)
+
+    # -- sharding (CPU, once) -------------------------------------------------------
+    @property
+    def sharded(self) -> str:
+        return join(self.root, "sharded")
+
+    # -- rounds ---------------------------------------------------------------------
+    def round_dir(self, r: int) -> str:
+        return join(self.root, f"round-{r:02d}")
+
+    def pending(self, r: int) -> str:
+        """Round ``r``'s input: the sharded input for round 0, recompacted rejects after."""
+        return self.sharded if r == 0 else join(self.round_dir(r), "pending")
+
+    def inferred(self, r: int) -> str:
+        return join(self.round_dir(r), "inferred")
+
+    def rejected(self, r: int) -> str:
+        return join(self.round_dir(r), "rejected")
+
+    def failed(self, r: int) -> str:
+        """Quarantine: one ``{phase}-part-i.jsonl`` entry per shard whose task exhausted retries."""
+        return join(self.round_dir(r), "failed")
+
+    def failed_entry(self, r: int, phase: str, index: int) -> str:
+        return join(self.failed(r), f"{phase}-part-{index:05d}.jsonl")
+
+    def approved_shard(self, r: int, index: int) -> str:
+        """Approved rows go straight into results (no copy pass), named by round."""
+        return join(self.results, part(index, f"round-{r:02d}"))
+
+    # -- tail (Strategy 2) ----------------------------------------------------------
+    @property
+    def tail(self) -> str:
+        return join(self.root, "tail")
+
+    @property
+    def tail_output(self) -> str:
+        """Rows with ``status`` approved | max_attempts | error, one shard per pending shard."""
+        return join(self.tail, "output")
+
+    def tail_checkpoint(self, index: int) -> str:
+        """Per-sample, per-attempt checkpoint store of tail shard ``index``."""
+        return join(self.tail, "checkpoints", f"part-{index:05d}")
+
+    @property
+    def tail_failed(self) -> str:
+        return join(self.tail, "failed")
+
+    def tail_failed_entry(self, index: int) -> str:
+        return join(self.tail_failed, f"retry-part-{index:05d}.jsonl")
+
+    @property
+    def tail_unfinished(self) -> str:
+        """Tail rows that ended ``max_attempts`` or ``error`` (split from tail output)."""
+        return join(self.tail, "unfinished")
+
+    def tail_approved_shard(self, index: int) -> str:
+        return join(self.results, part(index, "tail"))
+
+    # -- terminal sets --------------------------------------------------------------
+    @property
+    def results(self) -> str:
+        """Every approved record, once."""
+        return join(self.root, "results")
+
+    @property
+    def exhausted(self) -> str:
+        """Records still rejected when ``max_rounds`` was hit (rounds strategy)."""
+        return join(self.root, "exhausted")
+
+    # -- ledger ---------------------------------------------------------------------
+    @property
+    def ledger(self) -> str:
+        return join(self.root, "ledger")
+
+    def ledger_file(self, name: str) -> str:
+        return join(self.ledger, f"{name}.json")
+
+    def progress_file(self, step: str, index: int) -> str:
+        """One small record per finished shard task: the resume marker of that shard."""
+        return join(self.ledger, "progress", step, f"part-{index:05d}.json")

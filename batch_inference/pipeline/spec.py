@@ -1,0 +1,150 @@
+"""The pipeline spec: one YAML/TOML file that says what a run reads, runs and writes.
+
+Validation is strict (``extra="forbid"`` everywhere) because a typo in a spec is
+otherwise a silently ignored setting in a run that costs GPU-days. Errors name the key
+(``pool.replcas: unknown key``) and the file. Secrets (storage credentials) are kept out
+of ``repr`` and out of :meth:`PipelineSpec.public_dict`, which is what the ledger stores.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from batch_inference.engines import EngineConfig
+from batch_inference.pool.protocol import InferConfig
+
+Strategy = Literal["rounds", "in_place", "hybrid"]
+REDACTED = "***"
+
+
+class SpecError(ValueError):
+    """A spec that cannot run; the message names the file and every bad key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CrossoverRule(_Strict):
+    """When the hybrid hands the pending set from rounds to in-place retry.
+
+    After each round (from ``min_rounds`` on) the hybrid switches when the pending set
+    shrank by less than ``min_shrink`` (a fraction of the round's input), or, with
+    ``compare_cost``, when the projected wall time of finishing by rounds exceeds the
+    projected wall time of in-place retry; both projections use the round's own
+    measured figures (see ``pipeline.crossover``).
+    """
+
+    min_shrink: float = Field(0.5, ge=0.0, le=1.0)
+    compare_cost: bool = True
+    min_rounds: int = Field(1, ge=1)
+
+
+class PoolSpec(_Strict):
+    """Where shard tasks run: in this process, local worker processes, or Kubernetes."""
+
+    launcher: Literal["inprocess", "local", "k8s"] = "inprocess"
+    replicas: int = Field(1, ge=1)
+    concurrency: int = Field(10, ge=1)
+    retries: int = Field(3, ge=0)
+    timeout_s: float = Field(3600.0, gt=0)
+    endpoints: list[str] = Field(default_factory=list, description="workers of a running pool (skips the launcher)")
+    token_env: str | None = Field(None, description="name of the env var holding the workers' bearer token")
+    storage_options_ref: str | None = Field(None, description="storage profile name in the workers' own config")
+    batcher: dict[str, Any] = Field(default_factory=dict, description="batcher options for the workers")
+
+
+class PipelineSpec(_Strict):
+    """Everything one pipeline run needs. ``PipelineSpec.load(path)`` reads YAML or TOML."""
+
+    run: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", description="run name: the run's folder under output")
+    input: str = Field(min_length=1, description="input JSONL(.zst) file or JsonlDir URL")
+    output: str = Field(min_length=1, description="base URL; the run writes under <output>/<run>/")
+    engine: EngineConfig
+    infer: InferConfig
+    judge: dict[str, Any] = Field(description="a batch_inference.judges.JudgeConfig")
+    strategy: Strategy = "rounds"
+    max_rounds: int = Field(3, ge=1, le=99)
+    max_attempts: int = Field(5, ge=1)
+    crossover: CrossoverRule = Field(default_factory=CrossoverRule)
+    shard_records: int = Field(20_000, ge=1)
+    chunk_size: int = Field(2_000, ge=1)
+    pool: PoolSpec = Field(default_factory=PoolSpec)
+    storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
+
+    @field_validator("judge", mode="before")
+    @classmethod
+    def _validate_judge(cls, value: Any) -> Any:
+        from batch_inference.judges import JudgeConfig
+
+        if isinstance(value, BaseModel):
+            value = value.model_dump(mode="json")
+        return JudgeConfig.model_validate(value).model_dump(mode="json")
+
+    @model_validator(mode="after")
+    def _check_model_path(self) -> PipelineSpec:
+        model = self.engine.model
+        if self.engine.kind in ("transformers", "vllm") and model and "://" not in model and not Path(model).expanduser().is_dir():
+            raise ValueError(f"engine.model: model directory {model!r} does not exist (build one with `batch-inference make-model DIR`)")
+        return self
+
+    # -- loading -------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], **overrides: Any) -> PipelineSpec:
+        """Read a ``.yaml``/``.yml``/``.toml`` spec; top-level ``overrides`` win (e.g. strategy)."""
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as exc:
+            raise SpecError(f"{p}: cannot read spec: {exc.strerror or exc}") from exc
+        try:
+            if p.suffix == ".toml":
+                data = tomllib.loads(text)
+            elif p.suffix in (".yaml", ".yml", ".json"):
+                data = yaml.safe_load(text)
+            else:
+                raise SpecError(f"{p}: unknown spec format {p.suffix!r} (use .yaml, .yml or .toml)")
+        except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
+            raise SpecError(f"{p}: not valid {p.suffix.lstrip('.').upper()}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise SpecError(f"{p}: a spec must be a mapping of keys, got {type(data).__name__}")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.parse(data, source=str(p))
+
+    @classmethod
+    def parse(cls, data: dict[str, Any], *, source: str = "spec") -> PipelineSpec:
+        """Validate a mapping; a ``SpecError`` lists every bad key by its dotted path."""
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise SpecError(f"{source}: invalid spec:\n" + "\n".join(_describe(e) for e in exc.errors())) from None
+
+    # -- views ---------------------------------------------------------------------
+
+    def public_dict(self) -> dict[str, Any]:
+        """The spec as JSON with secrets redacted: what the ledger and logs may show."""
+        data = self.model_dump(mode="json")
+        data["storage_options"] = {k: REDACTED for k in self.storage_options}
+        return data
+
+    def pool_token(self) -> str | None:
+        """The workers' bearer token, read from the environment (never stored in the spec)."""
+        return os.environ.get(self.pool.token_env) if self.pool.token_env else None
+
+
+def _describe(err: Any) -> str:
+    loc = ".".join(str(part) for part in err["loc"]) or "(top level)"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return f"  {loc}: unknown key"
+    if kind == "missing":
+        return f"  {loc}: missing required key"
+    msg = err["msg"].removeprefix("Value error, ")
+    return f"  {loc}: {msg} (got {err.get('input')!r})" if kind != "value_error" else f"  {loc}: {msg}"

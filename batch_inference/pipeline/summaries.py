@@ -1,0 +1,123 @@
+"""What each pipeline step returns and records in the ledger.
+
+Small frozen dataclasses of plain JSON values: the Dagster layer turns them into
+materialisation metadata with ``as_metadata()``, the ledger stores ``as_dict()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal
+
+DecisionKind = Literal["next_round", "tail", "done", "exhausted"]
+RunStatus = Literal["converged", "exhausted", "quarantined"]
+
+
+class _Summary:
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)  # type: ignore[call-overload]
+
+    def as_metadata(self) -> dict[str, Any]:
+        """Flat scalars (nested dicts as ``parent.key``; lists as their length)."""
+        out: dict[str, Any] = {}
+        for key, value in self.as_dict().items():
+            if isinstance(value, dict):
+                out.update({f"{key}.{k}": v for k, v in value.items() if isinstance(v, (int, float, str, bool))})
+            elif isinstance(value, list):
+                out[key] = len(value)
+            elif value is not None:
+                out[key] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Any:
+        names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass(frozen=True)
+class ShardSummary(_Summary):
+    """The one CPU pass over the input."""
+
+    input_url: str
+    output_url: str
+    records: int
+    shards: int
+    ids_assigned: int
+    duplicate_ids: int
+    duplicate_examples: list[str]
+    wall_s: float
+    resumed: bool = False
+
+
+@dataclass(frozen=True)
+class PhaseSummary(_Summary):
+    """One fan-out of shard tasks: a round's infer or judge phase, or the tail."""
+
+    round: int
+    phase: Literal["infer", "judge", "tail"]
+    input_url: str
+    output_url: str
+    shards: int
+    shards_run: int  # tasks run by this call (the rest were already done: resumed)
+    records_in: int
+    counts: dict[str, int]
+    tokens_in: int
+    tokens_out: int
+    engine_busy_s: float
+    wall_s: float
+    drain_s: float  # from the last task's start to the phase's end: the final wave
+    avg_fill: float
+    cached_tasks: int  # tasks the pool replayed by task id
+    quarantined: list[dict[str, Any]] = field(default_factory=list)  # {shard, phase, error, records}
+
+    @property
+    def records_quarantined(self) -> int:
+        return sum(int(q.get("records", 0)) for q in self.quarantined)
+
+
+@dataclass(frozen=True)
+class RecompactSummary(_Summary):
+    """Round ``round``'s rejected rows repacked into round ``round + 1``'s pending shards."""
+
+    round: int
+    input_url: str
+    output_url: str
+    records: int
+    shards_in: int
+    shards_out: int
+    wall_s: float
+    resumed: bool = False
+
+
+@dataclass(frozen=True)
+class Decision(_Summary):
+    """What follows round ``round``, and the measured figures it was decided on."""
+
+    round: int
+    kind: DecisionKind
+    reason: str
+    figures: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RunSummary(_Summary):
+    """The end of a run: terminal counts, the conservation check, the status."""
+
+    run: str
+    url: str
+    strategy: str
+    status: RunStatus
+    records: int
+    approved: int
+    exhausted: int
+    max_attempts: int
+    failed: int
+    rounds: int
+    tail: bool
+    results_url: str
+    conservation: dict[str, Any]
+    tokens_in: int
+    tokens_out: int
+    engine_busy_s: float
+    wall_s: float
