@@ -1,0 +1,43 @@
+"""Storage layer: streaming JSONL shards on any fsspec URL, plus the checkpoint store.
+
+``JsonlFile`` / ``JsonlDir`` keep the reference design's names and semantics (streaming
+reads in bounded chunks, rotation, sorted shards) and add atomic commits, a manifest,
+clear errors and a quarantine sink. See docs/storage.md.
+"""
+
+from batch_inference.storage import urls
+from batch_inference.storage.checkpoints import CheckpointStore
+from batch_inference.storage.errors import ConcurrentWriteError, CorruptShardError, MalformedRecordError
+from batch_inference.storage.jsonl import (
+    DirManifest,
+    JsonlDir,
+    JsonlDirWriter,
+    JsonlFile,
+    JsonlWriter,
+    QuarantineSink,
+    SyncJsonlDirWriter,
+    SyncJsonlWriter,
+)
+from batch_inference.storage.reshard import ReshardReport, reshard
+from batch_inference.storage.urls import fs_for, is_under, join
+
+__all__ = [
+    "CheckpointStore",
+    "ConcurrentWriteError",
+    "CorruptShardError",
+    "DirManifest",
+    "JsonlDir",
+    "JsonlDirWriter",
+    "JsonlFile",
+    "JsonlWriter",
+    "MalformedRecordError",
+    "QuarantineSink",
+    "ReshardReport",
+    "SyncJsonlDirWriter",
+    "SyncJsonlWriter",
+    "fs_for",
+    "is_under",
+    "join",
+    "reshard",
+    "urls",
+]

@@ -1,0 +1,615 @@
+"""JsonlFile and JsonlDir: streaming JSONL shards on any fsspec URL.
+
+Reads stream in bounded chunks (zstd decompressed 64 KB of input at a time) and parse
+a whole chunk of lines per step, so the async iterator costs one thread hop per chunk,
+not per record. Writes encode with orjson on the caller's thread, then compress and
+write 1 MiB blocks in a worker thread while the caller keeps producing.
+A file or shard becomes visible only when complete (see ``_io.AtomicFile``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+import re
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+from batch_inference.storage import _io, urls
+from batch_inference.storage.errors import ConcurrentWriteError
+
+QuarantineSink = Callable[[dict], Awaitable[None] | None]
+OnError = Literal["raise", "quarantine"]
+Compression = Literal["zstd"] | None
+
+MANIFEST_NAME = "_manifest.json"
+LOCK_NAME = "_writer.lock"
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+LOCK_TTL_S = 600.0  # a lock not refreshed for this long belongs to a dead writer
+_SHARD_RE = re.compile(r"^[^._].*\.jsonl(\.zst)?$")
+_DUMPS_OPT = orjson.OPT_APPEND_NEWLINE
+
+
+def _natural_key(name: str) -> tuple:
+    """Sort key that orders ``part-99999`` before ``part-100000`` (write order at any count)."""
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
+
+
+def _check_sink(on_error: str, quarantine: QuarantineSink | None) -> None:
+    if on_error == "quarantine" and quarantine is None:
+        raise ValueError("on_error='quarantine' needs a quarantine sink")
+
+
+# ---------------------------------------------------------------- JsonlFile
+
+
+class JsonlFile:
+    """One JSONL file (``.jsonl`` or zstd ``.jsonl.zst``) at any fsspec URL."""
+
+    def __init__(self, url: str, *, storage_options: dict | None = None) -> None:
+        self.url = urls.normalize(str(url))
+        self.storage_options = storage_options
+        self.fs, self.path = urls.fs_for(self.url, storage_options)
+
+    @property
+    def compressed(self) -> bool:
+        return self.url.endswith(".zst")
+
+    @property
+    def name(self) -> str:
+        return urls.basename(self.url)
+
+    def __repr__(self) -> str:
+        return f"JsonlFile({self.url!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, JsonlFile) and other.url == self.url
+
+    def __hash__(self) -> int:
+        return hash(self.url)
+
+    # reading -------------------------------------------------------------
+
+    def _batches(self, on_error: str) -> Iterator[tuple[list[dict], list[dict]]]:
+        return _io.iter_batches(self.fs, self.path, self.url, self.compressed, on_error)
+
+    def iter_records_sync(
+        self, *, on_error: OnError = "raise", quarantine: QuarantineSink | None = None
+    ) -> Iterator[dict]:
+        """Stream records on this thread (CPU passes, scripts)."""
+        _check_sink(on_error, quarantine)
+        for records, bad in self._batches(on_error):
+            for entry in bad:
+                if inspect.isawaitable(quarantine(entry)):  # type: ignore[misc]
+                    raise TypeError("iter_records_sync needs a synchronous quarantine sink")
+            yield from records
+
+    async def iter_records(
+        self, *, on_error: OnError = "raise", quarantine: QuarantineSink | None = None
+    ) -> AsyncIterator[dict]:
+        """Stream records without blocking the loop: read + decompress + parse run in a thread per chunk."""
+        _check_sink(on_error, quarantine)
+        batches = self._batches(on_error)
+        try:
+            while True:
+                item = await asyncio.to_thread(next, batches, None)
+                if item is None:
+                    return
+                records, bad = item
+                for entry in bad:
+                    res = quarantine(entry)  # type: ignore[misc]
+                    if inspect.isawaitable(res):
+                        await res
+                for rec in records:
+                    yield rec
+        finally:
+            await asyncio.to_thread(batches.close)
+
+    async def read_all(self) -> list[dict]:
+        """Every record in a list: small files only (manifests, tests)."""
+        return await asyncio.to_thread(lambda: list(self.iter_records_sync()))
+
+    def exists_sync(self) -> bool:
+        return bool(self.fs.exists(self.path))
+
+    async def exists(self) -> bool:
+        return await asyncio.to_thread(self.exists_sync)
+
+    # writing -------------------------------------------------------------
+
+    def writer(self, *, zstd_level: int = _io.DEFAULT_ZSTD_LEVEL) -> JsonlWriter:
+        """Async writer; the file appears (or is replaced whole) only on a clean exit."""
+        core = _io.RotatingWriter(
+            self.fs, lambda _i: self.path, compressed=self.compressed, zstd_level=zstd_level, always_create=True
+        )
+        return JsonlWriter(core, self.url)
+
+    def writer_sync(self, *, zstd_level: int = _io.DEFAULT_ZSTD_LEVEL) -> SyncJsonlWriter:
+        """Same as ``writer()`` for CPU passes that do not run an event loop."""
+        core = _io.RotatingWriter(
+            self.fs, lambda _i: self.path, compressed=self.compressed, zstd_level=zstd_level, always_create=True
+        )
+        return SyncJsonlWriter(core, self.url)
+
+
+class _WriterBase:
+    def __init__(self, core: _io.RotatingWriter, url: str) -> None:
+        self._core = core
+        self.url = url
+        self._buf: list[bytes] = []
+        self._buf_bytes = 0
+        self._closed = False
+
+    @property
+    def records(self) -> int:
+        return self._core.records + len(self._buf)
+
+    @property
+    def bytes(self) -> int:
+        """Uncompressed bytes written so far."""
+        return self._core.bytes + self._core._pending_bytes + self._buf_bytes
+
+    @property
+    def shards_written(self) -> int:
+        """Shards committed so far (the last one commits on exit)."""
+        return len(self._core.committed)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"writer for {self.url} is closed")
+
+
+class SyncJsonlWriter(_WriterBase):
+    """Blocking writer: ``with f.writer_sync() as w: w.write(rec)``."""
+
+    def write(self, rec: dict) -> None:
+        line = orjson.dumps(rec, option=_DUMPS_OPT)
+        self._buf.append(line)
+        self._buf_bytes += len(line)
+        if self._buf_bytes >= _io.WRITE_BUFFER:
+            self._drain()
+
+    def write_many(self, recs: Iterable[dict]) -> None:
+        dumps, buf = orjson.dumps, self._buf
+        for rec in recs:
+            line = dumps(rec, option=_DUMPS_OPT)
+            buf.append(line)
+            self._buf_bytes += len(line)
+            if self._buf_bytes >= _io.WRITE_BUFFER:
+                self._drain()
+                buf = self._buf
+
+    def _drain(self) -> None:
+        self._check_open()
+        buf, self._buf, self._buf_bytes = self._buf, [], 0
+        self._core.write_lines(buf)
+
+    def commit(self) -> None:
+        self._drain()
+        self._core.close()
+        self._closed = True
+
+    def abort(self) -> None:
+        self._closed = True
+        self._buf = []
+        self._core.abort()
+
+    def __enter__(self) -> SyncJsonlWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+class JsonlWriter(_WriterBase):
+    """Async writer: ``async with f.writer() as w: await w.write(rec)``.
+
+    Records are encoded on the loop (microseconds); every ~1 MiB the block is handed
+    to a thread that compresses and writes it while the caller keeps producing (at
+    most one block in flight, so memory stays at two blocks).
+    """
+
+    def __init__(self, core: _io.RotatingWriter, url: str) -> None:
+        super().__init__(core, url)
+        self._inflight: asyncio.Future | None = None
+
+    async def write(self, rec: dict) -> None:
+        line = orjson.dumps(rec, option=_DUMPS_OPT)
+        self._buf.append(line)
+        self._buf_bytes += len(line)
+        if self._buf_bytes >= _io.WRITE_BUFFER:
+            await self._drain()
+
+    async def write_many(self, recs: Iterable[dict]) -> None:
+        dumps, buf = orjson.dumps, self._buf
+        for rec in recs:
+            line = dumps(rec, option=_DUMPS_OPT)
+            buf.append(line)
+            self._buf_bytes += len(line)
+            if self._buf_bytes >= _io.WRITE_BUFFER:
+                await self._drain()
+                buf = self._buf
+
+    async def _drain(self) -> None:
+        self._check_open()
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            await inflight
+        buf, self._buf, self._buf_bytes = self._buf, [], 0
+        self._inflight = asyncio.ensure_future(asyncio.to_thread(self._core.write_lines, buf))
+
+    async def commit(self) -> None:
+        await self._drain()
+        inflight, self._inflight = self._inflight, None
+        await inflight  # type: ignore[misc]
+        await asyncio.to_thread(self._core.close)
+        self._closed = True
+
+    async def abort(self) -> None:
+        self._closed = True
+        self._buf = []
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            try:
+                await inflight
+            except BaseException:  # noqa: BLE001 - we are discarding anyway
+                pass
+        await asyncio.to_thread(self._core.abort)
+
+    async def __aenter__(self) -> JsonlWriter:
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            try:
+                await self.commit()
+            except BaseException:
+                await self.abort()
+                raise
+        else:
+            await self.abort()
+
+
+# ---------------------------------------------------------------- JsonlDir
+
+
+@dataclass
+class DirManifest:
+    """What a JsonlDir writer committed: read it to count without listing or reading shards."""
+
+    shards: list[dict] = field(default_factory=list)  # [{name, records, bytes, stored_bytes}]
+    records: int = 0
+    bytes: int = 0
+    compression: str | None = None
+
+    def to_json(self) -> bytes:
+        return orjson.dumps(
+            {"version": 1, "compression": self.compression, "records": self.records, "bytes": self.bytes, "shards": self.shards},
+            option=orjson.OPT_INDENT_2,
+        )
+
+    @classmethod
+    def from_json(cls, data: bytes) -> DirManifest:
+        d = orjson.loads(data)
+        return cls(shards=d["shards"], records=d["records"], bytes=d["bytes"], compression=d["compression"])
+
+
+class JsonlDir:
+    """A directory of JSONL shards, read in sorted (= write) order."""
+
+    def __init__(self, url: str, *, storage_options: dict | None = None) -> None:
+        self.url = urls.normalize(str(url))
+        self.storage_options = storage_options
+        self.fs, self.path = urls.fs_for(self.url, storage_options)
+
+    def __repr__(self) -> str:
+        return f"JsonlDir({self.url!r})"
+
+    def shard_url(self, index: int, compression: Compression = "zstd", prefix: str = "part") -> str:
+        """URL of shard ``index``: ``.../part-00007.jsonl.zst`` (5 digits, wider past 99,999)."""
+        return urls.join(self.url, f"{prefix}-{index:05d}.jsonl" + (".zst" if compression == "zstd" else ""))
+
+    def _file(self, name: str) -> JsonlFile:
+        return JsonlFile(urls.join(self.url, name), storage_options=self.storage_options)
+
+    # listing -------------------------------------------------------------
+
+    def manifest(self) -> DirManifest | None:
+        """The committed manifest, or None (directory written shard by shard, or being rewritten)."""
+        try:
+            with self.fs.open(f"{self.path}/{MANIFEST_NAME}", "rb") as f:
+                return DirManifest.from_json(f.read())
+        except FileNotFoundError:
+            return None
+
+    def _listed_names(self) -> list[str]:
+        self.fs.invalidate_cache(self.path)
+        try:
+            entries = self.fs.ls(self.path, detail=False)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"No such directory: {self.url}") from None
+        names = [urls.basename(e) for e in entries]
+        if not names and not self.fs.isdir(self.path):
+            raise FileNotFoundError(f"No such directory: {self.url}")
+        return names
+
+    def shards(self) -> list[JsonlFile]:
+        """Committed shards in write order: the manifest's list, else a sorted listing.
+
+        Hidden (``.``) and underscore names are never shards: temp files and metadata.
+        """
+        man = self.manifest()
+        if man is not None:
+            return [self._file(s["name"]) for s in man.shards]
+        names = [n for n in self._listed_names() if _SHARD_RE.match(n)]
+        return [self._file(n) for n in sorted(names, key=_natural_key)]
+
+    async def ashards(self) -> list[JsonlFile]:
+        return await asyncio.to_thread(self.shards)
+
+    def count_records(self) -> int:
+        """From the manifest when present, else by streaming every shard."""
+        man = self.manifest()
+        if man is not None:
+            return man.records
+        return sum(1 for _ in self.iter_records_sync())
+
+    def exists_sync(self) -> bool:
+        return bool(self.fs.exists(self.path))
+
+    # reading -------------------------------------------------------------
+
+    def iter_records_sync(
+        self, *, on_error: OnError = "raise", quarantine: QuarantineSink | None = None
+    ) -> Iterator[dict]:
+        for shard in self.shards():
+            yield from shard.iter_records_sync(on_error=on_error, quarantine=quarantine)
+
+    async def iter_records(
+        self, *, on_error: OnError = "raise", quarantine: QuarantineSink | None = None
+    ) -> AsyncIterator[dict]:
+        for shard in await self.ashards():
+            async for rec in shard.iter_records(on_error=on_error, quarantine=quarantine):
+                yield rec
+
+    # writing -------------------------------------------------------------
+
+    def _core(
+        self, max_records_per_shard: int | None, max_bytes_per_shard: int, compression: Compression,
+        prefix: str, zstd_level: int,
+    ) -> _DirSession:
+        if compression not in ("zstd", None):
+            raise ValueError(f"compression must be 'zstd' or None, not {compression!r}")
+        return _DirSession(self, max_records_per_shard, max_bytes_per_shard, compression, prefix, zstd_level)
+
+    def writer(
+        self,
+        *,
+        max_records_per_shard: int | None = None,
+        max_bytes_per_shard: int = DEFAULT_MAX_BYTES,
+        compression: Compression = "zstd",
+        prefix: str = "part",
+        zstd_level: int = _io.DEFAULT_ZSTD_LEVEL,
+    ) -> JsonlDirWriter:
+        """Async writer that rotates shards at whichever limit comes first.
+
+        The directory is rewritten whole: on entry the previous shards and manifest are
+        removed; each shard commits atomically as it fills; a clean exit writes the
+        manifest; an exception removes this writer's shards. A second concurrent writer
+        of the same directory gets ``ConcurrentWriteError``.
+        """
+        return JsonlDirWriter(self._core(max_records_per_shard, max_bytes_per_shard, compression, prefix, zstd_level))
+
+    def writer_sync(
+        self,
+        *,
+        max_records_per_shard: int | None = None,
+        max_bytes_per_shard: int = DEFAULT_MAX_BYTES,
+        compression: Compression = "zstd",
+        prefix: str = "part",
+        zstd_level: int = _io.DEFAULT_ZSTD_LEVEL,
+    ) -> SyncJsonlDirWriter:
+        return SyncJsonlDirWriter(self._core(max_records_per_shard, max_bytes_per_shard, compression, prefix, zstd_level))
+
+
+class _DirSession:
+    """Blocking lifecycle of one directory write: lock, clear, rotate, manifest, unlock."""
+
+    def __init__(
+        self, d: JsonlDir, max_records: int | None, max_bytes: int, compression: Compression, prefix: str, level: int
+    ) -> None:
+        self.dir = d
+        self.compression = compression
+        self.token = uuid.uuid4().hex
+        self.lock_path = f"{d.path}/{LOCK_NAME}"
+        self._last_beat = 0.0
+        self.core = _io.RotatingWriter(
+            d.fs,
+            lambda i: urls.fs_for(d.shard_url(i, compression, prefix), d.storage_options)[1],
+            compressed=compression == "zstd",
+            max_records=max_records,
+            max_bytes=max_bytes,
+            zstd_level=level,
+            on_commit=lambda _s: self._heartbeat(),
+        )
+
+    # lock ------------------------------------------------------------------
+
+    def _lock_body(self) -> bytes:
+        return orjson.dumps({"token": self.token, "host": socket.gethostname(), "pid": os.getpid(), "heartbeat": time.time()})
+
+    def _read_lock(self) -> dict | None:
+        try:
+            with self.dir.fs.open(self.lock_path, "rb") as f:
+                return orjson.loads(f.read())
+        except (FileNotFoundError, orjson.JSONDecodeError):
+            return None
+
+    @staticmethod
+    def _stale(holder: dict) -> bool:
+        if time.time() - holder.get("heartbeat", 0) > LOCK_TTL_S:
+            return True
+        if holder.get("host") == socket.gethostname():
+            try:
+                os.kill(int(holder["pid"]), 0)
+            except ProcessLookupError:
+                return True
+            except (PermissionError, KeyError, ValueError):
+                return False
+        return False
+
+    def _acquire(self) -> None:
+        fs = self.dir.fs
+        fs.makedirs(self.dir.path, exist_ok=True)
+        for _ in range(2):
+            try:
+                with fs.open(self.lock_path, "xb") as f:  # O_EXCL / If-None-Match: one winner
+                    f.write(self._lock_body())
+                self._last_beat = time.monotonic()
+                return
+            except FileExistsError:
+                holder = self._read_lock()
+                if holder is not None and not self._stale(holder):
+                    raise ConcurrentWriteError(self.dir.url, holder, "directory is being written by another writer") from None
+                fs.rm(self.lock_path)  # a dead writer's lock
+        raise ConcurrentWriteError(self.dir.url, self._read_lock(), "could not take the directory lock")
+
+    def _heartbeat(self) -> None:
+        if time.monotonic() - self._last_beat < LOCK_TTL_S / 10:
+            return
+        self._verify_lock()
+        with self.dir.fs.open(self.lock_path, "wb") as f:
+            f.write(self._lock_body())
+        self._last_beat = time.monotonic()
+
+    def _verify_lock(self) -> None:
+        holder = self._read_lock()
+        if holder is None or holder.get("token") != self.token:
+            raise ConcurrentWriteError(self.dir.url, holder, "lost the directory lock to another writer")
+
+    def _release(self) -> None:
+        holder = self._read_lock()
+        if holder is not None and holder.get("token") == self.token:
+            self.dir.fs.rm(self.lock_path)
+
+    # lifecycle -------------------------------------------------------------
+
+    def open(self) -> None:
+        self._acquire()
+        try:
+            fs, path = self.dir.fs, self.dir.path
+            fs.invalidate_cache(path)
+            stale = [e for e in fs.ls(path, detail=False) if _SHARD_RE.match(urls.basename(e)) or urls.basename(e) == MANIFEST_NAME]
+            if stale:
+                fs.rm(sorted(stale, key=lambda e: urls.basename(e) != MANIFEST_NAME))  # manifest first
+        except BaseException:
+            self._release()
+            raise
+
+    def commit(self) -> None:
+        try:
+            self.core.close()
+            self._verify_lock()
+            c = self.core
+            man = DirManifest(shards=list(c.committed), records=c.records, bytes=c.bytes, compression=self.compression)
+            _io_file = _io.AtomicFile(self.dir.fs, f"{self.dir.path}/{MANIFEST_NAME}")
+            _io_file.write(man.to_json())
+            _io_file.commit()
+        finally:
+            self._release()
+
+    def abort(self) -> None:
+        try:
+            self.core.abort()
+            paths = [self.core.path_for(i) for i in range(self.core.index)]
+            if paths:
+                self.dir.fs.rm(paths)
+        finally:
+            self._release()
+
+
+class _DirWriterBase:
+    def __init__(self, session: _DirSession) -> None:
+        self._s = session
+        self._w: Any = None
+
+    @property
+    def url(self) -> str:
+        return self._s.dir.url
+
+    @property
+    def records(self) -> int:
+        return self._w.records if self._w else 0
+
+    @property
+    def shards_written(self) -> int:
+        return len(self._s.core.committed)
+
+    def manifest(self) -> DirManifest:
+        c = self._s.core
+        return DirManifest(shards=list(c.committed), records=c.records, bytes=c.bytes, compression=self._s.compression)
+
+
+class SyncJsonlDirWriter(_DirWriterBase):
+    def __enter__(self) -> SyncJsonlDirWriter:
+        self._s.open()
+        self._w = SyncJsonlWriter(self._s.core, self.url)
+        return self
+
+    def write(self, rec: dict) -> None:
+        self._w.write(rec)
+
+    def write_many(self, recs: Iterable[dict]) -> None:
+        self._w.write_many(recs)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            try:
+                self._w._drain()
+                self._s.commit()
+                return
+            except BaseException:
+                self._s.abort()
+                raise
+        self._w._closed = True
+        self._s.abort()
+
+
+class JsonlDirWriter(_DirWriterBase):
+    async def __aenter__(self) -> JsonlDirWriter:
+        await asyncio.to_thread(self._s.open)
+        self._w = JsonlWriter(self._s.core, self.url)
+        return self
+
+    async def write(self, rec: dict) -> None:
+        await self._w.write(rec)
+
+    async def write_many(self, recs: Iterable[dict]) -> None:
+        await self._w.write_many(recs)
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        w = self._w
+        if exc_type is None:
+            try:
+                await w._drain()
+                inflight, w._inflight = w._inflight, None
+                await inflight
+                await asyncio.to_thread(self._s.commit)
+                w._closed = True
+                return
+            except BaseException:
+                await w.abort()
+                await asyncio.to_thread(self._s.abort)
+                raise
+        await w.abort()
+        await asyncio.to_thread(self._s.abort)
