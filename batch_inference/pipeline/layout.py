@@ -64,7 +64,7 @@ class RunLayout:
 
     def approved_shard(self, r: int, index: int) -> str:
         """Approved rows go straight into results (no copy pass), named by round."""
-        return join(self.results, part(index, f"round-{r:02d}"))
+        return join(self.results, part(index, f"round-{r:02d}-part"))
 
     # -- tail (Strategy 2) ----------------------------------------------------------
     @property
@@ -93,7 +93,7 @@ class RunLayout:
         return join(self.tail, "unfinished")
 
     def tail_approved_shard(self, index: int) -> str:
-        return join(self.results, part(index, "tail"))
+        return join(self.results, part(index, "tail-part"))
 
     # -- terminal sets --------------------------------------------------------------
     @property

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from batch_inference.engines import EngineConfig
+from batch_inference.judges import JudgeConfig
 from batch_inference.pool.protocol import InferConfig
 
 Strategy = Literal["rounds", "in_place", "hybrid"]
@@ -68,7 +69,7 @@ class PipelineSpec(_Strict):
     output: str = Field(min_length=1, description="base URL; the run writes under <output>/<run>/")
     engine: EngineConfig
     infer: InferConfig
-    judge: dict[str, Any] = Field(description="a batch_inference.judges.JudgeConfig")
+    judge: JudgeConfig
     strategy: Strategy = "rounds"
     max_rounds: int = Field(3, ge=1, le=99)
     max_attempts: int = Field(5, ge=1)
@@ -77,15 +78,6 @@ class PipelineSpec(_Strict):
     chunk_size: int = Field(2_000, ge=1)
     pool: PoolSpec = Field(default_factory=PoolSpec)
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
-
-    @field_validator("judge", mode="before")
-    @classmethod
-    def _validate_judge(cls, value: Any) -> Any:
-        from batch_inference.judges import JudgeConfig
-
-        if isinstance(value, BaseModel):
-            value = value.model_dump(mode="json")
-        return JudgeConfig.model_validate(value).model_dump(mode="json")
 
     @model_validator(mode="after")
     def _check_model_path(self) -> PipelineSpec:
@@ -147,4 +139,6 @@ def _describe(err: Any) -> str:
     if kind == "missing":
         return f"  {loc}: missing required key"
     msg = err["msg"].removeprefix("Value error, ")
-    return f"  {loc}: {msg} (got {err.get('input')!r})" if kind != "value_error" else f"  {loc}: {msg}"
+    if kind == "value_error":
+        return f"  {msg}" if not err["loc"] else f"  {loc}: {msg}"
+    return f"  {loc}: {msg} (got {err.get('input')!r})"
