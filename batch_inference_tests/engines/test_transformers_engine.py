@@ -1,0 +1,81 @@
+"""The transformers engine really generates with the tiny model on CPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from batch_inference.engines import Completion, Engine, SamplingParams, build_engine
+
+GREEDY = SamplingParams(max_tokens=8, min_tokens=8)
+
+
+def test_is_an_engine(tiny_engine) -> None:
+    assert isinstance(tiny_engine, Engine)
+    assert tiny_engine.simulated is False and tiny_engine.max_model_len == 2048
+
+
+def test_count_tokens_is_exact(tiny_engine) -> None:
+    prompts = ["hello", "The quick brown fox jumps over the lazy dog."]
+    counts = tiny_engine.count_tokens(prompts)
+    out = tiny_engine.generate(prompts, GREEDY)
+    assert counts == [c.prompt_tokens for c in out] and counts[1] > counts[0] > 0
+
+
+def test_greedy_repeatable_and_padding_invariant(tiny_engine) -> None:
+    alone = tiny_engine.generate(["Question: what is the capital of France?"], GREEDY)[0]
+    batch = tiny_engine.generate(
+        ["hi", "Question: what is the capital of France?", "A much longer prompt " * 6], GREEDY
+    )
+    assert alone.error is None and alone.completion_tokens == 8 and alone.text
+    assert batch[1] == alone
+    assert tiny_engine.generate(["Question: what is the capital of France?"], GREEDY)[0] == alone
+
+
+def test_overlong_prompt_is_a_per_item_error(tiny_engine) -> None:
+    long_prompt = "word " * 2100
+    out = tiny_engine.generate(["first", long_prompt, "third"], SamplingParams(max_tokens=4))
+    assert [c.finish_reason for c in out][1] == "error"
+    assert out[1].error and out[1].error.startswith("prompt_too_long") and out[1].prompt_tokens > 2048
+    assert out[0].error is None and out[2].error is None and out[0].completion_tokens > 0
+
+
+def test_per_item_params_and_seeded_sampling(tiny_engine) -> None:
+    sampled = SamplingParams(max_tokens=8, min_tokens=8, temperature=1.0, seed=5)
+    out = tiny_engine.generate(["hello", "hello", "hello"], [GREEDY, sampled, SamplingParams(max_tokens=3, min_tokens=3)])
+    assert out[0] == tiny_engine.generate(["hello"], GREEDY)[0]
+    assert out[2].completion_tokens == 3
+    assert out[1] == tiny_engine.generate(["hello"], sampled)[0]  # same seed, same group => same sample
+
+
+def test_stop_strings_cut_the_text(tiny_engine) -> None:
+    full = tiny_engine.generate(["stop test"], SamplingParams(max_tokens=12, min_tokens=12))[0]
+    stop = full.text[len(full.text) // 2 :][:2]  # a piece of text the model is known to produce
+    assert stop.strip(), full.text
+    cut = tiny_engine.generate(["stop test"], SamplingParams(max_tokens=12, min_tokens=12, stop=[stop]))[0]
+    assert cut.text == full.text[: full.text.find(stop)] and cut.finish_reason == "stop"
+
+
+def test_group_failure_falls_back_per_item(tiny_engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole-batch exception is retried item by item; only the bad item fails."""
+    real = tiny_engine._generate_batch
+
+    def flaky(batch, p):
+        if any(tiny_engine.tokenizer.decode(ids) == "BAD ITEM" for ids in batch):
+            raise RuntimeError("boom")
+        return real(batch, p)
+
+    monkeypatch.setattr(tiny_engine, "_generate_batch", flaky)
+    out = tiny_engine.generate(["good one", "BAD ITEM", "good two"], SamplingParams(max_tokens=2))
+    assert [c.error is None for c in out] == [True, False, True]
+    assert out[1] == Completion.failed("engine_error: RuntimeError: boom", prompt_tokens=out[1].prompt_tokens)
+
+
+def test_empty_batch(tiny_engine) -> None:
+    assert tiny_engine.generate([], GREEDY) == []
+
+
+def test_from_config_threads(tiny_model_dir) -> None:
+    import torch
+
+    engine = build_engine({"kind": "transformers", "model": str(tiny_model_dir), "device": "cpu", "num_threads": 1})
+    assert torch.get_num_threads() == 1 and engine.device == "cpu"
