@@ -10,7 +10,9 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from batch_inference.judges import JudgeConfig
 
 TaskKind = Literal["infer", "judge", "retry"]
 
@@ -63,8 +65,7 @@ class InferConfig(_Wire):
 class TaskSpec(_Wire):
     """One shard task. ``outputs`` keys depend on ``kind`` (``OUTPUT_KEYS``).
 
-    ``judge`` is a ``batch_inference.judges.JudgeConfig`` dumped to JSON (the worker
-    validates it with that model). ``storage_options_ref`` names a storage profile in
+    ``storage_options_ref`` names a storage profile in
     the *worker's* own configuration: credentials never travel in a request.
     """
 
@@ -73,18 +74,11 @@ class TaskSpec(_Wire):
     input_url: str = Field(min_length=1)
     outputs: dict[str, str]
     infer: InferConfig | None = None
-    judge: dict[str, Any] | None = None
+    judge: JudgeConfig | None = None
     max_attempts: int = Field(1, ge=1)
     chunk_size: int = Field(2000, ge=1)
     round: int = Field(0, ge=0)
     storage_options_ref: str | None = None
-
-    @field_validator("judge", mode="before")
-    @classmethod
-    def _judge_as_json(cls, value: Any) -> Any:
-        if isinstance(value, BaseModel):  # a JudgeConfig instance
-            return value.model_dump(mode="json")
-        return value
 
     @model_validator(mode="after")
     def _check_kind(self) -> TaskSpec:

@@ -1,0 +1,132 @@
+"""The engine and its one shared batcher, as a worker holds them.
+
+A worker process builds its engine exactly once (``loads`` counts it) and starts one
+``TokenBatcher`` on its event loop; every concurrent shard task submits to that batcher,
+so records of different tasks merge into full batches. The batched inference function
+is total: an engine that raises fails only that batch's futures, and per-item engine
+errors come back as ``Completion(error=...)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from batch_inference.batching import TokenBatcher
+from batch_inference.engines import Completion, Engine, EngineConfig, SamplingParams, build_engine
+
+
+class BatcherOptions(BaseModel):
+    """The worker's TokenBatcher settings (the reference's defaults)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    target_batch_tokens: int = Field(12_800, ge=1)
+    max_batch_size: int = Field(256, ge=1)
+    batch_timeout_s: float = Field(0.05, gt=0)
+    prefetch_batches: int = Field(2, ge=1)
+    max_queue_size: int = Field(5_000, ge=1)
+
+
+@dataclass(slots=True)
+class GenRequest:
+    """One prompt on its way through the batcher.
+
+    ``cost`` is prompt tokens (exact, from the engine's tokenizer) plus ``max_tokens``:
+    the KV cache grows with every decoded token, so the budget must count them. The
+    inference function fills ``engine_s`` (this request's token-weighted share of its
+    batch's engine time) and ``fill`` (its batch's cost / budget) for task accounting.
+    """
+
+    prompt: str
+    params: SamplingParams
+    prompt_tokens: int
+    engine_s: float = 0.0
+    fill: float = 0.0
+    cost: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cost = self.prompt_tokens + self.params.max_tokens
+
+    def estimate_tokens(self) -> int:
+        return self.cost
+
+
+class EngineHost:
+    """Owns the engine and the batcher for one worker; ``async with`` starts and stops them."""
+
+    def __init__(self, engine_config: EngineConfig | dict[str, Any], batcher: BatcherOptions | None = None) -> None:
+        self.engine_config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig.model_validate(engine_config)
+        self.batcher_options = batcher or BatcherOptions()
+        self.engine: Engine | None = None
+        self.batcher: TokenBatcher | None = None
+        self.loads = 0  # engine builds in this process: 1 for a healthy worker, however many tasks
+        self.load_time_s = 0.0
+        self.engine_busy_s = 0.0
+
+    async def start(self) -> None:
+        if self.engine is not None:
+            return
+        t0 = time.perf_counter()
+        self.engine = await asyncio.to_thread(build_engine, self.engine_config)
+        self.loads += 1
+        self.load_time_s = time.perf_counter() - t0
+        o = self.batcher_options
+        self.batcher = TokenBatcher(
+            self._infer_batch,
+            target_batch_tokens=o.target_batch_tokens,
+            max_batch_size=o.max_batch_size,
+            batch_timeout_s=o.batch_timeout_s,
+            prefetch_batches=o.prefetch_batches,
+            max_queue_size=o.max_queue_size,
+        )
+        await self.batcher.start()
+
+    async def close(self) -> None:
+        if self.batcher is not None:
+            await self.batcher.stop()
+            self.batcher = None
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.close)
+            self.engine = None
+
+    async def __aenter__(self) -> EngineHost:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def count_tokens(self, prompts: list[str]) -> list[int]:
+        """Exact prompt token counts (one tokenizer call per chunk, off the event loop)."""
+        if not prompts:
+            return []
+        return await asyncio.to_thread(self._engine().count_tokens, prompts)
+
+    async def submit(self, requests: list[GenRequest]) -> list[asyncio.Future[Completion]]:
+        """Queue requests on the shared batcher; suspends only while its queue is full."""
+        if self.batcher is None:
+            raise RuntimeError("EngineHost is not started")
+        return await self.batcher.submit_many(requests, [r.cost for r in requests])
+
+    async def _infer_batch(self, batch: list[GenRequest]) -> list[Completion]:
+        engine = self._engine()
+        t0 = time.perf_counter()
+        completions = await asyncio.to_thread(engine.generate, [r.prompt for r in batch], [r.params for r in batch])
+        busy = time.perf_counter() - t0
+        self.engine_busy_s += busy
+        total = sum(r.cost for r in batch) or 1
+        fill = total / self.batcher_options.target_batch_tokens
+        for r in batch:
+            r.engine_s = busy * r.cost / total
+            r.fill = fill
+        return completions
+
+    def _engine(self) -> Engine:
+        if self.engine is None:
+            raise RuntimeError("EngineHost is not started")
+        return self.engine

@@ -1,0 +1,348 @@
+"""The shard tasks a worker runs: infer, judge and retry (docs/ARCHITECTURE.md "Shard tasks").
+
+Every task streams its input shard in ``chunk_size`` chunks, submits each chunk's prompts
+to the worker's ONE shared batcher (so records of all concurrent tasks merge into full
+batches), gathers with ``return_exceptions=True`` so one bad record never fails the
+shard, and writes one output shard per output key through the storage layer's atomic
+writer: a retried task rewrites its whole output, and a killed one leaves none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from batch_inference.engines import Completion, SamplingParams
+from batch_inference.judges import JudgeConfig, LLMJudge, PromptTemplate, Verdict, build_judge
+from batch_inference.pool.engine_host import EngineHost, GenRequest
+from batch_inference.pool.protocol import SamplingConfig, TaskSpec, derive_seed
+from batch_inference.storage import CheckpointStore, JsonlFile
+
+log = logging.getLogger(__name__)
+
+# Fields a task writes; stripped from an input record so a record re-inferred in a later
+# round does not carry the previous round's result, verdict or rejection.
+RESULT_FIELDS = ("result", "error", "finish_reason", "usage", "verdict", "rejection", "status", "round")
+
+
+class TaskInputError(ValueError):
+    """The task's input is unusable as a whole (retrying cannot help): the worker answers 422."""
+
+
+@dataclass
+class TaskMeter:
+    """Token and engine-time accounting for one task (its share of shared batches)."""
+
+    records_in: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    engine_s: float = 0.0
+    fill_sum: float = 0.0
+    requests: int = 0
+
+    def add(self, request: GenRequest, completion: Completion) -> None:
+        self.tokens_in += completion.prompt_tokens
+        self.tokens_out += completion.completion_tokens
+        self.engine_s += request.engine_s
+        self.fill_sum += request.fill
+        self.requests += 1
+
+    @property
+    def avg_fill(self) -> float:
+        """Fill of the batches this task's requests rode in, weighted per request."""
+        return self.fill_sum / self.requests if self.requests else 0.0
+
+
+@dataclass
+class TaskContext:
+    """What one running task needs: its spec, the worker's engine host, storage options."""
+
+    spec: TaskSpec
+    host: EngineHost
+    storage_options: dict[str, Any] | None = None
+    checkpoint_interval_s: float = 5.0
+    meter: TaskMeter = field(default_factory=TaskMeter)
+
+    def file(self, url: str) -> JsonlFile:
+        return JsonlFile(url, storage_options=self.storage_options)
+
+    async def chunks(self) -> AsyncIterator[list[dict[str, Any]]]:
+        """The input shard in ``chunk_size`` chunks; checks every record has an id."""
+        src = self.file(self.spec.input_url)
+        chunk: list[dict[str, Any]] = []
+        async for record in src.iter_records():
+            self.meter.records_in += 1
+            if not isinstance(record, dict) or "id" not in record:
+                raise TaskInputError(f"{src.url}: record {self.meter.records_in} has no 'id' (ids are assigned at sharding)")
+            chunk.append(record)
+            if len(chunk) >= self.spec.chunk_size:
+                yield chunk
+                chunk = []
+        if chunk:
+            yield chunk
+
+    async def generate(self, prompts: Sequence[str | BaseException], params: Sequence[SamplingParams]) -> list[Completion | BaseException]:
+        """Run prompts through the shared batcher; an exception in stays an exception out."""
+        live = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+        tokens = await self.host.count_tokens([prompts[i] for i in live])  # type: ignore[misc]
+        requests = [GenRequest(prompts[i], params[i], n) for i, n in zip(live, tokens)]  # type: ignore[arg-type]
+        futures = await self.host.submit(requests)
+        done = await asyncio.gather(*futures, return_exceptions=True)
+        out: list[Completion | BaseException] = list(prompts)  # type: ignore[arg-type]
+        for i, request, result in zip(live, requests, done):
+            if isinstance(result, Completion):
+                self.meter.add(request, result)
+            out[i] = result
+        return out
+
+
+def _clean(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if k not in RESULT_FIELDS}
+
+
+def _error_text(exc: BaseException) -> str:
+    text = str(exc)
+    return text if text.startswith(("missing_field", "prompt_too_long")) else f"{type(exc).__name__}: {text}"
+
+
+def _prior_attempts(record: dict[str, Any]) -> int:
+    value = record.get("attempts", 0)
+    return value if isinstance(value, int) and value >= 0 else 0
+
+
+def _render(template: PromptTemplate, record: dict[str, Any]) -> str | BaseException:
+    try:
+        return template.render(record)
+    except KeyError as exc:  # MissingFieldError names the field and the record id
+        return exc
+
+
+def _params(sampling: SamplingConfig, record: dict[str, Any], attempt: int) -> SamplingParams:
+    return sampling.to_params(seed=derive_seed(sampling.seed, str(record["id"]), attempt))
+
+
+# --------------------------------------------------------------------------- infer
+
+
+async def run_infer(ctx: TaskContext) -> dict[str, int]:
+    """One output row per input record: ``result`` or ``error``, usage, attempts + 1."""
+    spec = ctx.spec
+    assert spec.infer is not None
+    template = PromptTemplate(spec.infer.template)
+    counts = {"ok": 0, "error": 0}
+    async with ctx.file(spec.outputs["output"]).writer() as out:
+        async for chunk in ctx.chunks():
+            prompts = [_render(template, r) for r in chunk]
+            params = [_params(spec.infer.sampling, r, _prior_attempts(r)) for r in chunk]
+            results = await ctx.generate(prompts, params)
+            rows = []
+            for record, res in zip(chunk, results):
+                row = {**_clean(record), "attempts": _prior_attempts(record) + 1}
+                if isinstance(res, Completion) and res.error is None:
+                    row.update(result=res.text, error=None, finish_reason=res.finish_reason,
+                               usage={"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens})
+                    counts["ok"] += 1
+                else:
+                    error = res.error if isinstance(res, Completion) else _error_text(res)
+                    usage = {"prompt_tokens": res.prompt_tokens if isinstance(res, Completion) else 0, "completion_tokens": 0}
+                    row.update(result=None, error=error, finish_reason="error", usage=usage)
+                    counts["error"] += 1
+                rows.append(row)
+            await out.write_many(rows)
+    return counts
+
+
+# --------------------------------------------------------------------------- judge
+
+
+class Judging:
+    """One task's judge: LLM judges go through the shared batcher, rule judges run off-loop."""
+
+    def __init__(self, ctx: TaskContext, config: JudgeConfig) -> None:
+        self.ctx = ctx
+        self.judge = build_judge(config)
+
+    async def verdicts(self, records: Sequence[dict[str, Any]], results: Sequence[str]) -> list[Verdict]:
+        if isinstance(self.judge, LLMJudge):
+            judge = self.judge
+            prompts: list[str | BaseException] = []
+            for record, result in zip(records, results):
+                try:
+                    prompts.append(judge.prompt(record, result))
+                except KeyError as exc:
+                    prompts.append(exc)
+            done = await self.ctx.generate(prompts, [judge.sampling] * len(prompts))
+            return [judge.verdict(c) if isinstance(c, Completion) else Verdict(False, _judge_error(c)) for c in done]
+        return await asyncio.to_thread(self._rules, list(records), list(results))
+
+    def _rules(self, records: list[dict[str, Any]], results: list[str]) -> list[Verdict]:
+        out = []
+        for record, result in zip(records, results):
+            try:
+                out.append(self.judge.judge(record, result))
+            except Exception as exc:  # a rule that crashes on one record rejects that record only
+                out.append(Verdict(False, _judge_error(exc)))
+        return out
+
+
+def _judge_error(exc: BaseException) -> str:
+    text = str(exc)
+    return text if text.startswith("missing_field") else f"judge_error: {type(exc).__name__}: {text}"
+
+
+async def run_judge(ctx: TaskContext) -> dict[str, int]:
+    """Split inferred rows into approved and rejected; inference errors skip the judge."""
+    spec = ctx.spec
+    assert spec.judge is not None
+    judging = Judging(ctx, spec.judge)
+    counts = {"approved": 0, "rejected": 0}
+    async with ctx.file(spec.outputs["approved"]).writer() as approved, ctx.file(spec.outputs["rejected"]).writer() as rejected:
+        async for chunk in ctx.chunks():
+            ok = [r for r in chunk if r.get("error") is None and isinstance(r.get("result"), str)]
+            verdicts = await judging.verdicts(ok, [r["result"] for r in ok])
+            by_id = {id(r): v for r, v in zip(ok, verdicts)}
+            yes, no = [], []
+            for row in chunk:
+                verdict = by_id.get(id(row))
+                if verdict is None:
+                    reason = f"inference_error: {row.get('error') or 'no result'}"
+                    no.append({**row, "rejection": reason, "verdict": None})
+                elif verdict.approved:
+                    base = {k: v for k, v in row.items() if k != "rejection"}
+                    yes.append({**base, "status": "approved", "verdict": verdict.to_dict(), "round": spec.round})
+                else:
+                    no.append({**row, "rejection": verdict.reason, "verdict": verdict.to_dict()})
+            await approved.write_many(yes)
+            await rejected.write_many(no)
+            counts["approved"] += len(yes)
+            counts["rejected"] += len(no)
+    return counts
+
+
+# --------------------------------------------------------------------------- retry (Strategy 2)
+
+
+class CheckpointBuffer:
+    """Per-attempt states, appended to the CheckpointStore as one segment per flush.
+
+    Flushed at the end of every chunk and every ``interval_s`` in between (so an eviction
+    mid-chunk loses at most that much progress) -- never one write per sample.
+    """
+
+    def __init__(self, store: CheckpointStore, interval_s: float) -> None:
+        self.store = store
+        self.interval_s = interval_s
+        self.pending: list[dict[str, Any]] = []
+        self.segments = 0
+        self._lock = asyncio.Lock()
+        self._ticker: asyncio.Task[None] | None = None
+
+    def add(self, state: dict[str, Any]) -> None:
+        self.pending.append(state)
+
+    async def flush(self) -> None:
+        async with self._lock:
+            if not self.pending:
+                return
+            states, self.pending = self.pending, []
+            await self.store.append(states)
+            self.segments += 1
+
+    async def __aenter__(self) -> CheckpointBuffer:
+        self._ticker = asyncio.create_task(self._tick())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            await asyncio.gather(self._ticker, return_exceptions=True)
+        try:
+            await self.flush()  # also on failure or abandonment: keep the progress made
+        except Exception:
+            log.exception("final checkpoint flush failed for %s", self.store)
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.flush()
+
+
+async def run_retry(ctx: TaskContext) -> dict[str, int]:
+    """In-place retry: each record is re-inferred and re-judged until approved or max_attempts.
+
+    A record's state is checkpointed per attempt, so a task retried after an eviction
+    resumes every record at the attempt it was on: a result already inferred but not
+    yet judged is judged (not re-inferred), one already rejected is re-inferred (never
+    re-judged), and a finished record is written from its checkpoint without any work.
+    """
+    spec = ctx.spec
+    assert spec.infer is not None and spec.judge is not None
+    infer = spec.infer
+    template = PromptTemplate(infer.template)
+    judging = Judging(ctx, spec.judge)
+    store = CheckpointStore(spec.outputs["checkpoint"], storage_options=ctx.storage_options)
+    states = await store.load()
+    counts = {"approved": 0, "max_attempts": 0, "error": 0}
+
+    async def process_one(record: dict[str, Any], ckpt: CheckpointBuffer) -> dict[str, Any]:
+        rid = str(record["id"])
+        base = _clean(record)
+        prior = _prior_attempts(record)
+        state = states.pop(rid, None) or {}
+        if state.get("final"):
+            return {**base, **state["final"]}
+        attempt = int(state.get("attempt", 0))
+        result: str | None = state.get("last_result")
+        verdict: Verdict | None = None
+        try:
+            while attempt < spec.max_attempts:
+                if result is None:
+                    prompt = _render(template, record)
+                    if isinstance(prompt, BaseException):
+                        raise prompt
+                    (done,) = await ctx.generate([prompt], [_params(infer.sampling, record, prior + attempt)])
+                    if isinstance(done, BaseException):
+                        raise done
+                    if done.error is not None:
+                        return {**base, "result": None, "status": "error", "error": done.error, "attempts": prior + attempt + 1}
+                    result = done.text
+                    ckpt.add({"id": rid, "attempt": attempt, "last_result": result})
+                (verdict,) = await judging.verdicts([record], [result])
+                if verdict.approved:
+                    final = {"result": result, "status": "approved", "error": None,
+                             "attempts": prior + attempt + 1, "verdict": verdict.to_dict()}
+                    ckpt.add({"id": rid, "attempt": attempt, "last_result": result, "final": final})
+                    return {**base, **final}
+                # Clear the result: on resume this attempt is re-inferred, never re-judged.
+                result = None
+                attempt += 1
+                ckpt.add({"id": rid, "attempt": attempt, "last_result": None})
+            final = {"result": None, "status": "max_attempts", "error": None, "attempts": prior + spec.max_attempts,
+                     "verdict": verdict.to_dict() if verdict else None}
+            ckpt.add({"id": rid, "attempt": attempt, "last_result": None, "final": final})
+            return {**base, **final}
+        except Exception as exc:  # this record's own path: prompt, engine batch, judge
+            return {**base, "result": None, "status": "error", "error": _error_text(exc), "attempts": prior + attempt + 1}
+
+    async with ctx.file(spec.outputs["output"]).writer() as out, CheckpointBuffer(store, ctx.checkpoint_interval_s) as ckpt:
+        async for chunk in ctx.chunks():
+            rows = await asyncio.gather(*(process_one(r, ckpt) for r in chunk))
+            await ckpt.flush()
+            for row in rows:
+                counts[row["status"]] += 1
+            await out.write_many(rows)
+    return counts
+
+
+RUNNERS = {"infer": run_infer, "judge": run_judge, "retry": run_retry}
+
+
+async def run_task(ctx: TaskContext) -> dict[str, int]:
+    """Run the task ``ctx.spec`` names; returns its counts."""
+    return await RUNNERS[ctx.spec.kind](ctx)
+
+
+__all__ = ["RESULT_FIELDS", "TaskContext", "TaskInputError", "TaskMeter", "run_task"]
