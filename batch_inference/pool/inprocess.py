@@ -1,0 +1,71 @@
+"""``InProcessPool``: the worker's task code in this process, with no HTTP.
+
+It implements the TaskRunner protocol (``limit``, ``run_task``) over one
+``WorkerRuntime``: one engine, one shared batcher, ``concurrency`` slots. The
+pipeline's and Dagster's fast tests and small local runs use it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from batch_inference.engines import EngineConfig
+from batch_inference.pool.engine_host import BatcherOptions, EngineHost
+from batch_inference.pool.protocol import TaskFailed, TaskResult, TaskSpec
+from batch_inference.pool.runtime import SpecConflict, WorkerRuntime
+from batch_inference.pool.tasks import TaskInputError
+
+log = logging.getLogger(__name__)
+
+
+class InProcessPool:
+    """``async with InProcessPool(cfg, concurrency=4) as pool: await pool.run_task(spec)``.
+
+    ``retries`` re-runs a failed task that many times (input errors are not retried);
+    then ``TaskFailed`` is raised for the caller to quarantine.
+    """
+
+    def __init__(
+        self,
+        engine_config: EngineConfig | dict[str, Any],
+        *,
+        concurrency: int = 10,
+        batcher: BatcherOptions | dict[str, Any] | None = None,
+        retries: int = 0,
+        storage_profiles: dict[str, dict[str, Any]] | None = None,
+        checkpoint_interval_s: float = 5.0,
+    ) -> None:
+        options = batcher if isinstance(batcher, BatcherOptions) or batcher is None else BatcherOptions.model_validate(batcher)
+        self.host = EngineHost(engine_config, options)
+        self.runtime = WorkerRuntime(
+            self.host, concurrency=concurrency, name="inprocess",
+            storage_profiles=storage_profiles, checkpoint_interval_s=checkpoint_interval_s,
+        )
+        self.retries = retries
+
+    @property
+    def limit(self) -> int:
+        return self.runtime.concurrency
+
+    async def __aenter__(self) -> InProcessPool:
+        await self.host.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.host.close()
+
+    async def run_task(self, spec: TaskSpec) -> TaskResult:
+        errors: list[str] = []
+        for attempt in range(self.retries + 1):
+            try:
+                return await self.runtime.run(spec)
+            except (TaskInputError, SpecConflict, ValueError) as exc:  # deterministic: no retry
+                raise TaskFailed(spec, [*errors, f"{type(exc).__name__}: {exc}"]) from exc
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+                log.warning("task %s attempt %d failed: %s", spec.task_id, attempt + 1, exc)
+        raise TaskFailed(spec, errors)
+
+    def stats(self) -> dict[str, Any]:
+        return self.runtime.stats()

@@ -1,0 +1,55 @@
+"""Prometheus text exposition of a worker's ``/stats`` (no client library needed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# stats key -> (metric name, type, help)
+_METRICS: tuple[tuple[str, str, str, str], ...] = (
+    ("engine_loads", "batch_inference_engine_loads_total", "counter", "Engine builds in this process (1 when healthy)"),
+    ("model_load_time_s", "batch_inference_model_load_seconds", "gauge", "Seconds the engine took to load"),
+    ("engine_busy_s", "batch_inference_engine_busy_seconds_total", "counter", "Seconds spent inside engine.generate"),
+    ("uptime_s", "batch_inference_uptime_seconds", "gauge", "Seconds since the worker started"),
+    ("idle_s", "batch_inference_idle_seconds", "gauge", "Seconds since the last task ended (0 while busy)"),
+    ("concurrency", "batch_inference_task_slots", "gauge", "Task slots"),
+    ("tasks_running", "batch_inference_tasks_running", "gauge", "Tasks running now"),
+    ("tasks_completed", "batch_inference_tasks_completed_total", "counter", "Tasks finished"),
+    ("tasks_failed", "batch_inference_tasks_failed_total", "counter", "Tasks that raised"),
+    ("tasks_cached", "batch_inference_tasks_cached_total", "counter", "Idempotent replays of finished tasks"),
+    ("tasks_refused", "batch_inference_tasks_refused_total", "counter", "Tasks refused (busy or draining)"),
+    ("tasks_abandoned", "batch_inference_tasks_abandoned_total", "counter", "Tasks abandoned by shutdown"),
+    ("records_done", "batch_inference_records_total", "counter", "Records read by finished tasks"),
+    ("tokens_in", "batch_inference_prompt_tokens_total", "counter", "Prompt tokens of finished tasks"),
+    ("tokens_out", "batch_inference_completion_tokens_total", "counter", "Completion tokens of finished tasks"),
+    ("utilization", "batch_inference_batcher_utilization", "gauge", "Fraction of time the model call runs"),
+    ("avg_fill", "batch_inference_batcher_avg_fill", "gauge", "Average batch cost / token budget"),
+    ("records_per_s", "batch_inference_batcher_records_per_second", "gauge", "Records through the batcher per second"),
+    ("tokens_per_s", "batch_inference_tokens_per_second", "gauge", "Prompt + completion tokens per second"),
+)
+
+_RECENT: tuple[tuple[str, str], ...] = (
+    ("utilization", "batch_inference_batcher_recent_utilization"),
+    ("avg_fill", "batch_inference_batcher_recent_avg_fill"),
+    ("avg_batch_size", "batch_inference_batcher_recent_avg_batch_size"),
+    ("records_per_s", "batch_inference_batcher_recent_records_per_second"),
+)
+
+
+def _label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def prometheus_text(stats: dict[str, Any]) -> str:
+    """Render ``WorkerRuntime.stats()`` in the Prometheus text format (version 0.0.4)."""
+    labels = f'{{worker="{_label(str(stats.get("worker", "")))}"}}'
+    lines: list[str] = []
+    for key, name, kind, help_text in _METRICS:
+        value = stats.get(key)
+        if value is None:
+            continue
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{labels} {float(value):.6g}"]
+    recent = (stats.get("batcher") or {}).get("recent") or {}
+    for key, name in _RECENT:
+        if key in recent:
+            lines += [f"# TYPE {name} gauge", f"{name}{labels} {float(recent[key]):.6g}"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,220 @@
+"""What a worker does with tasks, independent of HTTP: slots, idempotency, draining, stats.
+
+``WorkerRuntime`` runs up to ``concurrency`` shard tasks at once on one event loop over
+one ``EngineHost``. It is idempotent by ``task_id`` (a finished task answers from its
+cached result, a running one is joined, never started twice) and refuses work beyond
+its slots with ``Busy`` (retryable). The HTTP worker and ``InProcessPool`` both use it,
+so the pipeline's fast tests run exactly the code a real worker runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import OrderedDict
+from typing import Any
+
+from batch_inference.pool.engine_host import EngineHost
+from batch_inference.pool.protocol import TaskResult, TaskSpec
+from batch_inference.pool.tasks import TaskContext, run_task
+
+log = logging.getLogger(__name__)
+
+
+class Refused(Exception):
+    """The worker will not run this task now; ``retryable`` says whether elsewhere/later may work."""
+
+    status = 503
+    retryable = True
+
+
+class Busy(Refused):
+    """Every slot is taken (the dispatcher's limit normally prevents this)."""
+
+    status = 429
+
+
+class Draining(Refused):
+    """The worker is shutting down and takes no new tasks."""
+
+
+class Abandoned(Refused):
+    """The task was cancelled by a shutdown before it finished; its output was discarded."""
+
+
+class SpecConflict(Refused):
+    """The same task_id was sent with a different spec."""
+
+    status = 409
+    retryable = False
+
+
+class UnknownStorageProfile(Refused):
+    status = 400
+    retryable = False
+
+
+class WorkerRuntime:
+    """Slots, idempotency and counters for one worker process."""
+
+    def __init__(
+        self,
+        host: EngineHost,
+        *,
+        concurrency: int = 10,
+        name: str | None = None,
+        storage_profiles: dict[str, dict[str, Any]] | None = None,
+        checkpoint_interval_s: float = 5.0,
+        result_cache: int = 10_000,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        self.host = host
+        self.concurrency = concurrency
+        self.name = name or f"pid{os.getpid()}"
+        self.storage_profiles = storage_profiles or {}
+        self.checkpoint_interval_s = checkpoint_interval_s
+        self.result_cache = result_cache
+        self.running: dict[str, tuple[TaskSpec, asyncio.Task[TaskResult]]] = {}
+        self.finished: OrderedDict[str, tuple[TaskSpec, TaskResult]] = OrderedDict()
+        self.draining = False
+        self.started_at = time.monotonic()
+        self.last_activity = time.monotonic()
+        self.counters = {"completed": 0, "failed": 0, "cached": 0, "refused": 0, "abandoned": 0,
+                         "records": 0, "tokens_in": 0, "tokens_out": 0}
+
+    # -- tasks --------------------------------------------------------------
+
+    def storage_options(self, spec: TaskSpec) -> dict[str, Any] | None:
+        """The worker-side storage profile a task names (credentials never travel in a task)."""
+        ref = spec.storage_options_ref
+        if ref is None:
+            return self.storage_profiles.get("default")
+        if ref not in self.storage_profiles:
+            raise UnknownStorageProfile(f"task {spec.task_id}: unknown storage profile {ref!r} (configured: {sorted(self.storage_profiles)})")
+        return self.storage_profiles[ref]
+
+    async def run(self, spec: TaskSpec) -> TaskResult:
+        """Run ``spec`` (or join/replay it); raises ``Refused`` subclasses or the task's error."""
+        if spec.task_id in self.finished:
+            done_spec, result = self.finished[spec.task_id]
+            if done_spec != spec:
+                raise SpecConflict(f"task {spec.task_id} already finished with a different spec")
+            self.finished.move_to_end(spec.task_id)
+            self.counters["cached"] += 1
+            return result.model_copy(update={"cached": True})
+        if spec.task_id in self.running:
+            run_spec, task = self.running[spec.task_id]
+            if run_spec != spec:
+                raise SpecConflict(f"task {spec.task_id} is running with a different spec")
+            return await self._join(task)
+        if self.draining:
+            self.counters["refused"] += 1
+            raise Draining(f"worker {self.name} is shutting down")
+        if len(self.running) >= self.concurrency:
+            self.counters["refused"] += 1
+            raise Busy(f"worker {self.name}: all {self.concurrency} slots busy")
+        options = self.storage_options(spec)
+        task = asyncio.create_task(self._execute(spec, options), name=f"task-{spec.task_id}")
+        self.running[spec.task_id] = (spec, task)
+        self.last_activity = time.monotonic()
+        return await self._join(task)
+
+    async def _join(self, task: asyncio.Task[TaskResult]) -> TaskResult:
+        try:
+            # shielded: a caller that goes away (client timeout) does not kill the task
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():
+                raise Abandoned(f"task {task.get_name()} abandoned by shutdown") from None
+            raise
+
+    async def _execute(self, spec: TaskSpec, storage_options: dict[str, Any] | None) -> TaskResult:
+        t0 = time.perf_counter()
+        ctx = TaskContext(spec, self.host, storage_options, checkpoint_interval_s=self.checkpoint_interval_s)
+        try:
+            counts = await run_task(ctx)
+        except asyncio.CancelledError:
+            self.counters["abandoned"] += 1
+            log.warning("task %s abandoned (shutdown); no output was committed", spec.task_id)
+            raise
+        except Exception:
+            self.counters["failed"] += 1
+            log.exception("task %s (%s %s) failed", spec.task_id, spec.kind, spec.input_url)
+            raise
+        finally:
+            self.running.pop(spec.task_id, None)
+            self.last_activity = time.monotonic()
+        m = ctx.meter
+        result = TaskResult(
+            task_id=spec.task_id, kind=spec.kind, worker=self.name, counts=counts,
+            records_in=m.records_in, tokens_in=m.tokens_in, tokens_out=m.tokens_out,
+            wall_s=time.perf_counter() - t0, engine_busy_s=m.engine_s, avg_fill=m.avg_fill,
+        )
+        self.counters["completed"] += 1
+        self.counters["records"] += m.records_in
+        self.counters["tokens_in"] += m.tokens_in
+        self.counters["tokens_out"] += m.tokens_out
+        self.finished[spec.task_id] = (spec, result)
+        while len(self.finished) > self.result_cache:
+            self.finished.popitem(last=False)
+        return result
+
+    async def drain(self, grace_s: float) -> list[str]:
+        """Stop taking tasks; let running ones finish within ``grace_s``, then abandon the rest.
+
+        Abandoned tasks are cancelled inside their writers, so no partial output is
+        committed; their callers get ``Abandoned`` (retryable elsewhere). Returns their ids.
+        """
+        self.draining = True
+        tasks = [t for _, t in self.running.values()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace_s)
+        late = [tid for tid, (_, t) in self.running.items() if not t.done()]
+        for tid in late:
+            self.running[tid][1].cancel()
+        await asyncio.gather(*(t for _, t in list(self.running.values())), return_exceptions=True)
+        return late
+
+    # -- observability --------------------------------------------------------
+
+    @property
+    def idle_s(self) -> float:
+        """Seconds since the last task ended (0 while any runs)."""
+        return 0.0 if self.running else time.monotonic() - self.last_activity
+
+    def stats(self) -> dict[str, Any]:
+        """Everything ``/stats`` shows: batcher figures (lifetime and recent), tasks, engine."""
+        host = self.host
+        batcher = host.batcher.stats.as_dict() if host.batcher is not None else None
+        uptime = time.monotonic() - self.started_at
+        tokens = self.counters["tokens_in"] + self.counters["tokens_out"]
+        wall = batcher["wall_time_s"] if batcher else 0.0
+        return {
+            "worker": self.name,
+            "pid": os.getpid(),
+            "engine": getattr(host.engine, "name", None),
+            "engine_loads": host.loads,
+            "model_load_time_s": host.load_time_s,
+            "engine_busy_s": host.engine_busy_s,
+            "uptime_s": uptime,
+            "idle_s": self.idle_s,
+            "draining": self.draining,
+            "concurrency": self.concurrency,
+            "tasks_running": len(self.running),
+            "tasks_completed": self.counters["completed"],
+            "tasks_failed": self.counters["failed"],
+            "tasks_cached": self.counters["cached"],
+            "tasks_refused": self.counters["refused"],
+            "tasks_abandoned": self.counters["abandoned"],
+            "records_done": self.counters["records"],
+            "tokens_in": self.counters["tokens_in"],
+            "tokens_out": self.counters["tokens_out"],
+            "utilization": batcher["utilization"] if batcher else 0.0,
+            "avg_fill": batcher["avg_fill"] if batcher else 0.0,
+            "records_per_s": batcher["records_per_s"] if batcher else 0.0,
+            "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+            "batcher": batcher,
+        }
