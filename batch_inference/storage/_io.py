@@ -59,63 +59,66 @@ def iter_chunks(fs: fsspec.AbstractFileSystem, path: str, url: str, compressed: 
             raise CorruptShardError(url, "truncated zstd stream (frame never ends)")
 
 
-def _parse_slow(
-    lines: list[bytes], first: int, url: str, on_error: str, bad: list[Quarantined]
-) -> list[dict]:
-    """Line-by-line parse that finds the offending line; used only when the fast path failed."""
-    out: list[dict] = []
-    for n, raw in enumerate(lines, first):
-        if not raw.strip():
-            continue
+def _bad_line(raw: bytes, n: int, url: str, exc: Exception | None, on_error: str) -> Quarantined | None:
+    """Classify a line the fast path refused: blank (skip), or malformed (raise or quarantine)."""
+    if exc is None:
+        reason = "expected a JSON object"
+    elif not raw.strip():
+        return None
+    else:
+        reason = str(exc)
+        if "UTF-8" in reason:
+            reason = f"invalid UTF-8 bytes ({reason})"
+    if on_error != "quarantine":
+        raise MalformedRecordError(url, n, reason)
+    return {"file": url, "line": n, "reason": reason, "raw": raw.decode("utf-8", "replace")}
+
+
+def parse_block(
+    lines: list[bytes], first: int, url: str, on_error: str, on_bad: Callable[[Quarantined], None]
+) -> Iterator[dict]:
+    """Parse lines lazily (first = 1-based number of lines[0]).
+
+    Lazily, not into a list: a consumer that drops each record before the next keeps the
+    allocator and the cyclic GC as idle as a bare ``for line in f: loads(line)`` loop.
+    """
+    loads, decode_error = orjson.loads, orjson.JSONDecodeError
+    n = first
+    for raw in lines:
         try:
-            rec = orjson.loads(raw)
-            reason = None if type(rec) is dict else f"expected a JSON object, got {type(rec).__name__}"
-        except orjson.JSONDecodeError as exc:
-            rec, reason = None, str(exc)
-            if "UTF-8" in reason:
-                reason = f"invalid UTF-8 bytes ({reason})"
-        if reason is None:
-            out.append(rec)
-        elif on_error == "quarantine":
-            bad.append({"file": url, "line": n, "reason": reason, "raw": raw.decode("utf-8", "replace")})
+            rec = loads(raw)
+        except decode_error as exc:
+            bad = _bad_line(raw, n, url, exc, on_error)
+            if bad is not None:
+                on_bad(bad)
+            n += 1
+            continue
+        n += 1
+        if type(rec) is dict:
+            yield rec
         else:
-            raise MalformedRecordError(url, n, reason)
-    return out
+            on_bad(_bad_line(raw, n - 1, url, None, on_error))  # type: ignore[arg-type]
 
 
-def parse_lines(lines: list[bytes], first: int, url: str, on_error: str, bad: list[Quarantined]) -> list[dict]:
-    """Parse a block of lines (first = 1-based number of lines[0]); fast path is one list comprehension."""
-    loads = orjson.loads
-    try:
-        recs = [loads(x) for x in lines]
-        for r in recs:
-            if type(r) is not dict:
-                break
-        else:
-            return recs
-    except orjson.JSONDecodeError:
-        pass
-    return _parse_slow(lines, first, url, on_error, bad)
-
-
-def iter_batches(
-    fs: fsspec.AbstractFileSystem, path: str, url: str, compressed: bool, on_error: str
-) -> Iterator[tuple[list[dict], list[Quarantined]]]:
-    """Yield (records, quarantined) per chunk: the unit one thread hop carries."""
-    if on_error not in ("raise", "quarantine"):
-        raise ValueError(f"on_error must be 'raise' or 'quarantine', not {on_error!r}")
+def iter_blocks(
+    fs: fsspec.AbstractFileSystem, path: str, url: str, compressed: bool
+) -> Iterator[tuple[int, list[bytes]]]:
+    """Yield (number of the first line, complete lines) per chunk: the unit one thread hop carries."""
     tail = b""
     line_no = 1
     for chunk in iter_chunks(fs, path, url, compressed):
         lines = (tail + chunk if tail else chunk).split(b"\n")
         tail = lines.pop()
         if lines:
-            bad: list[Quarantined] = []
-            yield parse_lines(lines, line_no, url, on_error, bad), bad
+            yield line_no, lines
             line_no += len(lines)
     if tail.strip():
-        bad = []
-        yield parse_lines([tail], line_no, url, on_error, bad), bad
+        yield line_no, [tail]
+
+
+def check_on_error(on_error: str) -> None:
+    if on_error not in ("raise", "quarantine"):
+        raise ValueError(f"on_error must be 'raise' or 'quarantine', not {on_error!r}")
 
 
 # ---------------------------------------------------------------- writing
@@ -131,6 +134,9 @@ class AtomicFile:
     """
 
     _TRANSACTIONAL = ("s3", "s3a", "gs", "gcs", "abfs", "az")
+    # Atomic rename is enough for readers and for a killed process; set True (or
+    # BATCH_INFERENCE_FSYNC=1) to also survive a power loss of the node.
+    fsync = os.environ.get("BATCH_INFERENCE_FSYNC", "") == "1"
 
     def __init__(self, fs: fsspec.AbstractFileSystem, path: str) -> None:
         self.fs, self.path = fs, path
@@ -163,7 +169,8 @@ class AtomicFile:
             self._f.close()
             self._f.commit()
         elif self._mode == "local":
-            os.fsync(self._f.fileno())
+            if self.fsync:
+                os.fsync(self._f.fileno())
             self._f.close()
             os.replace(self._tmp, self.path)
         else:
@@ -236,25 +243,45 @@ class RotatingWriter:
         self.bytes = 0
         self.committed: list[ShardStats] = []
 
-    def write_lines(self, lines: list[bytes]) -> None:
-        """Append encoded lines (each ending in a newline), rotating where a limit is reached."""
-        max_records, max_bytes = self.max_records, self.max_bytes
-        pending = self._pending
-        for line in lines:
-            n = len(line)
-            if self._shard_records and (
-                self._shard_records >= max_records or self._shard_bytes + n > max_bytes
-            ):
+    def write_lines(self, lines: list[bytes], nbytes: int | None = None) -> None:
+        """Append encoded lines (each ending in a newline), rotating where a limit is reached.
+
+        ``nbytes`` (their total length, when the caller knows it) enables the bulk path:
+        whole slices go in without a per-line loop unless the byte limit may bind.
+        """
+        while lines:
+            if self._shard_records >= self.max_records:
                 self._commit_shard()
-                pending = self._pending
-            pending.append(line)
-            self._shard_records += 1
-            self._shard_bytes += n
-            self._pending_bytes += n
-            if self._pending_bytes >= WRITE_BUFFER:
-                self._flush()
-                pending = self._pending
-        self.records += len(lines)
+            room = self.max_records - self._shard_records
+            part = lines if room >= len(lines) else lines[:room]
+            size = nbytes if part is lines and nbytes is not None else sum(map(len, part))
+            if self._shard_bytes + size <= self.max_bytes:
+                self._take(part, size)
+            else:  # the byte limit falls inside this slice: go line by line
+                part = self._take_until_full(part)
+            lines = lines[len(part) :]
+            nbytes = None
+
+    def _take(self, part: list[bytes], size: int) -> None:
+        self._pending.extend(part)
+        self._pending_bytes += size
+        self._shard_records += len(part)
+        self._shard_bytes += size
+        self.records += len(part)
+        if self._pending_bytes >= WRITE_BUFFER:
+            self._flush()
+
+    def _take_until_full(self, part: list[bytes]) -> list[bytes]:
+        """Take lines while they fit (at least one per shard: a huge record gets a shard alone)."""
+        taken = 0
+        for line in part:
+            n = len(line)
+            if self._shard_records and self._shard_bytes + n > self.max_bytes:
+                self._commit_shard()
+                break
+            self._take([line], n)
+            taken += 1
+        return part[:taken]
 
     def _flush(self) -> None:
         if not self._pending:
