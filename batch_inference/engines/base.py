@@ -7,9 +7,10 @@ Engines are blocking and batch-oriented; callers run ``generate`` with
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Protocol, runtime_checkable
 
 FinishReason = Literal["stop", "length", "error"]
@@ -81,12 +82,24 @@ def expand_params(prompts: Sequence[str], params: SamplingParams | Sequence[Samp
     return params
 
 
-def group_by_params(params: Sequence[SamplingParams]) -> dict[SamplingParams, list[int]]:
-    """Indices of the prompts sharing each distinct SamplingParams, in first-seen order."""
+def group_by_params(params: Sequence[SamplingParams], *, ignore_seed: bool = False) -> dict[SamplingParams, list[int]]:
+    """Indices of the prompts sharing each distinct SamplingParams, in first-seen order.
+
+    With ``ignore_seed`` the keys have ``seed=None``: per-record seeds (which the pool
+    always sends) must not split a batch into singletons on engines that seed per batch.
+    """
     groups: dict[SamplingParams, list[int]] = defaultdict(list)
     for i, p in enumerate(params):
-        groups[p].append(i)
+        groups[replace(p, seed=None) if ignore_seed else p].append(i)
     return dict(groups)
+
+
+def combine_seeds(seeds: Sequence[int | None]) -> int | None:
+    """One deterministic seed for a batch of per-item seeds (None when none is set)."""
+    if all(s is None for s in seeds):
+        return None
+    digest = hashlib.blake2b(repr(list(seeds)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1  # torch.manual_seed takes < 2**63
 
 
 def truncate_at_stop(text: str, stop: Sequence[str] | None) -> tuple[str, bool]:

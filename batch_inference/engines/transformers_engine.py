@@ -3,13 +3,14 @@
 Runs the tiny offline model on CPU in tests and any causal LM on CUDA where present.
 Per-item safety: each prompt is tokenised and length-checked alone (an overlong prompt
 becomes a ``prompt_too_long`` error, its neighbours run); prompts are grouped by their
-SamplingParams and each group is one ``generate`` call; if a whole group raises, its
+SamplingParams (seeds aside) and each group is one ``generate`` call; if a whole group raises, its
 items are retried one by one so a single bad item cannot fail the others.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from batch_inference.engines.base import (
     Completion,
     SamplingParams,
+    combine_seeds,
     expand_params,
     group_by_params,
     too_long_error,
@@ -76,24 +78,38 @@ class TransformersEngine:
         per_item = expand_params(prompts, params)
         out: list[Completion | None] = [None] * len(prompts)
         encoded: dict[int, list[int]] = {}
-        for i, prompt in enumerate(prompts):
-            try:
-                ids = self._encode([prompt])[0]
-            except Exception as exc:  # a prompt the tokenizer rejects fails alone
-                out[i] = Completion.failed(f"tokenizer_error: {type(exc).__name__}: {exc}")
-                continue
-            if err := too_long_error(len(ids), per_item[i].max_tokens, self.max_model_len):
+        for i, ids in enumerate(self._encode_each(prompts)):
+            if isinstance(ids, Exception):  # a prompt the tokenizer rejects fails alone
+                out[i] = Completion.failed(f"tokenizer_error: {type(ids).__name__}: {ids}")
+            elif err := too_long_error(len(ids), per_item[i].max_tokens, self.max_model_len):
                 out[i] = Completion.failed(err, prompt_tokens=len(ids))
             elif not ids:
                 out[i] = Completion.failed("empty_prompt: the prompt has no tokens")
             else:
                 encoded[i] = ids
         runnable = list(encoded)
-        for p, idx in group_by_params([per_item[i] for i in runnable]).items():
+        # Seeds do not split groups (the pool sends one per record): a group is sampled
+        # with one generator seeded from all its items' seeds, so sampling is repeatable
+        # for the same batch but depends on its composition (vLLM seeds per request).
+        for p, idx in group_by_params([per_item[i] for i in runnable], ignore_seed=True).items():
             items = [runnable[j] for j in idx]
+            p = replace(p, seed=combine_seeds([per_item[i].seed for i in items]))
             for i, completion in zip(items, self._run_group([encoded[i] for i in items], p)):
                 out[i] = completion
         return [c for c in out if c is not None]
+
+    def _encode_each(self, prompts: list[str]) -> list[list[int] | Exception]:
+        """Token ids per prompt; one batched call, per prompt only if that call fails."""
+        try:
+            return list(self._encode(prompts))
+        except Exception:
+            results: list[list[int] | Exception] = []
+            for prompt in prompts:
+                try:
+                    results.append(self._encode([prompt])[0])
+                except Exception as exc:
+                    results.append(exc)
+            return results
 
     def _run_group(self, batch: list[list[int]], p: SamplingParams) -> list[Completion]:
         try:
@@ -125,7 +141,10 @@ class TransformersEngine:
         return [self._finish(ids, prompt, p) for ids, prompt in zip(generated, batch)]
 
     def _finish(self, new_ids: list[int], prompt: list[int], p: SamplingParams) -> Completion:
-        """Cut at EOS (the rest is padding) and at stop strings; decide the finish reason."""
+        """Cut at EOS (the rest is padding) and at stop strings; decide the finish reason.
+
+        After a stop string, ``completion_tokens`` is the re-tokenised kept text (exact
+        up to token boundaries at the cut)."""
         n = next((k for k, t in enumerate(new_ids) if t in self._eos_ids), None)
         hit_eos = n is not None
         tokens = new_ids[: n if hit_eos else len(new_ids)]

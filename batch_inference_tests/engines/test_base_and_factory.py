@@ -32,6 +32,10 @@ def test_expand_and_group_params() -> None:
     p1, p2 = SamplingParams(seed=1), SamplingParams(seed=2)
     assert expand_params(["a", "b"], p1) == [p1, p1]
     assert group_by_params([p1, p2, p1]) == {p1: [0, 2], p2: [1]}
+    assert group_by_params([p1, p2, SamplingParams(max_tokens=3)], ignore_seed=True) == {
+        SamplingParams(): [0, 1],
+        SamplingParams(max_tokens=3): [2],
+    }
     with pytest.raises(ValueError, match="2 SamplingParams for 3 prompts"):
         expand_params(["a", "b", "c"], [p1, p2])
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from batch_inference.engines import Completion, Engine, SamplingParams, build_engine
+from batch_inference.engines.base import combine_seeds
 
 GREEDY = SamplingParams(max_tokens=8, min_tokens=8)
 
@@ -79,3 +82,23 @@ def test_from_config_threads(tiny_model_dir) -> None:
 
     engine = build_engine({"kind": "transformers", "model": str(tiny_model_dir), "device": "cpu", "num_threads": 1})
     assert torch.get_num_threads() == 1 and engine.device == "cpu"
+
+
+def test_per_record_seeds_do_not_split_batches(tiny_engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool sends one seed per record: greedy ignores it, sampling seeds the group once."""
+    calls: list[int] = []
+    real = tiny_engine._generate_batch
+    monkeypatch.setattr(tiny_engine, "_generate_batch", lambda batch, p: calls.append(len(batch)) or real(batch, p))
+    prompts = ["one", "two", "three"]
+    greedy = tiny_engine.generate(prompts, [SamplingParams(max_tokens=4, min_tokens=4, seed=s) for s in (1, 2, 3)])
+    assert calls == [3] and greedy == tiny_engine.generate(prompts, SamplingParams(max_tokens=4, min_tokens=4))
+    sampled = [SamplingParams(max_tokens=6, min_tokens=6, temperature=1.0, seed=s) for s in (1, 2, 3)]
+    first = tiny_engine.generate(prompts, sampled)
+    assert first == tiny_engine.generate(prompts, sampled)  # same batch, same seeds => same samples
+    assert first != tiny_engine.generate(prompts, [replace(p, seed=p.seed + 10) for p in sampled])
+
+
+def test_combine_seeds() -> None:
+    assert combine_seeds([None, None]) is None
+    assert combine_seeds([1, 2]) == combine_seeds([1, 2]) != combine_seeds([2, 1])
+    assert 0 <= combine_seeds([2**64, -5, None]) < 2**63
