@@ -1,0 +1,205 @@
+"""The run ledger: per-step figures under ``<run>/ledger/`` and the conservation check.
+
+Each step writes one small JSON object (``shard.json``, ``round-00-infer.json``,
+``round-00-judge.json``, ``round-00-decision.json``, ``round-01-recompact.json``,
+``tail.json``, ``run.json``); each finished shard task writes a progress record under
+``ledger/progress/<step>/part-i.json``, which is what makes a re-run skip it. Writes are
+atomic (local: temp file + rename; object stores: one PUT), so a killed driver leaves
+either the old object or the new one.
+
+Conservation is checked, not hoped for: :func:`check_conservation` streams every input
+id and every terminal row once, hashing ids into on-disk buckets (local temp files),
+then checks one bucket at a time that each id's terminal count equals its input count
+and that results hold no id more often than the input does. Memory is one bucket
+(about ``BUCKET_IDS`` ids), independent of the dataset; disk is ~2x the ids' bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from batch_inference.pipeline.layout import RunLayout
+from batch_inference.storage import JsonlDir, JsonlFile
+from batch_inference.storage.urls import fs_for, is_local
+
+BUCKET_IDS = 250_000  # input ids per bucket held in memory at once during the check
+TERMINAL_STATES = ("approved", "exhausted", "max_attempts", "failed")
+
+
+class ConservationError(RuntimeError):
+    """Records were lost, duplicated or double-counted; the message names where."""
+
+    def __init__(self, message: str, details: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.details = details or {}
+
+
+class Ledger:
+    """Reads and writes the JSON objects under ``<run>/ledger/``."""
+
+    def __init__(self, layout: RunLayout, storage_options: dict[str, Any] | None = None) -> None:
+        self.layout = layout
+        self.storage_options = storage_options or {}
+        self.fs, _ = fs_for(layout.ledger, self.storage_options)
+
+    def _path(self, url: str) -> str:
+        return fs_for(url, self.storage_options)[1]
+
+    def write_url(self, url: str, data: dict[str, Any]) -> None:
+        payload = orjson.dumps(data, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS)
+        path = self._path(url)
+        if is_local(self.fs):
+            parent = os.path.dirname(path)
+            os.makedirs(parent, exist_ok=True)
+            tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+            with open(tmp, "wb") as f:
+                f.write(payload)
+            os.replace(tmp, path)
+        else:
+            self.fs.pipe_file(path, payload)  # one PUT: atomic on object stores
+
+    def read_url(self, url: str) -> dict[str, Any] | None:
+        try:
+            return orjson.loads(self.fs.cat_file(self._path(url)))
+        except FileNotFoundError:
+            return None
+
+    def write(self, name: str, data: dict[str, Any]) -> None:
+        self.write_url(self.layout.ledger_file(name), data)
+
+    def read(self, name: str) -> dict[str, Any] | None:
+        return self.read_url(self.layout.ledger_file(name))
+
+    def write_progress(self, step: str, index: int, data: dict[str, Any]) -> None:
+        self.write_url(self.layout.progress_file(step, index), data)
+
+    def read_progress(self, step: str, index: int) -> dict[str, Any] | None:
+        return self.read_url(self.layout.progress_file(step, index))
+
+    def clear_progress(self, step: str) -> None:
+        path = self._path(self.layout.progress_file(step, 0)).rsplit("/", 1)[0]
+        if self.fs.exists(path):
+            self.fs.rm(path, recursive=True)
+
+    def view(self) -> LedgerView:
+        """Everything recorded so far, in round order (for ``batch-inference status``)."""
+        rounds: list[dict[str, Any]] = []
+        r = 0
+        while True:
+            steps = {k: self.read(f"round-{r:02d}-{k}") for k in ("infer", "judge", "decision")}
+            recompact = self.read(f"round-{r + 1:02d}-recompact")
+            if not any(steps.values()):
+                break
+            rounds.append({"round": r, **steps, "recompact": recompact})
+            r += 1
+        return LedgerView(
+            spec=self.read("spec"), shard=self.read("shard"), rounds=rounds, tail=self.read("tail"), run=self.read("run")
+        )
+
+
+@dataclass
+class LedgerView:
+    spec: dict[str, Any] | None
+    shard: dict[str, Any] | None
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    tail: dict[str, Any] | None = None
+    run: dict[str, Any] | None = None
+
+
+# ------------------------------------------------------------------ conservation
+
+
+@dataclass(frozen=True)
+class IdSource:
+    """Where ids of one kind live: a JsonlDir, or single files (a quarantined shard)."""
+
+    state: str  # "input" or a terminal state
+    urls: tuple[str, ...]
+    is_dir: bool = True
+    status_field: bool = False  # rows carry "status" (tail unfinished: max_attempts | error)
+
+
+def _iter_ids(src: IdSource, storage_options: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    for url in src.urls:
+        if src.is_dir:
+            d = JsonlDir(url, storage_options=storage_options)
+            if not d.exists_sync():
+                continue
+            records = d.iter_records_sync()
+        else:
+            records = JsonlFile(url, storage_options=storage_options).iter_records_sync()
+        for rec in records:
+            state = src.state
+            if src.status_field:
+                state = "max_attempts" if rec.get("status") == "max_attempts" else "failed"
+            yield state, str(rec.get("id"))
+
+
+def _bucket_of(rid: str, n: int) -> int:
+    return int.from_bytes(hashlib.blake2b(rid.encode(), digest_size=8).digest(), "little") % n
+
+
+def check_conservation(
+    sources: list[IdSource], *, input_records: int, storage_options: dict[str, Any] | None = None, examples: int = 10
+) -> dict[str, Any]:
+    """Stream ids into hashed buckets on local disk, then check each bucket in memory.
+
+    Returns ``{"ok", "input", "terminal": {state: n}, "missing", "extra", "duplicate_results",
+    "examples"}``; never raises (the caller decides how loudly to fail).
+    """
+    options = storage_options or {}
+    n_buckets = max(1, -(-input_records // BUCKET_IDS))
+    totals: Counter[str] = Counter()
+    missing = extra = dup_results = 0
+    bad: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="bi-conservation-") as tmp:
+        files = [open(os.path.join(tmp, f"b{i}"), "wb") for i in range(n_buckets)]  # noqa: SIM115
+        try:
+            for src in sources:
+                for state, rid in _iter_ids(src, options):
+                    totals[state] += 1
+                    files[_bucket_of(rid, n_buckets)].write(orjson.dumps([state, rid]) + b"\n")
+        finally:
+            for f in files:
+                f.close()
+        for i in range(n_buckets):
+            per_id: dict[str, list[int]] = {}  # id -> [input count, terminal count, results count]
+            with open(os.path.join(tmp, f"b{i}"), "rb") as f:
+                for line in f:
+                    state, rid = orjson.loads(line)
+                    c = per_id.setdefault(rid, [0, 0, 0])
+                    if state == "input":
+                        c[0] += 1
+                    else:
+                        c[1] += 1
+                        c[2] += state == "approved"
+            for rid, (n_in, n_term, n_res) in per_id.items():
+                if n_term < n_in:
+                    missing += n_in - n_term
+                elif n_term > n_in:
+                    extra += n_term - n_in
+                if n_res > max(n_in, 1):
+                    dup_results += n_res - max(n_in, 1)
+                if (n_term != n_in or n_res > max(n_in, 1)) and len(bad) < examples:
+                    bad.append(f"{rid}: input {n_in}, terminal {n_term}, in results {n_res}")
+    terminal = {s: totals.get(s, 0) for s in TERMINAL_STATES}
+    ok = missing == 0 and extra == 0 and dup_results == 0 and totals.get("input", 0) == input_records
+    return {
+        "ok": ok,
+        "input": totals.get("input", 0),
+        "terminal": terminal,
+        "missing": missing,
+        "extra": extra,
+        "duplicate_results": dup_results,
+        "examples": bad,
+        "method": f"hashed buckets on local disk ({n_buckets} bucket(s), <= ~{BUCKET_IDS} ids in memory each)",
+    }

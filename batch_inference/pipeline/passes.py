@@ -1,0 +1,93 @@
+"""The pipeline's CPU passes: shard the input once, repack rejects, write terminal sets.
+
+All blocking and streaming (one record at a time, constant memory); callers run them
+with ``asyncio.to_thread``. None needs a GPU or the pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from batch_inference.storage import JsonlDir, JsonlFile, ReshardReport, reshard
+
+# Per-attempt fields a new round recomputes: dropped at recompaction so an approved row
+# of a later round never carries an earlier round's rejection.
+ATTEMPT_FIELDS = ("result", "error", "finish_reason", "usage", "rejection", "verdict", "status", "round")
+
+
+def shard_input(
+    src: str, dst: str, *, records_per_shard: int, storage_options: dict[str, Any] | None = None
+) -> ReshardReport:
+    """Reshard ``src`` (a JSONL(.zst) file or a JsonlDir) into ``dst``; ids assigned when missing.
+
+    Duplicate input ids are reported (``report.duplicate_ids``), never merged.
+    """
+    return reshard(src, dst, records_per_shard=records_per_shard, storage_options=storage_options)
+
+
+def recompact(
+    src: str, dst: str, *, records_per_shard: int, storage_options: dict[str, Any] | None = None
+) -> tuple[int, int, int]:
+    """Repack the rejected shards of a round into full pending shards for the next round.
+
+    The judge writes one rejected shard per inferred shard, so without this the shard
+    count survives every round while the record count collapses. Returns
+    ``(records, shards_in, shards_out)``.
+    """
+    source = JsonlDir(src, storage_options=storage_options)
+    shards = source.shards() if source.exists_sync() else []
+    out = JsonlDir(dst, storage_options=storage_options)
+    with out.writer_sync(max_records_per_shard=records_per_shard) as w:
+        for shard in shards:
+            for rec in shard.iter_records_sync():
+                for key in ATTEMPT_FIELDS:
+                    rec.pop(key, None)
+                w.write(rec)
+        records = w.records
+    man = out.manifest()
+    return records, len(shards), len(man.shards) if man else 0
+
+
+def write_exhausted(
+    src_dirs: Iterable[str], dst: str, *, round: int, storage_options: dict[str, Any] | None = None
+) -> int:
+    """Write the records still rejected at the round cap as ``status: exhausted``."""
+    out = JsonlDir(dst, storage_options=storage_options)
+    with out.writer_sync() as w:
+        for url in src_dirs:
+            d = JsonlDir(url, storage_options=storage_options)
+            if not d.exists_sync():
+                continue
+            for rec in d.iter_records_sync():
+                rec["status"] = "exhausted"
+                rec["exhausted_round"] = round
+                w.write(rec)
+        return w.records
+
+
+def split_tail_shard(
+    src: str, approved: str, unfinished: str, *, storage_options: dict[str, Any] | None = None
+) -> dict[str, int]:
+    """Split one in-place retry output shard: approved rows into results, the rest aside."""
+    counts = {"approved": 0, "max_attempts": 0, "error": 0}
+    with (
+        JsonlFile(approved, storage_options=storage_options).writer_sync() as ok,
+        JsonlFile(unfinished, storage_options=storage_options).writer_sync() as rest,
+    ):
+        for rec in JsonlFile(src, storage_options=storage_options).iter_records_sync():
+            status = rec.get("status")
+            if status == "approved":
+                ok.write(rec)
+            else:
+                rest.write(rec)
+            counts[status if status in counts else "error"] += 1
+    return counts
+
+
+def count_shard(url: str, storage_options: dict[str, Any] | None = None) -> int:
+    """Records in one shard (0 when it does not exist)."""
+    f = JsonlFile(url, storage_options=storage_options)
+    if not f.exists_sync():
+        return 0
+    return sum(1 for _ in f.iter_records_sync())

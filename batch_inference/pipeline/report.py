@@ -1,0 +1,137 @@
+"""Human views of a run: rich progress bars while it runs, the ledger as a table after.
+
+Kept apart from the CLI so a script or notebook can use them too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+from batch_inference.pipeline.ledger import LedgerView
+
+
+class _RateColumn(ProgressColumn):
+    def render(self, task: Task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text(f"{speed:,.0f} rec/s" if speed else "- rec/s", style="cyan")
+
+
+class _ApprovalColumn(ProgressColumn):
+    def render(self, task: Task) -> Text:
+        approved, judged = task.fields.get("approved", 0), task.fields.get("judged", 0)
+        return Text(f"approved {approved / judged:.1%}" if judged else "", style="green")
+
+
+class RichReporter:
+    """A progress bar per phase: records done / total, records/s, approval so far."""
+
+    def __init__(self, console: Console | None = None) -> None:
+        self.progress = Progress(
+            TextColumn("[bold]{task.description:<14}"), BarColumn(), MofNCompleteColumn(), _RateColumn(),
+            _ApprovalColumn(), TimeElapsedColumn(), console=console, transient=False,
+        )
+        self._tasks: dict[str, Any] = {}
+
+    def __enter__(self) -> RichReporter:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def phase_started(self, name: str, total_records: int) -> None:
+        self._tasks[name] = self.progress.add_task(name, total=max(total_records, 0), approved=0, judged=0)
+
+    def shard_done(self, name: str, records: int, counts: dict[str, int]) -> None:
+        task_id = self._tasks.get(name)
+        if task_id is None:
+            return
+        task = self.progress._tasks[task_id]
+        approved = task.fields.get("approved", 0) + int(counts.get("approved", 0))
+        judged = task.fields.get("judged", 0) + sum(int(counts.get(k, 0)) for k in ("approved", "rejected", "max_attempts"))
+        self.progress.update(task_id, advance=records, approved=approved, judged=judged)
+
+    def phase_ended(self, name: str) -> None:
+        task_id = self._tasks.get(name)
+        if task_id is not None:
+            self.progress.update(task_id, completed=self.progress._tasks[task_id].total)
+
+
+def _bar(fraction: float, width: int = 8) -> str:
+    filled = round(max(0.0, min(1.0, fraction)) * width)
+    return "█" * filled + "░" * (width - filled)
+
+
+def _n(x: Any) -> str:
+    return f"{int(x):,}" if x is not None else "-"
+
+
+def _k(x: Any) -> str:
+    """Compact token counts: 62,481 -> 62.5k."""
+    x = int(x or 0)
+    return f"{x / 1e6:.1f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else str(x)
+
+
+def _s(x: Any) -> str:
+    return f"{float(x):.2f}" if x is not None else "-"
+
+
+def ledger_table(view: LedgerView, title: str) -> Table:
+    """Per round (and tail): the funnel, tokens, engine time, wall, fill, and the decision."""
+    table = Table(title=title, show_lines=False)
+    for col, justify in [("phase", "left"), ("in", "right"), ("approved", "right"), ("rejected", "right"),
+                         ("failed", "right"), ("funnel", "left"), ("tokens in/out", "right"),
+                         ("engine s", "right"), ("wall s", "right"), ("fill", "right"), ("next", "left")]:
+        table.add_column(col, justify=justify, no_wrap=col in ("funnel", "tokens in/out"))  # type: ignore[arg-type]
+    if view.shard:
+        s = view.shard
+        note = f"{s['shards']} shards" + (f", {s['duplicate_ids']} dup ids" if s.get("duplicate_ids") else "")
+        table.add_row("shard", _n(s["records"]), "", "", "", "", "", "", _s(s["wall_s"]), "", note)
+    for rnd in view.rounds:
+        infer, judge, decision = rnd.get("infer") or {}, rnd.get("judge") or {}, rnd.get("decision") or {}
+        q = sum(int(x.get("records", 0)) for x in infer.get("quarantined", []) + judge.get("quarantined", []))
+        rec_in = int(infer.get("records_in", 0)) + sum(int(x.get("records", 0)) for x in infer.get("quarantined", []))
+        c = judge.get("counts", {})
+        approved, rejected = c.get("approved"), c.get("rejected")
+        frac = (approved or 0) / rec_in if rec_in else 0.0
+        funnel = f"{_bar(frac)} {frac:.0%}"
+        tokens = f"{_k(infer.get('tokens_in', 0) + judge.get('tokens_in', 0))}/{_k(infer.get('tokens_out', 0) + judge.get('tokens_out', 0))}"
+        busy = infer.get("engine_busy_s", 0) + judge.get("engine_busy_s", 0)
+        wall = infer.get("wall_s", 0) + judge.get("wall_s", 0)
+        nxt = decision.get("kind", "…")
+        table.add_row(f"round {rnd['round']}", _n(rec_in), _n(approved), _n(rejected), _n(q), funnel, tokens,
+                      _s(busy), _s(wall), _s(judge.get("avg_fill") or infer.get("avg_fill")), nxt)
+    if view.tail:
+        t = view.tail
+        c = t.get("counts", {})
+        q = sum(int(x.get("records", 0)) for x in t.get("quarantined", []))
+        rec_in = int(t.get("records_in", 0)) + q
+        frac = c.get("approved", 0) / rec_in if rec_in else 0.0
+        table.add_row(f"tail (from {t.get('from_round', t.get('round'))})", _n(rec_in), _n(c.get("approved", 0)),
+                      f"{_n(c.get('max_attempts', 0))}*", _n(q + c.get("error", 0)), f"{_bar(frac)} {frac:.0%}",
+                      f"{_k(t.get('tokens_in'))}/{_k(t.get('tokens_out'))}", _s(t.get("engine_busy_s")), _s(t.get("wall_s")),
+                      _s(t.get("avg_fill")), "")
+    return table
+
+
+def run_lines(view: LedgerView) -> list[str]:
+    """The run's verdict in a few lines (status, terminal counts, conservation)."""
+    if not view.run:
+        return ["run not finalized yet (re-run `batch-inference run SPEC` to resume)"]
+    r = view.run
+    c = r["conservation"]
+    lines = [f"round {d['round']} -> {d['kind']}: {d['reason']}" for d in (x.get("decision") for x in view.rounds) if d]
+    lines += [
+        f"status: {r['status']}  ({r['strategy']}, {r['rounds']} round(s){', tail' if r['tail'] else ''})",
+        f"records {r['records']:,}: approved {r['approved']:,}, exhausted {r['exhausted']:,}, "
+        f"max_attempts {r['max_attempts']:,}, failed {r['failed']:,}",
+        f"conservation: {'OK' if c['ok'] else 'FAILED'} (missing {c['missing']}, extra {c['extra']}, "
+        f"duplicated in results {c['duplicate_results']}; {c['method']})",
+        f"results: {r['results_url']}",
+    ]
+    return lines
