@@ -1,0 +1,135 @@
+"""``batch-inference worker`` (one worker process) and ``batch-inference pool up|status|down``.
+
+Heavy imports happen inside the commands, so ``batch-inference --help`` stays fast and a
+worker spawned by the local launcher (``python -m batch_inference.cli.pool_cmds``)
+imports only what serving needs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.command()
+@click.option("--engine-config", "engine_config", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="EngineConfig as YAML or JSON.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Bind address; off loopback a token is required.")
+@click.option("--port", default=8700, show_default=True, type=int, help="0 picks a free port (see --ready-file).")
+@click.option("--concurrency", default=10, show_default=True, type=int, help="Shard tasks at once (task slots).")
+@click.option("--storage-root", "storage_roots", multiple=True, help="URL prefix tasks may read/write (repeatable; default: cwd).")
+@click.option("--storage-options", "storage_options", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="YAML/JSON: profile name -> fsspec storage options (credentials stay on the worker).")
+@click.option("--token-file", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Bearer token file (e.g. a mounted secret); else $BATCH_INFERENCE_TOKEN.")
+@click.option("--idle-ttl-s", type=float, default=None, help="Exit after this long with no task.")
+@click.option("--grace-s", type=float, default=30.0, show_default=True, help="SIGTERM: time running tasks get to finish.")
+@click.option("--ready-file", default=None, help="Write {pid, port} here once serving.")
+@click.option("--checkpoint-interval-s", type=float, default=5.0, show_default=True, help="Retry-task checkpoint flush period.")
+@click.option("--target-batch-tokens", type=int, default=12_800, show_default=True)
+@click.option("--max-batch-size", type=int, default=256, show_default=True)
+@click.option("--batch-timeout-s", type=float, default=0.05, show_default=True)
+@click.option("--prefetch-batches", type=int, default=2, show_default=True)
+@click.option("--max-queue-size", type=int, default=5_000, show_default=True)
+def worker(engine_config: str, host: str, port: int, concurrency: int, storage_roots: tuple[str, ...],
+           storage_options: str | None, token_file: str | None, idle_ttl_s: float | None, grace_s: float,
+           ready_file: str | None, checkpoint_interval_s: float, target_batch_tokens: int, max_batch_size: int,
+           batch_timeout_s: float, prefetch_batches: int, max_queue_size: int) -> None:
+    """Run one persistent worker: the engine loads once and serves shard tasks over HTTP."""
+    import os
+
+    from batch_inference.pool.engine_host import BatcherOptions
+    from batch_inference.pool.worker import WorkerSettings, check_security, read_token, run_worker
+
+    settings = WorkerSettings(
+        host=host, port=port, concurrency=concurrency, storage_roots=list(storage_roots) or [os.getcwd()],
+        token=read_token(token_file), idle_ttl_s=idle_ttl_s, grace_s=grace_s, ready_file=ready_file,
+        checkpoint_interval_s=checkpoint_interval_s,
+    )
+    try:
+        check_security(settings)
+    except PermissionError as exc:
+        raise click.ClickException(str(exc)) from exc
+    batcher = BatcherOptions(target_batch_tokens=target_batch_tokens, max_batch_size=max_batch_size,
+                             batch_timeout_s=batch_timeout_s, prefetch_batches=prefetch_batches,
+                             max_queue_size=max_queue_size)
+    run_worker(engine_config, settings, batcher=batcher, storage_profiles_file=storage_options)
+
+
+def _launcher(engine_config: str | None, replicas: int, concurrency: int, storage_roots: tuple[str, ...],
+              idle_ttl_s: float | None, name: str, state_dir: str | None):
+    from batch_inference.pool.launchers.local import LocalLauncher
+    from batch_inference.pool.worker import load_config_file
+
+    cfg = load_config_file(engine_config) if engine_config else {"kind": "simulated"}
+    return LocalLauncher(cfg, replicas=replicas, concurrency=concurrency, storage_roots=list(storage_roots) or None,
+                         idle_ttl_s=idle_ttl_s, name=name, state_dir=state_dir)
+
+
+_pool_options = [
+    click.option("--name", default="default", show_default=True, help="Pool name (one state file per name)."),
+    click.option("--state-dir", default=None, help="Where pool state lives (default $BATCH_INFERENCE_POOL_DIR or ~/.cache)."),
+]
+
+
+def _with(options):
+    def deco(f):
+        for opt in reversed(options):
+            f = opt(f)
+        return f
+    return deco
+
+
+@click.group()
+def pool() -> None:
+    """Manage a local pool of persistent workers (reused across runs while it lives)."""
+
+
+@pool.command("up")
+@click.option("--engine-config", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="EngineConfig YAML/JSON (default: the simulated engine).")
+@click.option("--replicas", default=2, show_default=True, type=int)
+@click.option("--concurrency", default=10, show_default=True, type=int)
+@click.option("--storage-root", "storage_roots", multiple=True, help="Repeatable; default: cwd.")
+@click.option("--idle-ttl-s", type=float, default=600.0, show_default=True)
+@_with(_pool_options)
+def pool_up(engine_config: str | None, replicas: int, concurrency: int, storage_roots: tuple[str, ...],
+            idle_ttl_s: float, name: str, state_dir: str | None) -> None:
+    """Start the pool, or reuse it if it is already running with the same configuration."""
+    launcher = _launcher(engine_config, replicas, concurrency, storage_roots, idle_ttl_s, name, state_dir)
+    for endpoint in launcher.up():
+        click.echo(endpoint)
+
+
+@pool.command("status")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@_with(_pool_options)
+def pool_status(as_json: bool, name: str, state_dir: str | None) -> None:
+    """Show the recorded workers and whether they answer."""
+    from batch_inference.pool.launchers.local import LocalLauncher
+
+    launcher = LocalLauncher({"kind": "simulated"}, name=name, state_dir=state_dir)
+    rows = launcher.status()
+    if as_json:
+        click.echo(json.dumps([r.__dict__ for r in rows], indent=2))
+        return
+    if not rows:
+        click.echo(f"pool {name}: no workers")
+    for r in rows:
+        state = "healthy" if r.healthy else ("alive, not answering" if r.alive else "dead")
+        click.echo(f"replica {r.replica}  pid {r.pid}  {r.endpoint}  {state}  loads={r.detail.get('engine_loads', '-')}")
+
+
+@pool.command("down")
+@_with(_pool_options)
+def pool_down(name: str, state_dir: str | None) -> None:
+    """Stop every worker of the pool (SIGTERM, then SIGKILL after the grace period)."""
+    from batch_inference.pool.launchers.local import LocalLauncher
+
+    n = LocalLauncher({"kind": "simulated"}, name=name, state_dir=state_dir).down()
+    click.echo(f"pool {name}: stopped {n} worker(s)")
+
+
+if __name__ == "__main__":  # the local launcher spawns workers this way (cheap imports)
+    worker()

@@ -1,0 +1,1 @@
+"""Launchers start, find and stop worker pools: local processes or Kubernetes."""
