@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -33,6 +34,58 @@ def test_completion_from_output() -> None:
     c = completion_from_output(out("length"))
     assert (c.text, c.prompt_tokens, c.completion_tokens, c.finish_reason) == ("hi", 3, 2, "length")
     assert completion_from_output(out("abort")).finish_reason == "error"
+
+
+class _FakeLLM:
+    """Stands in for ``vllm.LLM`` to test our wiring (order, filtering, params) without vLLM."""
+
+    fail = False
+
+    def __init__(self, **kwargs) -> None:
+        self.kwargs = kwargs
+        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=kwargs["max_model_len"]))
+        self.calls: list[tuple[list, list]] = []
+
+    def get_tokenizer(self) -> SimpleNamespace:
+        return SimpleNamespace(encode=lambda text: [ord(c) for c in text])  # one token per character
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        if _FakeLLM.fail:
+            raise RuntimeError("CUDA out of memory")
+        self.calls.append((prompts, sampling_params))
+        return [
+            SimpleNamespace(prompt_token_ids=p["prompt_token_ids"],
+                            outputs=[SimpleNamespace(text=f"seed={sp['seed']}", token_ids=[1], finish_reason="stop")])
+            for p, sp in zip(prompts, sampling_params)
+        ]
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch: pytest.MonkeyPatch):
+    module = SimpleNamespace(LLM=_FakeLLM, SamplingParams=lambda **kw: kw)
+    inputs = SimpleNamespace(TokensPrompt=lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids})
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    monkeypatch.setattr(_FakeLLM, "fail", False)
+    return module
+
+
+def test_engine_wiring_with_a_fake_vllm(fake_vllm) -> None:
+    from batch_inference.engines import build_engine
+
+    engine = build_engine({"kind": "vllm", "model": "/m", "max_model_len": 12, "vllm": {"extra": {"swap_space": 1}}})
+    llm = engine._llm
+    assert llm.kwargs["swap_space"] == 1 and llm.kwargs["gpu_memory_utilization"] == 0.9 and engine.max_model_len == 12
+    params = [SamplingParams(max_tokens=2, seed=s) for s in (1, 2, 3)]
+    out = engine.generate(["abc", "x" * 11, "de"], params)
+    assert [c.text for c in out] == ["seed=1", "", "seed=3"] and out[1].error.startswith("prompt_too_long")
+    (prompts, sampling), = llm.calls  # one call; the overlong prompt never reached vLLM
+    assert prompts == [{"prompt_token_ids": [97, 98, 99]}, {"prompt_token_ids": [100, 101]}]
+    assert [sp["temperature"] for sp in sampling] == [0.0, 0.0]
+    assert engine.count_tokens(["abcd"]) == [4]
+    _FakeLLM.fail = True
+    failed = engine.generate(["abc", "de"], SamplingParams(max_tokens=2))
+    assert all(c.finish_reason == "error" and "CUDA out of memory" in c.error for c in failed)
 
 
 @pytest.mark.gpu
