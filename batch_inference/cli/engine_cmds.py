@@ -16,4 +16,4 @@ def make_model(out_dir: Path, seed: int) -> None:
 
     path = make_tiny_model(out_dir, seed=seed)
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-    click.echo(f"tiny model written to {path} ({size / 1e6:.1f} MB): loads with AutoModelForCausalLM and vLLM")
+    click.echo(f"tiny model written to {path} ({size / 1e6:.1f} MB), save_pretrained layout")

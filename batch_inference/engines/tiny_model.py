@@ -65,6 +65,7 @@ def make_tiny_model(out_dir: str | Path, *, seed: int = 0) -> Path:
     """Write the tiny model to ``out_dir`` and return it. Same seed => same weights."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -93,6 +94,12 @@ def make_tiny_model(out_dir: str | Path, *, seed: int = 0) -> Path:
         pad_token_id=tokenizer.pad_token_id,
         do_sample=False,
     )
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a 2 MB write needs no progress bar in CLI and test output
+    try:
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
     return out
