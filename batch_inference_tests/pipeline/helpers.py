@@ -1,0 +1,39 @@
+"""Runner wrappers for the pipeline tests: they count or fail tasks around a real pool."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from batch_inference.pool.protocol import TaskFailed, TaskResult, TaskSpec
+
+
+class CountingRunner:
+    """Counts the tasks the pipeline dispatches, by kind; everything else is the real pool's."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.calls: Counter[str] = Counter()
+        self.task_ids: list[str] = []
+
+    @property
+    def limit(self) -> int:
+        return self.inner.limit
+
+    async def run_task(self, spec: TaskSpec) -> TaskResult:
+        self.calls[spec.kind] += 1
+        self.task_ids.append(spec.task_id)
+        return await self.inner.run_task(spec)
+
+
+class FailingShardRunner(CountingRunner):
+    """Acts as a pool whose every retry of one shard's ``phase`` task failed."""
+
+    def __init__(self, inner, *, shard_name: str, kind: str) -> None:
+        super().__init__(inner)
+        self.shard_name, self.kind = shard_name, kind
+
+    async def run_task(self, spec: TaskSpec) -> TaskResult:
+        if spec.kind == self.kind and spec.input_url.endswith(self.shard_name):
+            self.calls["failed"] += 1
+            raise TaskFailed(spec, ["OSError: device lost", "OSError: device lost", "OSError: device lost"])
+        return await super().run_task(spec)

@@ -1,0 +1,161 @@
+"""Strategy 1 (rounds) on the simulated engine through the real InProcessPool."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import orjson
+import pytest
+
+from batch_inference.pipeline import ConservationError, PipelineRun, run_pipeline
+from batch_inference.pipeline.runner import open_runner
+from batch_inference.pool.protocol import TaskResult, TaskSpec
+from batch_inference.storage import JsonlDir
+from batch_inference_tests.pipeline.helpers import CountingRunner, FailingShardRunner
+
+
+def ledger(spec, name: str) -> dict:
+    return orjson.loads((Path(spec.output) / spec.run / "ledger" / f"{name}.json").read_bytes())
+
+
+async def test_rounds_converge_over_several_rounds(make_spec) -> None:
+    spec = make_spec(approval=0.6, max_rounds=10, max_attempts=10)
+    summary = await run_pipeline(spec)
+    assert summary.status == "converged"
+    assert summary.rounds >= 3
+    assert summary.approved == 600 and summary.exhausted == summary.failed == 0
+    assert summary.conservation["ok"] and summary.conservation["terminal"]["approved"] == 600
+    results = list(JsonlDir(summary.results_url).iter_records_sync())
+    assert len({r["id"] for r in results}) == 600
+    assert all(r["status"] == "approved" and "rejection" not in r for r in results)
+    rounds_seen = {r["round"] for r in results}
+    assert len(rounds_seen) >= 3
+    # a record approved in round r had r + 1 attempts
+    assert all(r["attempts"] == r["round"] + 1 for r in results)
+    # the approved + rejected == inferred check held per round, and the funnel shrinks
+    sizes = [ledger(spec, f"round-{r:02d}-infer")["records_in"] for r in range(summary.rounds)]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] == 600
+    assert ledger(spec, f"round-{summary.rounds - 1:02d}-decision")["kind"] == "done"
+
+
+async def test_recompaction_shrinks_the_shard_count(make_spec) -> None:
+    spec = make_spec(approval=0.7, records=1000, max_rounds=3)
+    summary = await run_pipeline(spec)
+    shards = [ledger(spec, f"round-{r:02d}-infer")["shards"] for r in range(summary.rounds)]
+    assert shards[0] == 10
+    assert shards[1] == 3  # ~300 rejected of 1,000 in 100-record shards, not 10 shards of ~30
+    assert shards[1] < shards[0] and shards[2] <= shards[1]
+    rc = ledger(spec, "round-01-recompact")
+    assert rc["shards_in"] == 10 and rc["shards_out"] == shards[1]
+    pending = JsonlDir(str(Path(spec.output) / spec.run / "round-01" / "pending")).manifest()
+    assert all(s["records"] == 100 for s in pending.shards[:-1])  # full shards but the last
+    assert summary.conservation["ok"]
+
+
+async def test_max_rounds_exhaustion_is_reported_not_success(make_spec) -> None:
+    spec = make_spec(approval=0.3, max_rounds=2)
+    summary = await run_pipeline(spec)
+    assert summary.status == "exhausted"
+    assert summary.rounds == 2
+    assert summary.exhausted > 0 and summary.approved + summary.exhausted == 600
+    decision = ledger(spec, "round-01-decision")
+    assert decision["kind"] == "exhausted" and "max_rounds" in decision["reason"]
+    exhausted = list(JsonlDir(str(Path(spec.output) / spec.run / "exhausted")).iter_records_sync())
+    assert len(exhausted) == summary.exhausted and all(r["status"] == "exhausted" for r in exhausted)
+    assert summary.conservation["ok"]
+
+
+@pytest.mark.parametrize("kind", ["infer", "judge"])
+async def test_a_permanently_failing_shard_is_quarantined_and_the_round_completes(make_spec, kind: str) -> None:
+    spec = make_spec(approval=0.5, max_rounds=3)
+    async with open_runner(spec) as pool:
+        where = "sharded" if kind == "infer" else "round-00/inferred"
+        runner = FailingShardRunner(pool, shard_name=f"{where}/part-00002.jsonl.zst", kind=kind)
+        summary = await run_pipeline(spec, runner=runner)
+    assert summary.status == "quarantined"
+    assert summary.failed == 100  # the whole shard, in the round it failed
+    assert summary.approved + summary.exhausted + summary.failed == 600
+    assert summary.conservation["ok"]
+    phase = ledger(spec, f"round-00-{kind}")
+    (entry,) = phase["quarantined"]
+    assert entry["phase"] == kind and entry["records"] == 100 and "device lost" in entry["error"]
+    assert entry["shard"].endswith("part-00002.jsonl.zst")
+    failed_dir = Path(spec.output) / spec.run / "round-00" / "failed"
+    assert [p.name for p in failed_dir.iterdir()] == [f"{kind}-part-00002.jsonl"]
+    # the other nine shards of the round went through both phases
+    assert ledger(spec, "round-00-judge")["records_in"] == 500
+    assert runner.calls["failed"] == 1  # quarantined, never requeued in later rounds
+
+
+async def test_resumed_run_does_not_redo_finished_shards(make_spec) -> None:
+    spec = make_spec(approval=0.5, records=1000, max_rounds=2, pool={"concurrency": 2})
+    progress = Path(spec.output) / spec.run / "ledger" / "progress" / "round-00-infer"
+    async with open_runner(spec) as pool:
+        first = CountingRunner(pool)
+        task = asyncio.create_task(run_pipeline(spec, runner=first))
+        while not progress.exists() or len(list(progress.iterdir())) < 3:
+            await asyncio.sleep(0.005)
+        task.cancel()  # the driver stops mid-phase (as Ctrl-C does)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    done_before = {p.name for p in progress.iterdir()}
+    assert 3 <= len(done_before) < 10
+    async with open_runner(spec) as pool:
+        second = CountingRunner(pool)
+        summary = await run_pipeline(spec, runner=second)
+    redone = [t for t in second.task_ids if "/r00/infer/" in t]
+    assert len(redone) == 10 - len(done_before)
+    assert not {f"part-{t.rsplit('/', 1)[1]}.json" for t in redone} & done_before
+    assert summary.conservation["ok"] and summary.conservation["duplicate_results"] == 0
+    # a third run of a finished pipeline dispatches nothing at all
+    async with open_runner(spec) as pool:
+        third = CountingRunner(pool)
+        again = await run_pipeline(spec, runner=third)
+    assert sum(third.calls.values()) == 0 and again.approved == summary.approved
+
+
+async def test_round_conservation_failure_names_the_shard(make_spec) -> None:
+    class LosingJudge(CountingRunner):
+        """A judge that reports one record fewer than it read (a lost record)."""
+
+        async def run_task(self, spec: TaskSpec) -> TaskResult:
+            result = await super().run_task(spec)
+            if spec.kind == "judge" and spec.input_url.endswith("part-00001.jsonl.zst"):
+                counts = {**result.counts, "approved": result.counts["approved"] - 1}
+                return result.model_copy(update={"counts": counts})
+            return result
+
+    spec = make_spec()
+    async with open_runner(spec) as pool:
+        run = PipelineRun(spec, LosingJudge(pool))
+        await run.shard()
+        await run.infer(0)
+        with pytest.raises(ConservationError, match=r"round 0: approved \+ rejected != inferred.*round-00/inferred/part-00001"):
+            await run.judge(0)
+
+
+async def test_finalize_catches_duplicates_in_results(make_spec) -> None:
+    spec = make_spec(approval=0.9, max_rounds=1)
+    await run_pipeline(spec)
+    results = Path(spec.output) / spec.run / "results"
+    first = sorted(results.iterdir())[0]
+    (results / "round-09-part-00000.jsonl.zst").write_bytes(first.read_bytes())  # a shard written twice
+    (Path(spec.output) / spec.run / "ledger" / "run.json").unlink()
+    with pytest.raises(ConservationError, match="duplicated in results") as err:
+        await PipelineRun(spec).finalize()
+    assert err.value.details["duplicate_results"] > 0
+
+
+async def test_ids_assigned_and_duplicate_input_ids_reported(tmp_path: Path, make_spec) -> None:
+    src = tmp_path / "dups.jsonl"
+    src.write_bytes(b"".join(orjson.dumps({"id": f"x{i % 50}", "prompt": f"p{i}"}) + b"\n" for i in range(60)))
+    spec = make_spec(input=str(src), approval=1.0, max_rounds=1)
+    summary = await run_pipeline(spec)
+    shard = ledger(spec, "shard")
+    assert shard["duplicate_ids"] == 10 and shard["ids_assigned"] == 0
+    assert summary.approved == 60 and summary.conservation["ok"]  # duplicates kept, not merged
+    spec2 = make_spec(run="no-ids", approval=1.0, max_rounds=1)
+    await run_pipeline(spec2)
+    assert ledger(spec2, "shard")["ids_assigned"] == 600
+    assert "storage_options" in ledger(spec2, "spec")

@@ -1,0 +1,97 @@
+"""Spec validation: every bad key is named; secrets never leave the spec object."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from batch_inference.pipeline import PipelineSpec, RunLayout, SpecError
+from batch_inference_tests.pipeline.conftest import spec_dict
+
+
+def test_yaml_and_toml_load_the_same_spec(tmp_path: Path) -> None:
+    data = spec_dict(tmp_path)
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(data))
+    toml = f"""
+run = "test-run"
+input = "{data['input']}"
+output = "{data['output']}"
+strategy = "hybrid"
+[engine]
+kind = "simulated"
+[infer]
+template = "Answer: {{prompt}}"
+[judge]
+kind = "llm"
+template = "Judge: {{result}}"
+[pool]
+concurrency = 3
+"""
+    (tmp_path / "s.toml").write_text(toml)
+    from_yaml = PipelineSpec.load(tmp_path / "s.yaml")
+    from_toml = PipelineSpec.load(tmp_path / "s.toml", strategy=None)
+    assert from_yaml.shard_records == 100 and from_yaml.pool.concurrency == 4
+    assert from_toml.strategy == "hybrid" and from_toml.pool.concurrency == 3
+    assert from_toml.shard_records == 20_000 and from_toml.chunk_size == 2_000  # the reference's defaults
+    assert PipelineSpec.load(tmp_path / "s.yaml", strategy="in_place").strategy == "in_place"
+
+
+def test_errors_name_every_bad_key(tmp_path: Path) -> None:
+    data = spec_dict(tmp_path, pool={"replcas": 2, "concurrency": "many"}, max_rounds=0)
+    data["infer"]["sampling"]["sed"] = 1
+    del data["output"]
+    with pytest.raises(SpecError) as err:
+        PipelineSpec.parse(data, source="spec.yaml")
+    msg = str(err.value)
+    assert "spec.yaml" in msg
+    assert "pool.replcas: unknown key" in msg
+    assert "infer.sampling.sed: unknown key" in msg
+    assert "pool.concurrency:" in msg and "'many'" in msg
+    assert "max_rounds:" in msg
+    assert "output: missing required key" in msg
+
+
+def test_missing_model_path_is_named(tmp_path: Path) -> None:
+    data = spec_dict(tmp_path, engine={"kind": "transformers", "model": str(tmp_path / "no-model")})
+    with pytest.raises(SpecError, match=r"engine.model: model directory .*no-model.* does not exist"):
+        PipelineSpec.parse(data)
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="cannot read spec"):
+        PipelineSpec.load(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("run: [unclosed\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        PipelineSpec.load(tmp_path / "bad.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(SpecError, match="must be a mapping"):
+        PipelineSpec.load(tmp_path / "list.yaml")
+    (tmp_path / "spec.ini").write_text("x")
+    with pytest.raises(SpecError, match="unknown spec format"):
+        PipelineSpec.load(tmp_path / "spec.ini")
+
+
+def test_bad_run_name_rejected(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="run:"):
+        PipelineSpec.parse(spec_dict(tmp_path, run="../escape"))
+
+
+def test_secrets_are_redacted(tmp_path: Path) -> None:
+    spec = PipelineSpec.parse(spec_dict(tmp_path, storage_options={"key": "AKIA-SECRET", "secret": "s3cr3t"}))
+    assert spec.storage_options["secret"] == "s3cr3t"
+    public = spec.public_dict()
+    assert public["storage_options"] == {"key": "***", "secret": "***"}
+    assert "s3cr3t" not in repr(spec) and "s3cr3t" not in str(public)
+
+
+def test_layout_separates_runs(tmp_path: Path) -> None:
+    a, b = RunLayout(str(tmp_path), "a"), RunLayout(str(tmp_path), "b")
+    urls_a = {a.sharded, a.pending(1), a.inferred(0), a.rejected(0), a.results, a.tail, a.ledger, a.exhausted}
+    urls_b = {b.sharded, b.pending(1), b.inferred(0), b.rejected(0), b.results, b.tail, b.ledger, b.exhausted}
+    assert not urls_a & urls_b
+    assert a.pending(0) == a.sharded and a.pending(2).endswith("/a/round-02/pending")
+    assert a.approved_shard(1, 3).endswith("/a/results/round-01-part-00003.jsonl.zst")
+    with pytest.raises(ValueError):
+        RunLayout(str(tmp_path), "x/y")
