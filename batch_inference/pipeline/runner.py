@@ -30,7 +30,7 @@ async def open_runner(spec: PipelineSpec) -> AsyncIterator[TaskRunner]:
 
         async with InProcessPool(
             spec.engine, concurrency=pool.concurrency * pool.replicas, batcher=pool.batcher or None,
-            retries=pool.retries, storage_profiles=profiles,
+            retries=pool.retries, storage_profiles=profiles, checkpoint_interval_s=pool.checkpoint_interval_s,
         ) as runner:
             yield runner
         return

@@ -59,6 +59,7 @@ class PoolSpec(_Strict):
     token_env: str | None = Field(None, description="name of the env var holding the workers' bearer token")
     storage_options_ref: str | None = Field(None, description="storage profile name in the workers' own config")
     batcher: dict[str, Any] = Field(default_factory=dict, description="batcher options for the workers")
+    checkpoint_interval_s: float = Field(5.0, gt=0, description="in-place retry: checkpoint flush period within a chunk")
 
 
 class PipelineSpec(_Strict):
