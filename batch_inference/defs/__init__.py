@@ -1,0 +1,14 @@
+"""Dagster wiring over the pipeline layer: partitions, assets, checks, sensors, schedules.
+
+One folder per domain, each with its ``assets.py`` / ``resources.py`` / ``sensors.py`` /
+``schedules.py`` / ``checks.py`` side by side (the dagster-open-platform layout):
+
+- ``runs/``    a pipeline run as a whole: the source drop, sharding, the tail, results
+- ``rounds/``  Strategy 1 rounds: pending -> inferred -> approved/rejected/failed, the
+               sensor that drives a run from one step to the next
+- ``pool/``    the resource that reaches the persistent worker pool
+- ``storage/`` the resource that maps S3 settings onto fsspec storage options
+
+Every asset body is a call to one ``PipelineRun`` step; the Dagster layer adds lineage,
+scheduling, checks and metadata, never inference logic.
+"""

@@ -1,0 +1,34 @@
+"""The jobs the round sensor launches: one per kind of step it can request.
+
+Each is an asset job over one partitions definition (a Dagster run targets one
+partition): ``shard`` and ``tail``/``results`` per pipeline run, ``round`` per
+``<run>|rNN``. Running a round as one job keeps its blocking checks inside the run, so a
+round whose conservation check fails ends in a failed run, which the sensor never
+advances from.
+"""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from batch_inference.defs.keys import APPROVED, FAILED, GPU_RUN_TAGS, INFERRED, PENDING, REJECTED, RESULTS, SHARDED, TAIL_RETRY
+
+shard_job = dg.define_asset_job(
+    "shard_job", selection=dg.AssetSelection.assets(SHARDED), description="Reshard a run's input (CPU, once)."
+)
+round_job = dg.define_asset_job(
+    "round_job",
+    selection=dg.AssetSelection.assets(PENDING, INFERRED, APPROVED, REJECTED, FAILED),
+    tags=GPU_RUN_TAGS,
+    description="One Strategy 1 round of one run: pending -> inferred -> approved/rejected/failed, with its checks.",
+)
+tail_job = dg.define_asset_job(
+    "tail_job", selection=dg.AssetSelection.assets(TAIL_RETRY), tags=GPU_RUN_TAGS,
+    description="Strategy 2 in-place retry over a run's remaining records.",
+)
+results_job = dg.define_asset_job(
+    "results_job", selection=dg.AssetSelection.assets(RESULTS),
+    description="Finalize a run: terminal sets, the conservation proof, the ledger.",
+)
+
+ASSET_JOBS = [shard_job, round_job, tail_job, results_job]

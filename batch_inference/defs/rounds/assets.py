@@ -1,0 +1,139 @@
+"""Strategy 1 rounds as assets: pending -> inferred -> approved / rejected / failed.
+
+Partitioned by ``pipeline x round`` (keys ``"<run>|rNN"``). Round N's ``pending`` is
+round N-1's ``rejected`` repacked; the asset graph cannot say so (it would be a cycle),
+so the provenance is metadata (``from``) and the round sensor moves a run from one round
+to the next. The judge step also asks the pipeline what follows the round
+(``PipelineRun.decide``) and records the decision on ``rejected``: the sensor acts on it.
+"""
+
+from typing import Any
+
+import dagster as dg
+
+from batch_inference.defs.keys import APPROVED, CPU_OP_TAGS, FAILED, GPU_OP_TAGS, INFERRED, PENDING, REJECTED, SHARDED
+from batch_inference.defs.metadata import funnel_markdown, location, phase_metadata, shard_list
+from batch_inference.defs.partitions import ROUNDS, parse_round_key, round_label
+from batch_inference.defs.pool.resources import PoolResource
+from batch_inference.defs.specs import load_spec
+from batch_inference.defs.steps import run_cpu_step, run_gpu_step, summary_dict
+from batch_inference.defs.storage.resources import StorageResource
+
+GROUP = "rounds"
+
+
+@dg.asset(
+    key=PENDING,
+    partitions_def=ROUNDS,
+    deps=[SHARDED],
+    group_name=GROUP,
+    op_tags=CPU_OP_TAGS,
+    kinds={"jsonl"},
+    description="A round's input: the sharded input for r00, round N-1's rejected records repacked into full shards after.",
+)
+def pending(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.MaterializeResult:
+    from batch_inference.pipeline import RunLayout
+    from batch_inference.storage import JsonlDir
+
+    key = parse_round_key(context.partition_key)
+    spec = load_spec(context.instance, key.run, storage)
+    layout = RunLayout(spec.output, spec.run)
+    url = layout.pending(key.round)
+    meta: dict[str, Any] = {"round": dg.MetadataValue.int(key.round), "uri": location(url)}
+    if key.round == 0:
+        shards = JsonlDir(url, storage_options=spec.storage_options).shards()
+        records = JsonlDir(url, storage_options=spec.storage_options).count_records()
+        meta.update({"from": dg.MetadataValue.text(f"sharded[{key.run}]"), "records": dg.MetadataValue.int(records),
+                     "shards": dg.MetadataValue.int(len(shards))})
+    else:
+        summary = summary_dict(run_cpu_step(spec, lambda run: run.recompact(key.round - 1)))
+        shards = JsonlDir(url, storage_options=spec.storage_options).shards()
+        meta.update({
+            "from": dg.MetadataValue.text(f"rejected[{key.run}|{round_label(key.round - 1)}]"),
+            "records": dg.MetadataValue.int(int(summary["records"])),
+            "shards": dg.MetadataValue.int(int(summary["shards_out"])),
+            "shards_in": dg.MetadataValue.int(int(summary["shards_in"])),
+            "wall_s": dg.MetadataValue.float(round(float(summary["wall_s"]), 3)),
+            "resumed": dg.MetadataValue.bool(bool(summary.get("resumed", False))),
+        })
+    meta["shard_urls"] = shard_list([f.url for f in shards])
+    return dg.MaterializeResult(metadata=meta)
+
+
+@dg.asset(
+    key=INFERRED,
+    partitions_def=ROUNDS,
+    deps=[PENDING],
+    group_name=GROUP,
+    op_tags=GPU_OP_TAGS,
+    kinds={"jsonl"},
+    description="One inference per pending record, through the persistent pool; failed shard tasks are quarantined.",
+)
+def inferred(context: dg.AssetExecutionContext, pool: PoolResource, storage: StorageResource) -> dg.MaterializeResult:
+    from batch_inference.storage import JsonlDir
+
+    key = parse_round_key(context.partition_key)
+    spec = load_spec(context.instance, key.run, storage)
+    summary = summary_dict(run_gpu_step(spec, pool, lambda run: run.infer(key.round)))
+    meta = phase_metadata(summary)
+    meta.pop("approved"), meta.pop("rejected"), meta.pop("approval_rate")
+    meta["shard_urls"] = shard_list([f.url for f in JsonlDir(summary["output_url"], storage_options=spec.storage_options).shards()])
+    meta.update(pool.describe(spec))
+    return dg.MaterializeResult(metadata=meta)
+
+
+@dg.multi_asset(
+    name="judge",
+    specs=[
+        dg.AssetSpec(APPROVED, deps=[INFERRED], group_name=GROUP, kinds={"jsonl"},
+                     description="A round's approved records, written by the judge straight into results/round-NN-part-*."),
+        dg.AssetSpec(REJECTED, deps=[INFERRED], group_name=GROUP, kinds={"jsonl"},
+                     description="A round's rejected records: the next round's input, or the tail's. Carries the round's decision."),
+        dg.AssetSpec(FAILED, deps=[PENDING, INFERRED], group_name=GROUP, kinds={"jsonl"},
+                     description="Quarantine: shards whose infer or judge task exhausted its retries, with the reason."),
+    ],
+    partitions_def=ROUNDS,
+    op_tags=GPU_OP_TAGS,
+)
+def judge(context: dg.AssetExecutionContext, pool: PoolResource, storage: StorageResource):
+    """Judge the round, then record what follows it (next round, tail, or done)."""
+    from batch_inference.pipeline import Ledger, PipelineRun, RunLayout
+    from batch_inference.storage import JsonlDir
+
+    key = parse_round_key(context.partition_key)
+    spec = load_spec(context.instance, key.run, storage)
+    summary = summary_dict(run_gpu_step(spec, pool, lambda run: run.judge(key.round)))
+    decision = summary_dict(PipelineRun(spec).decide(key.round))
+    layout = RunLayout(spec.output, spec.run)
+    ledger = Ledger(layout, spec.storage_options)
+    infer_summary = ledger.read(f"round-{key.round:02d}-infer") or {}
+    figures = phase_metadata(summary)
+    prefix = f"round-{key.round:02d}-"
+
+    approved_shards = [f.url for f in JsonlDir(layout.results, storage_options=spec.storage_options).shards() if f.name.startswith(prefix)]
+    yield dg.MaterializeResult(asset_key=APPROVED, metadata={
+        **figures,
+        "records": dg.MetadataValue.int(int(summary["counts"].get("approved", 0))),
+        "uri": location(layout.results),
+        "shard_prefix": dg.MetadataValue.text(prefix),
+        "shard_urls": shard_list(approved_shards),
+    })
+    yield dg.MaterializeResult(asset_key=REJECTED, metadata={
+        **figures,
+        "records": dg.MetadataValue.int(int(summary["counts"].get("rejected", 0))),
+        "uri": location(layout.rejected(key.round)),
+        "decision": dg.MetadataValue.text(decision["kind"]),
+        "decision_reason": dg.MetadataValue.text(str(decision.get("reason", ""))),
+        "decision_figures": dg.MetadataValue.json(decision.get("figures") or {}),
+        "strategy": dg.MetadataValue.text(spec.strategy),
+        "funnel": dg.MetadataValue.md(funnel_markdown(ledger.view())),
+        **pool.describe(spec),
+    })
+    quarantined = list(infer_summary.get("quarantined", [])) + list(summary.get("quarantined", []))
+    yield dg.MaterializeResult(asset_key=FAILED, metadata={
+        "round": dg.MetadataValue.int(key.round),
+        "records": dg.MetadataValue.int(sum(int(q.get("records", 0)) for q in quarantined)),
+        "shards": dg.MetadataValue.int(len(quarantined)),
+        "uri": location(layout.failed(key.round)),
+        "entries": dg.MetadataValue.json(quarantined),
+    })

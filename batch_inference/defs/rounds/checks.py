@@ -1,0 +1,88 @@
+"""Per-round checks, recounted from storage (not from what the steps reported).
+
+- ``round_conservation`` (blocking): pending = inferred + infer-quarantined and
+  inferred = approved + rejected + judge-quarantined, every count streamed from the
+  round's shards. Blocking: the round's run fails, and the round sensor never advances a
+  failed round, so a wrong round cannot feed the next one.
+- ``quarantine_empty`` (WARN): no shard of the round was quarantined.
+"""
+
+from typing import Any
+
+import dagster as dg
+
+from batch_inference.defs.keys import FAILED, REJECTED
+from batch_inference.defs.partitions import parse_round_key
+from batch_inference.defs.specs import load_spec
+from batch_inference.defs.storage.resources import StorageResource
+
+
+def _count(files: list[Any]) -> int:
+    return sum(sum(1 for _ in f.iter_records_sync()) for f in files)
+
+
+def round_counts(spec: Any, r: int) -> dict[str, int]:
+    """Every count of round ``r``, streamed from its shards; quarantine from the ledger."""
+    from batch_inference.pipeline import Ledger, RunLayout
+    from batch_inference.storage import JsonlDir
+
+    layout = RunLayout(spec.output, spec.run)
+    opts = spec.storage_options
+
+    def shards(url: str) -> list[Any]:
+        d = JsonlDir(url, storage_options=opts)
+        return d.shards() if d.exists_sync() else []
+
+    ledger = Ledger(layout, opts)
+    infer = ledger.read(f"round-{r:02d}-infer") or {}
+    judge = ledger.read(f"round-{r:02d}-judge") or {}
+    prefix = f"round-{r:02d}-"
+    return {
+        "pending": _count(shards(layout.pending(r))),
+        "inferred": _count(shards(layout.inferred(r))),
+        "approved": _count([f for f in shards(layout.results) if f.name.startswith(prefix)]),
+        "rejected": _count(shards(layout.rejected(r))),
+        "infer_quarantined": sum(int(q.get("records", 0)) for q in infer.get("quarantined", [])),
+        "judge_quarantined": sum(int(q.get("records", 0)) for q in judge.get("quarantined", [])),
+    }
+
+
+@dg.asset_check(asset=REJECTED, blocking=True, description=(
+    "pending = inferred + quarantined(infer) and inferred = approved + rejected + quarantined(judge), streamed from storage"))
+def round_conservation(context: dg.AssetCheckExecutionContext, storage: StorageResource) -> dg.AssetCheckResult:
+    key = parse_round_key(context.op_execution_context.partition_key)
+    spec = load_spec(context.instance, key.run, storage)
+    try:
+        c = round_counts(spec, key.round)
+    except (OSError, ValueError) as exc:  # a shard listed but unreadable is a failed check, named
+        return dg.AssetCheckResult(passed=False, description=f"round {key.round_label} of {key.run}: cannot recount: {exc}")
+    infer_ok = c["pending"] == c["inferred"] + c["infer_quarantined"]
+    judge_ok = c["inferred"] == c["approved"] + c["rejected"] + c["judge_quarantined"]
+    problems = []
+    if not infer_ok:
+        problems.append(f"pending {c['pending']} != inferred {c['inferred']} + quarantined {c['infer_quarantined']}")
+    if not judge_ok:
+        problems.append(f"inferred {c['inferred']} != approved {c['approved']} + rejected {c['rejected']} + quarantined {c['judge_quarantined']}")
+    return dg.AssetCheckResult(
+        passed=not problems,
+        description="; ".join(problems) or f"round {key.round_label}: every record accounted for",
+        metadata={k: dg.MetadataValue.int(v) for k, v in c.items()},
+    )
+
+
+@dg.asset_check(asset=FAILED, description="No shard of the round was quarantined (WARN: the run goes on, the records are reported failed)")
+def quarantine_empty(context: dg.AssetCheckExecutionContext, storage: StorageResource) -> dg.AssetCheckResult:
+    from batch_inference.pipeline import Ledger, RunLayout
+
+    key = parse_round_key(context.op_execution_context.partition_key)
+    spec = load_spec(context.instance, key.run, storage)
+    ledger = Ledger(RunLayout(spec.output, spec.run), spec.storage_options)
+    entries = [q for phase in ("infer", "judge") for q in (ledger.read(f"round-{key.round:02d}-{phase}") or {}).get("quarantined", [])]
+    return dg.AssetCheckResult(
+        passed=not entries,
+        severity=dg.AssetCheckSeverity.WARN,
+        description=f"{len(entries)} quarantined shard(s)" if entries else "nothing quarantined",
+        metadata={"shards": dg.MetadataValue.int(len(entries)),
+                  "records": dg.MetadataValue.int(sum(int(q.get("records", 0)) for q in entries)),
+                  "entries": dg.MetadataValue.json(entries[:20])},
+    )

@@ -1,0 +1,156 @@
+"""The round sensor: moves every pipeline run from one step to the next.
+
+It reads, in storage order, the materialisations that end a step: ``source_dataset``
+(a run was started), ``sharded``, ``rejected`` (a round was judged, with the pipeline's
+decision as metadata) and ``tail_retry``. For each it requests exactly one follow-up:
+
+    source_dataset[run]  -> shard_job   sharded[run]
+    sharded[run]         -> round_job   run|r00     (strategy in_place: tail_job from round 0)
+    rejected[run|rNN]    -> next_round: round_job run|rNN+1 (adding the round label first)
+                            tail:       tail_job  (recompact rNN, retry in place from NN+1)
+                            done | exhausted: results_job
+    tail_retry[run]      -> results_job
+
+A plain ``@sensor`` with the last storage id as its cursor, not an ``@asset_sensor``:
+every event since the cursor is read (paginated), so several rounds landing between two
+ticks are all acted on. An event is acted on only once the Dagster run that produced
+it has finished: a run that failed (a blocking check, a step error) gets no follow-up,
+so a wrong round never propagates. Run keys name the step (``<run>|r01``), so a
+re-evaluated tick or a re-materialised round never launches the same step twice.
+"""
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import dagster as dg
+
+from batch_inference.defs.jobs import ASSET_JOBS, results_job, round_job, shard_job, tail_job
+from batch_inference.defs.keys import REJECTED, SHARDED, SOURCE, TAIL_RETRY
+from batch_inference.defs.partitions import ROUND_NUMBERS, RoundKey, parse_round_key
+
+WATCHED = (SOURCE, SHARDED, REJECTED, TAIL_RETRY)
+PAGE = 100
+MAX_EVENTS_PER_TICK = 500
+RUN_TAG = "batch_inference/run"
+
+
+@dataclass(frozen=True)
+class Action:
+    """One follow-up step: the job, its partition, its idempotency key."""
+
+    job_name: str
+    partition_key: str
+    run_key: str
+    run: str
+    reason: str
+    new_round_label: str | None = None
+    run_config: Mapping[str, Any] = field(default_factory=dict)
+
+    def run_request(self) -> dg.RunRequest:
+        return dg.RunRequest(
+            run_key=self.run_key,
+            job_name=self.job_name,
+            partition_key=self.partition_key,
+            run_config=dict(self.run_config),
+            tags={RUN_TAG: self.run, "batch_inference/reason": self.reason[:200]},
+        )
+
+
+def _text(metadata: Mapping[str, Any], key: str) -> str | None:
+    value = metadata.get(key)
+    return None if value is None else str(getattr(value, "value", value))
+
+
+def _round_action(key: RoundKey, reason: str) -> Action:
+    return Action(round_job.name, str(key), f"{key}", key.run, reason, new_round_label=key.round_label)
+
+
+def _tail_action(run: str, from_round: int, reason: str) -> Action:
+    return Action(tail_job.name, run, f"{run}:tail", run, reason,
+                  run_config={"ops": {"tail_retry": {"config": {"from_round": from_round}}}})
+
+
+def _results_action(run: str, reason: str) -> Action:
+    return Action(results_job.name, run, f"{run}:results", run, reason)
+
+
+def follow_up(asset_key: dg.AssetKey, partition_key: str, metadata: Mapping[str, Any]) -> Action | None:
+    """The one step that follows a materialisation (pure: the sensor's whole policy)."""
+    if asset_key == SOURCE:
+        return Action(shard_job.name, partition_key, f"{partition_key}:shard", partition_key, "run started")
+    if asset_key == SHARDED:
+        if _text(metadata, "strategy") == "in_place":
+            return _tail_action(partition_key, 0, "strategy in_place: retry every record in place")
+        return _round_action(RoundKey(partition_key, 0), "input sharded")
+    if asset_key == REJECTED:
+        key = parse_round_key(partition_key)
+        kind = _text(metadata, "decision")
+        why = _text(metadata, "decision_reason") or ""
+        if kind == "next_round":
+            return _round_action(RoundKey(key.run, key.round + 1), f"after {key.round_label}: {why}")
+        if kind == "tail":
+            return _tail_action(key.run, key.round + 1, f"crossover after {key.round_label}: {why}")
+        if kind in ("done", "exhausted"):
+            return _results_action(key.run, f"{kind} after {key.round_label}: {why}")
+        raise ValueError(f"rejected[{partition_key}] carries no known decision (got {kind!r})")
+    if asset_key == TAIL_RETRY:
+        return _results_action(partition_key, "tail finished")
+    return None
+
+
+def _records_since(instance: dg.DagsterInstance, after: int) -> Iterator[dg.EventLogRecord]:
+    """Every watched materialisation with storage id > ``after``, oldest first."""
+    records: list[Any] = []
+    for key in WATCHED:
+        cursor = None
+        while True:
+            page = instance.fetch_materializations(
+                dg.AssetRecordsFilter(asset_key=key, after_storage_id=after), limit=PAGE, cursor=cursor, ascending=True
+            )
+            records.extend(page.records)
+            if not page.has_more or len(records) >= MAX_EVENTS_PER_TICK * len(WATCHED):
+                break
+            cursor = page.cursor
+    records.sort(key=lambda r: r.storage_id)
+    yield from records[:MAX_EVENTS_PER_TICK]
+
+
+@dg.sensor(
+    name="round_sensor",
+    jobs=ASSET_JOBS,
+    minimum_interval_seconds=5,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description="Drives every pipeline run: shard, then round after round, then the tail or results (one action per step).",
+)
+def round_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
+    instance = context.instance
+    cursor = int(context.cursor) if context.cursor else 0
+    known_labels = set(instance.get_dynamic_partitions(ROUND_NUMBERS.name))
+    new_labels: list[str] = []
+    requests: list[dg.RunRequest] = []
+    for record in _records_since(instance, cursor):
+        run = instance.get_run_by_id(record.run_id)
+        if run is not None and not run.is_finished:
+            break  # its checks may still fail: decide on a later tick
+        cursor = record.storage_id
+        key, partition = record.asset_key, record.partition_key
+        if partition is None:
+            continue
+        if run is None or run.status != dg.DagsterRunStatus.SUCCESS:
+            context.log.warning(f"{key.to_user_string()}[{partition}]: its run did not succeed; no follow-up (fix and re-materialise it)")
+            continue
+        materialization = record.asset_materialization
+        action = follow_up(key, partition, materialization.metadata if materialization else {})
+        if action is None:
+            continue
+        if action.new_round_label and action.new_round_label not in known_labels:
+            known_labels.add(action.new_round_label)
+            new_labels.append(action.new_round_label)
+        context.log.info(f"{key.to_user_string()}[{partition}] -> {action.job_name}[{action.partition_key}]: {action.reason}")
+        requests.append(action.run_request())
+    return dg.SensorResult(
+        run_requests=requests,
+        dynamic_partitions_requests=[ROUND_NUMBERS.build_add_request(new_labels)] if new_labels else [],
+        cursor=str(cursor),
+    )

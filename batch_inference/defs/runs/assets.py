@@ -1,0 +1,155 @@
+"""A pipeline run as a whole: its source drop, the one sharding pass, the tail, results.
+
+Partitioned by run name (``pipeline_runs``), the same dynamic definition that is the
+``pipeline`` dimension of the round assets, so lineage from ``sharded[run]`` into every
+round of that run and from every round into ``results[run]`` is drawn by Dagster.
+"""
+
+import dagster as dg
+from pydantic import Field
+
+from batch_inference.defs.keys import (
+    APPROVED,
+    CPU_OP_TAGS,
+    FAILED,
+    GPU_OP_TAGS,
+    REJECTED,
+    RESULTS,
+    SHARDED,
+    SOURCE,
+    TAIL_RETRY,
+)
+from batch_inference.defs.metadata import funnel_markdown, location, phase_metadata, shard_list
+from batch_inference.defs.partitions import RUNS
+from batch_inference.defs.pool.resources import PoolResource
+from batch_inference.defs.specs import load_spec
+from batch_inference.defs.steps import run_cpu_step, run_gpu_step, summary_dict
+from batch_inference.defs.storage.resources import StorageResource
+
+GROUP = "runs"
+
+source_dataset = dg.AssetSpec(
+    SOURCE,
+    partitions_def=RUNS,
+    group_name=GROUP,
+    kinds={"jsonl"},
+    description=(
+        "The input drop of a pipeline run (JSONL or JsonlDir, anywhere fsspec reaches). External: "
+        "the start_pipeline_run job records it, with the run's spec as metadata."
+    ),
+)
+
+
+@dg.asset(
+    key=SHARDED,
+    partitions_def=RUNS,
+    deps=[SOURCE],
+    group_name=GROUP,
+    op_tags=CPU_OP_TAGS,
+    kinds={"jsonl"},
+    description="The input resharded once on CPU into full zstd shards; ids assigned where missing, duplicates reported.",
+)
+def sharded(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.MaterializeResult:
+    from batch_inference.storage import JsonlDir
+
+    spec = load_spec(context.instance, context.partition_key, storage)
+    summary = summary_dict(run_cpu_step(spec, lambda run: run.shard()))
+    shards = JsonlDir(summary["output_url"], storage_options=spec.storage_options).shards()
+    wall = float(summary["wall_s"])
+    return dg.MaterializeResult(metadata={
+        "records": dg.MetadataValue.int(int(summary["records"])),
+        "shards": dg.MetadataValue.int(int(summary["shards"])),
+        "ids_assigned": dg.MetadataValue.int(int(summary["ids_assigned"])),
+        "duplicate_ids": dg.MetadataValue.int(int(summary["duplicate_ids"])),
+        "records_per_s": dg.MetadataValue.float(round(int(summary["records"]) / wall, 1) if wall else 0.0),
+        "wall_s": dg.MetadataValue.float(round(wall, 3)),
+        "strategy": dg.MetadataValue.text(spec.strategy),
+        "input": location(summary["input_url"]),
+        "uri": location(summary["output_url"]),
+        "shard_urls": shard_list([f.url for f in shards]),
+    })
+
+
+class TailConfig(dg.Config):
+    """Which pending set the tail takes over (the sensor fills this in)."""
+
+    from_round: int = Field(
+        description="round whose pending set goes to in-place retry: 0 = the sharded input "
+        "(strategy in_place); N > 0 = round N-1's rejected records, repacked first"
+    )
+
+
+@dg.asset(
+    key=TAIL_RETRY,
+    partitions_def=RUNS,
+    deps=[SHARDED, REJECTED],
+    group_name=GROUP,
+    op_tags=GPU_OP_TAGS,
+    kinds={"jsonl"},
+    description="Strategy 2 over the stubborn tail: each worker keeps a record until approved or max_attempts, checkpointing per attempt.",
+)
+def tail_retry(context: dg.AssetExecutionContext, config: TailConfig, pool: PoolResource,
+               storage: StorageResource) -> dg.MaterializeResult:
+    from batch_inference.pipeline import Ledger, RunLayout
+
+    spec = load_spec(context.instance, context.partition_key, storage)
+    r = config.from_round
+    if r > 0:
+        run_cpu_step(spec, lambda run: run.recompact(r - 1))
+    summary = summary_dict(run_gpu_step(spec, pool, lambda run: run.tail(r)))
+    layout = RunLayout(spec.output, spec.run)
+    counts = summary.get("counts", {})
+    meta = phase_metadata(summary)
+    meta.update({
+        "from_round": dg.MetadataValue.int(r),
+        "approved": dg.MetadataValue.int(int(counts.get("approved", 0))),
+        "rejected": dg.MetadataValue.int(int(summary.get("records_in", 0)) - int(counts.get("approved", 0))),
+        "unfinished": location(layout.tail_unfinished),
+        "funnel": dg.MetadataValue.md(funnel_markdown(Ledger(layout, spec.storage_options).view())),
+        **pool.describe(spec),
+    })
+    return dg.MaterializeResult(metadata=meta)
+
+
+@dg.asset(
+    key=RESULTS,
+    partitions_def=RUNS,
+    deps=[APPROVED, FAILED, TAIL_RETRY],
+    group_name=GROUP,
+    kinds={"jsonl"},
+    op_tags=CPU_OP_TAGS,
+    description="Every approved record of the run, once; the ledger proves every input id reached one terminal state.",
+)
+def results(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.MaterializeResult:
+    from batch_inference.pipeline import Ledger, RunLayout
+    from batch_inference.storage import JsonlDir
+
+    spec = load_spec(context.instance, context.partition_key, storage)
+    summary = summary_dict(run_cpu_step(spec, lambda run: run.finalize()))
+    layout = RunLayout(spec.output, spec.run)
+    records, approved = int(summary["records"]), int(summary["approved"])
+    wall = float(summary["wall_s"])
+    conservation = summary.get("conservation") or {}
+    shards = JsonlDir(layout.results, storage_options=spec.storage_options).shards()
+    return dg.MaterializeResult(metadata={
+        "status": dg.MetadataValue.text(str(summary["status"])),
+        "records": dg.MetadataValue.int(records),
+        "approved": dg.MetadataValue.int(approved),
+        "rejected": dg.MetadataValue.int(int(summary["exhausted"]) + int(summary["max_attempts"])),
+        "exhausted": dg.MetadataValue.int(int(summary["exhausted"])),
+        "max_attempts": dg.MetadataValue.int(int(summary["max_attempts"])),
+        "failed": dg.MetadataValue.int(int(summary["failed"])),
+        "approval_rate": dg.MetadataValue.float(round(approved / records, 4) if records else 0.0),
+        "rounds": dg.MetadataValue.int(int(summary["rounds"])),
+        "tail": dg.MetadataValue.bool(bool(summary["tail"])),
+        "tokens_in": dg.MetadataValue.int(int(summary["tokens_in"])),
+        "tokens_out": dg.MetadataValue.int(int(summary["tokens_out"])),
+        "utilization": dg.MetadataValue.float(round(float(summary["engine_busy_s"]) / wall, 4) if wall else 0.0),
+        "records_per_s": dg.MetadataValue.float(round(records / wall, 2) if wall else 0.0),
+        "wall_s": dg.MetadataValue.float(round(wall, 3)),
+        "conservation_ok": dg.MetadataValue.bool(bool(conservation.get("ok", False))),
+        "uri": location(layout.results),
+        "ledger": location(layout.ledger),
+        "shard_urls": shard_list([f.url for f in shards]),
+        "funnel": dg.MetadataValue.md(funnel_markdown(Ledger(layout, spec.storage_options).view())),
+    })

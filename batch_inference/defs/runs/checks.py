@@ -1,0 +1,74 @@
+"""Whole-run checks on ``results``, from one streaming pass over every id of the run.
+
+``conservation`` (every input id in exactly one terminal state) and ``no_duplicate_ids``
+(no id in results more often than in the input) come from the pipeline's own
+``check_conservation`` (hashed buckets on local disk: memory bounded at any scale), run
+again here over the run's storage rather than trusted from the ledger. Both block.
+``quarantine_empty`` warns when any shard of the run was quarantined.
+"""
+
+from collections.abc import Iterator
+from typing import Any
+
+import dagster as dg
+
+from batch_inference.defs.keys import RESULTS
+from batch_inference.defs.specs import load_spec
+from batch_inference.defs.storage.resources import StorageResource
+
+
+def _quarantined(view: Any) -> list[dict[str, Any]]:
+    phases = [p for entry in view.rounds for p in (entry.get("infer"), entry.get("judge")) if p] + ([view.tail] if view.tail else [])
+    return [q for p in phases for q in p.get("quarantined", [])]
+
+
+@dg.multi_asset_check(
+    specs=[
+        dg.AssetCheckSpec("conservation", asset=RESULTS, blocking=True,
+                          description="every input id is in exactly one terminal state (approved, exhausted, max_attempts, failed)"),
+        dg.AssetCheckSpec("no_duplicate_ids", asset=RESULTS, blocking=True,
+                          description="no id appears in results more often than in the input"),
+        dg.AssetCheckSpec("run_quarantine_empty", asset=RESULTS,
+                          description="no shard of the run was quarantined (WARN)"),
+    ],
+)
+def run_checks(context: dg.AssetCheckExecutionContext, storage: StorageResource) -> Iterator[dg.AssetCheckResult]:
+    from batch_inference.pipeline import Ledger, RunLayout
+    from batch_inference.pipeline.ledger import IdSource, check_conservation
+
+    run = context.op_execution_context.partition_key
+    spec = load_spec(context.instance, run, storage)
+    layout = RunLayout(spec.output, spec.run)
+    view = Ledger(layout, spec.storage_options).view()
+    quarantined = _quarantined(view)
+    sources = [
+        IdSource("input", (layout.sharded,)),
+        IdSource("approved", (layout.results,)),
+        IdSource("exhausted", (layout.exhausted,)),
+        IdSource("unfinished", (layout.tail_unfinished,), status_field=True),
+    ]
+    if quarantined:
+        sources.append(IdSource("failed", tuple(q["shard"] for q in quarantined), is_dir=False))
+    input_records = int((view.shard or {}).get("records", 0))
+    report = check_conservation(sources, input_records=input_records, storage_options=spec.storage_options)
+    terminal = {f"terminal.{k}": dg.MetadataValue.int(v) for k, v in report["terminal"].items()}
+    examples = dg.MetadataValue.json(report["examples"])
+    conserved = report["missing"] == 0 and report["extra"] == 0 and report["input"] == input_records
+    yield dg.AssetCheckResult(
+        check_name="conservation", asset_key=RESULTS, passed=conserved,
+        description=(f"{report['input']} input ids, each in exactly one terminal state" if conserved else
+                     f"{report['missing']} missing, {report['extra']} extra (input {report['input']} of {input_records})"),
+        metadata={"input": dg.MetadataValue.int(report["input"]), "missing": dg.MetadataValue.int(report["missing"]),
+                  "extra": dg.MetadataValue.int(report["extra"]), **terminal, "examples": examples},
+    )
+    yield dg.AssetCheckResult(
+        check_name="no_duplicate_ids", asset_key=RESULTS, passed=report["duplicate_results"] == 0,
+        description=f"{report['duplicate_results']} duplicate id(s) in results",
+        metadata={"duplicate_results": dg.MetadataValue.int(report["duplicate_results"]), "examples": examples},
+    )
+    yield dg.AssetCheckResult(
+        check_name="run_quarantine_empty", asset_key=RESULTS, passed=not quarantined, severity=dg.AssetCheckSeverity.WARN,
+        description=f"{len(quarantined)} quarantined shard(s)" if quarantined else "nothing quarantined",
+        metadata={"shards": dg.MetadataValue.int(len(quarantined)),
+                  "records": dg.MetadataValue.int(sum(int(q.get("records", 0)) for q in quarantined))},
+    )

@@ -1,0 +1,67 @@
+"""Starting a pipeline run: the one op job a person, the CLI or a schedule launches.
+
+Schedules cannot add dynamic partitions, and a run's assets cannot be materialised
+before its partition exists; so starting is a plain job: it validates the spec, adds
+the run's partition and records the source drop (with the spec as metadata) on
+``source_dataset[<run>]``. The round sensor sees that and drives the run from there.
+"""
+
+import dagster as dg
+from pydantic import Field
+
+from batch_inference.defs.keys import CPU_OP_TAGS, SOURCE
+from batch_inference.defs.metadata import location
+from batch_inference.defs.partitions import RUNS
+from batch_inference.defs.specs import SPEC_METADATA_KEY
+from batch_inference.defs.storage.resources import StorageResource
+
+
+class StartRunConfig(dg.Config):
+    """A spec file and the per-run overrides a schedule or a person fills in."""
+
+    spec_path: str = Field(description="the pipeline spec (.yaml/.yml/.toml)")
+    run: str | None = Field(None, description="run name (overrides the spec's): the run's partition and folder")
+    input: str | None = Field(None, description="input URL (overrides the spec's), e.g. tonight's drop")
+    output: str | None = Field(None, description="output base URL (overrides the storage resource's base_url, which overrides the spec's)")
+
+
+@dg.op(name="start_run", tags=CPU_OP_TAGS)
+def start_pipeline_run_op(context: dg.OpExecutionContext, config: StartRunConfig, storage: StorageResource) -> None:
+    """Validate the spec, add the run's partition, record its source drop."""
+    from batch_inference.pipeline import PipelineSpec
+
+    overrides = {"run": config.run, "input": config.input, "output": config.output or storage.base_url}
+    spec = PipelineSpec.load(config.spec_path, **overrides)
+    if spec.run in context.instance.get_dynamic_partitions(RUNS.name) and context.instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=SOURCE, asset_partitions=[spec.run]), limit=1
+    ).records:
+        raise dg.Failure(f"pipeline run {spec.run!r} was already started; give the new run another name (`run:` in the config)")
+    context.instance.add_dynamic_partitions(RUNS.name, [spec.run])
+    context.log_event(dg.AssetMaterialization(
+        asset_key=SOURCE,
+        partition=spec.run,
+        description=f"input drop of pipeline run {spec.run}",
+        metadata={
+            SPEC_METADATA_KEY: dg.MetadataValue.json(spec.public_dict()),
+            "input": location(spec.input),
+            "output": location(spec.output),
+            "strategy": dg.MetadataValue.text(spec.strategy),
+            "max_rounds": dg.MetadataValue.int(spec.max_rounds),
+            "engine": dg.MetadataValue.text(f"{spec.engine.kind}:{spec.engine.model or ''}"),
+            "spec_path": dg.MetadataValue.path(config.spec_path),
+        },
+    ))
+    context.log.info("started pipeline run %s over %s; the round sensor takes it from here", spec.run, spec.input)
+
+
+@dg.job(name="start_pipeline_run", tags={"batch_inference/compute": "cpu"},
+        description="Start a pipeline run over an input: adds its partition and records its spec; the round sensor drives it.")
+def start_pipeline_run() -> None:
+    start_pipeline_run_op()
+
+
+def start_run_config(spec_path: str, *, run: str | None = None, input: str | None = None,
+                     output: str | None = None) -> dict:
+    """The run config of ``start_pipeline_run`` (for schedules, the CLI and tests)."""
+    cfg = {"spec_path": spec_path, **{k: v for k, v in {"run": run, "input": input, "output": output}.items() if v is not None}}
+    return {"ops": {"start_run": {"config": cfg}}}

@@ -1,0 +1,41 @@
+"""Run one pipeline step from a Dagster asset: the whole of what an asset body does.
+
+Each asset resolves its partition to a spec (``specs.load_spec``), opens a runner from
+the pool resource only when the step needs the GPU, calls the one ``PipelineRun`` step
+and returns its summary as a dict. Sync on the outside (Dagster calls asset bodies
+synchronously), one event loop per step on the inside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from batch_inference.defs.pool.resources import PoolResource
+    from batch_inference.pipeline import PipelineRun, PipelineSpec
+
+T = TypeVar("T")
+
+
+def run_cpu_step(spec: PipelineSpec, step: Callable[[PipelineRun], Awaitable[T]]) -> T:
+    """A step that needs no pool (shard, recompact, finalize)."""
+    from batch_inference.pipeline import PipelineRun
+
+    return asyncio.run(step(PipelineRun(spec)))
+
+
+def run_gpu_step(spec: PipelineSpec, pool: PoolResource, step: Callable[[PipelineRun], Awaitable[T]]) -> T:
+    """A step whose shard tasks go to the pool (infer, judge, tail)."""
+    from batch_inference.pipeline import PipelineRun
+
+    async def go() -> T:
+        async with pool.runner(spec) as runner:
+            return await step(PipelineRun(pool.apply(spec), runner=runner))
+
+    return asyncio.run(go())
+
+
+def summary_dict(summary: Any) -> dict[str, Any]:
+    return summary.as_dict() if hasattr(summary, "as_dict") else dict(summary)
