@@ -1,0 +1,107 @@
+"""Fault-suite helpers: small specs on the simulated engine and an independent conservation check.
+
+Every fault test ends in :func:`assert_conserved`, which does NOT trust the pipeline's
+own ledger: it reads the input ids the test wrote and every terminal row the run left
+(results, exhausted, tail/unfinished, quarantined shards) and checks that each input id
+is in exactly one terminal state and that results hold no id twice.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import orjson
+from batch_inference.pipeline import PipelineSpec, RunLayout
+from batch_inference.storage import JsonlDir, JsonlFile
+
+FAST_ENGINE: dict[str, Any] = {"kind": "simulated", "simulated": {"approval_rate": 0.6, "latency_a_s": 0.0005, "latency_b_s": 0.0}}
+
+
+def write_input(path: Path, n: int, *, prefix: str = "q") -> list[str]:
+    """``n`` records ``{"id", "prompt"}`` as plain JSONL; returns their ids."""
+    ids = [f"{prefix}{i:05d}" for i in range(n)]
+    with open(path, "wb") as f:
+        for rid in ids:
+            f.write(orjson.dumps({"id": rid, "prompt": f"question {rid}"}) + b"\n")
+    return ids
+
+
+def spec_data(tmp_path: Path, *, input: str | None = None, records: int = 400, **overrides: Any) -> dict[str, Any]:
+    """A spec mapping: simulated engine, 50-record shards, in-process pool (override anything)."""
+    if input is None:
+        src = tmp_path / "input.jsonl"
+        if not src.exists():
+            write_input(src, records)
+        input = str(src)
+    data: dict[str, Any] = {
+        "run": "faults",
+        "input": input,
+        "output": str(tmp_path / "out"),
+        "engine": FAST_ENGINE,
+        "infer": {"template": "Answer: {prompt}", "sampling": {"max_tokens": 8, "seed": 7}},
+        "judge": {"kind": "llm", "template": "Judge: {result}"},
+        "strategy": "rounds",
+        "max_rounds": 4,
+        "max_attempts": 6,
+        "shard_records": 50,
+        "chunk_size": 25,
+        "pool": {"concurrency": 4, "retries": 2, "batcher": {"batch_timeout_s": 0.002}},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict) and key != "engine":
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return data
+
+
+def make_spec(tmp_path: Path, **overrides: Any) -> PipelineSpec:
+    return PipelineSpec.parse(spec_data(tmp_path, **overrides))
+
+
+def terminal_states(spec: PipelineSpec) -> dict[str, list[str]]:
+    """id -> every terminal state it was found in, read straight from storage."""
+    opts = spec.storage_options or None
+    lay = RunLayout(spec.output, spec.run)
+    found: dict[str, list[str]] = {}
+
+    def add(rows: Any, state: str | None) -> None:
+        for row in rows:
+            s = state or ("max_attempts" if row.get("status") == "max_attempts" else "failed")
+            found.setdefault(str(row["id"]), []).append(s)
+
+    for url, state in ((lay.results, "approved"), (lay.exhausted, "exhausted"), (lay.tail_unfinished, None)):
+        d = JsonlDir(url, storage_options=opts)
+        if d.exists_sync() and d.shards():
+            add(d.iter_records_sync(), state)
+    for entry in quarantine_entries(spec):
+        add(JsonlFile(entry["shard"], storage_options=opts).iter_records_sync(), "failed")
+    return found
+
+
+def quarantine_entries(spec: PipelineSpec) -> list[dict[str, Any]]:
+    """Every quarantined-shard entry (round-NN/failed/*, tail/failed/*) the run wrote."""
+    opts = spec.storage_options or None
+    lay = RunLayout(spec.output, spec.run)
+    fs = JsonlDir(lay.root, storage_options=opts).fs
+    root = JsonlDir(lay.root, storage_options=opts).path
+    fs.invalidate_cache()
+    entries = []
+    for path in sorted(fs.glob(f"{root}/round-*/failed/*.jsonl") + fs.glob(f"{root}/tail/failed/*.jsonl")):
+        entries.extend(JsonlFile(f"{lay.root}{path[len(root):]}", storage_options=opts).iter_records_sync())
+    return entries
+
+
+def assert_conserved(spec: PipelineSpec, input_ids: list[str]) -> Counter[str]:
+    """Every input id in exactly one terminal state, no id twice in results; returns state counts."""
+    found = terminal_states(spec)
+    missing = [i for i in input_ids if i not in found]
+    twice = {i: s for i, s in found.items() if len(s) > 1}
+    extra = sorted(set(found) - set(input_ids))
+    assert not missing, f"{len(missing)} record(s) lost, e.g. {missing[:5]}"
+    assert not twice, f"{len(twice)} record(s) in more than one terminal row, e.g. {list(twice.items())[:5]}"
+    assert not extra, f"{len(extra)} unknown id(s) in the output, e.g. {extra[:5]}"
+    assert len(found) == len(set(input_ids))
+    return Counter(s[0] for s in found.values())

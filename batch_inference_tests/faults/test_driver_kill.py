@@ -1,0 +1,84 @@
+"""The driver (``batch-inference run SPEC``) SIGKILLed mid-round; the same command resumes.
+
+Finished shards (progress record + committed output) must be neither recomputed nor
+duplicated; the shard that was in flight must not be visible half-written.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+import yaml
+
+from batch_inference.pipeline import PipelineSpec
+from batch_inference_tests.faults.helpers import assert_conserved, spec_data, write_input
+
+CLI = [sys.executable, "-m", "batch_inference.cli.main"]
+
+
+def _snapshot(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_mtime_ns for p in folder.glob("*") if not p.name.startswith(".")} if folder.exists() else {}
+
+
+@pytest.mark.slow
+def test_driver_sigkilled_mid_round_resumes_without_recompute(tmp_path: Path) -> None:
+    ids = write_input(tmp_path / "input.jsonl", 400)
+    data = spec_data(
+        tmp_path, shard_records=50, chunk_size=25,
+        engine={"kind": "simulated", "simulated": {"approval_rate": 0.6, "latency_a_s": 0.03, "latency_b_s": 0.0}},
+        pool={"concurrency": 2, "retries": 1, "batcher": {"batch_timeout_s": 0.002}},
+    )
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(data))
+    spec = PipelineSpec.load(spec_path)
+    root = Path(spec.output) / spec.run
+    progress = root / "ledger" / "progress" / "round-00-infer"
+    inferred = root / "round-00" / "inferred"
+
+    proc = subprocess.Popen([*CLI, "run", str(spec_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_snapshot(progress)) < 3:  # mid-round: some of round 0's 8 infer shards done
+            assert proc.poll() is None, f"the run ended before it could be killed: {proc.stdout.read().decode()[-2000:]}"  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "no infer progress within 60 s"
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    done_before = _snapshot(progress)
+    outputs_before = {k: v for k, v in _snapshot(inferred).items()}
+    assert 3 <= len(done_before) < 8, "killed mid-round"
+    assert not (root / "ledger" / "round-00-infer.json").exists()
+    # nothing half-written is visible: every visible inferred shard is complete and readable
+    for name in outputs_before:
+        assert name.endswith(".jsonl.zst")
+
+    t0 = time.monotonic()
+    rerun = subprocess.run([*CLI, "run", str(spec_path)], capture_output=True, timeout=120)
+    recover_s = time.monotonic() - t0
+    assert rerun.returncode in (0, 3), rerun.stdout.decode()[-3000:] + rerun.stderr.decode()[-3000:]
+
+    # finished shards were not recomputed: their progress records and outputs are untouched
+    after = _snapshot(progress)
+    assert {k: after[k] for k in done_before} == done_before
+    outputs_after = _snapshot(inferred)
+    for name in (n.replace(".json", ".jsonl.zst") for n in done_before):
+        assert outputs_after[name] == outputs_before[name], f"{name} was recomputed"
+    infer = orjson.loads((root / "ledger" / "round-00-infer.json").read_bytes())
+    assert infer["shards_run"] == 8 - len(done_before)
+
+    counts = assert_conserved(spec, ids)
+    run = orjson.loads((root / "ledger" / "run.json").read_bytes())
+    assert run["conservation"]["ok"] and counts["approved"] == run["approved"]
+    print(f"RECOVERY driver SIGKILL: re-run finished the remaining {8 - len(done_before)}/8 shards of round 0 and the rest in {recover_s:.1f}s")
