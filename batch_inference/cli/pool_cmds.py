@@ -131,5 +131,26 @@ def pool_down(name: str, state_dir: str | None) -> None:
     click.echo(f"pool {name}: stopped {n} worker(s)")
 
 
+@pool.command("k8s-manifests")
+@click.option("--engine-config", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--image", required=True, help="Container image with batch_inference installed.")
+@click.option("--name", default="batch-inference-worker", show_default=True)
+@click.option("--namespace", default="default", show_default=True)
+@click.option("--replicas", default=2, show_default=True, type=int)
+@click.option("--concurrency", default=10, show_default=True, type=int)
+@click.option("--gpus", default=1, show_default=True, type=int, help="nvidia.com/gpu per worker (0: CPU).")
+@click.option("--storage-root", "storage_roots", multiple=True, required=True, help="Repeatable, e.g. s3://bucket/runs.")
+@click.option("--storage-secret", default=None, help="Secret with storage credentials (envFrom), e.g. AWS_* keys.")
+def pool_k8s_manifests(engine_config: str, image: str, name: str, namespace: str, replicas: int, concurrency: int,
+                       gpus: int, storage_roots: tuple[str, ...], storage_secret: str | None) -> None:
+    """Print the Kubernetes manifests (Secret, ConfigMap, Deployment, Service) for a worker pool."""
+    from batch_inference.pool.launchers.k8s import K8sLauncher, render_yaml
+    from batch_inference.pool.worker import load_config_file
+
+    launcher = K8sLauncher(load_config_file(engine_config), image=image, name=name, namespace=namespace, replicas=replicas,
+                           concurrency=concurrency, gpus=gpus, storage_roots=list(storage_roots), storage_secret=storage_secret)
+    click.echo(render_yaml(launcher), nl=False)
+
+
 if __name__ == "__main__":  # the local launcher spawns workers this way (cheap imports)
     worker()
