@@ -6,6 +6,8 @@ module is the one place that maps ``spec.pool`` onto the pool layer's classes.
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -17,47 +19,49 @@ from batch_inference.pool.protocol import TaskRunner
 async def open_runner(spec: PipelineSpec) -> AsyncIterator[TaskRunner]:
     """``async with open_runner(spec) as runner``: the runner ``spec.pool`` describes.
 
-    * ``endpoints`` given: a client to that running pool (it outlives this run).
+    * ``endpoints`` given (always for ``k8s``): a client to that running pool.
     * ``launcher: inprocess``: the worker's task code in this process (tests, small runs).
-    * ``launcher: local`` / ``k8s``: the launcher brings the pool up (reusing a running
-      one) and a client drives it; the pool is left running for the next run, as the
-      reference's reusable containers are (its idle TTL shuts it down).
+    * ``launcher: local``: ``LocalLauncher`` brings the pool up, reusing a running one of
+      the same name and configuration, and restarts dead workers on demand; the pool is
+      left running for the next run (its ``idle_ttl_s`` shuts it down), as the
+      reference's reusable containers are.
     """
     pool = spec.pool
-    profiles = {pool.storage_options_ref: spec.storage_options} if pool.storage_options_ref else None
-    if not pool.endpoints and pool.launcher == "inprocess":
+    token = spec.pool_token()
+    if pool.endpoints:
+        from batch_inference.pool import PoolClient
+
+        async with PoolClient(pool.endpoints, concurrency=pool.concurrency, retries=pool.retries,
+                              timeout_s=pool.timeout_s, token=token) as client:
+            yield client
+        return
+    if pool.launcher == "inprocess":
         from batch_inference.pool import InProcessPool
 
+        profiles = {pool.storage_options_ref: spec.storage_options} if pool.storage_options_ref else None
         async with InProcessPool(
             spec.engine, concurrency=pool.concurrency * pool.replicas, batcher=pool.batcher or None,
             retries=pool.retries, storage_profiles=profiles, checkpoint_interval_s=pool.checkpoint_interval_s,
         ) as runner:
             yield runner
         return
-    endpoints = list(pool.endpoints)
-    if not endpoints:
-        endpoints = await _launch(spec)
-    from batch_inference.pool import PoolClient
+    from batch_inference.pool import LocalLauncher
 
-    client = PoolClient(
-        endpoints, concurrency=pool.concurrency, retries=pool.retries, timeout_s=pool.timeout_s, token=spec.pool_token()
+    launcher = LocalLauncher(
+        spec.engine, replicas=pool.replicas, concurrency=pool.concurrency, batcher=pool.batcher or None,
+        storage_roots=pool.storage_roots or default_roots(spec), idle_ttl_s=pool.idle_ttl_s, name=pool.name,
+        storage_profiles_file=pool.storage_profiles_file,
     )
+    client = await asyncio.to_thread(launcher.client, retries=pool.retries, timeout_s=pool.timeout_s, token=token)
     async with client:
         yield client
 
 
-async def _launch(spec: PipelineSpec) -> list[str]:
-    """Bring up (or find) the pool the spec's launcher manages; return its endpoints."""
-    import asyncio
-
-    pool = spec.pool
-    if pool.launcher == "local":
-        from batch_inference.pool import LocalLauncher
-
-        launcher = LocalLauncher(spec.engine, replicas=pool.replicas, concurrency=pool.concurrency, batcher=pool.batcher or None)
-    else:
-        from batch_inference.pool import K8sLauncher
-
-        launcher = K8sLauncher(spec.engine, replicas=pool.replicas, concurrency=pool.concurrency)
-    await asyncio.to_thread(launcher.up)
-    return list(launcher.endpoints())
+def default_roots(spec: PipelineSpec) -> list[str]:
+    """What workers may touch: the run's output base and the input (its folder for a file)."""
+    src = spec.input
+    if "://" not in src:
+        src = os.path.abspath(src)
+        if not os.path.isdir(src):
+            src = os.path.dirname(src)
+    return [spec.output if "://" in spec.output else os.path.abspath(spec.output), src]

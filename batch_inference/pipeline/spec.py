@@ -60,6 +60,17 @@ class PoolSpec(_Strict):
     storage_options_ref: str | None = Field(None, description="storage profile name in the workers' own config")
     batcher: dict[str, Any] = Field(default_factory=dict, description="batcher options for the workers")
     checkpoint_interval_s: float = Field(5.0, gt=0, description="in-place retry: checkpoint flush period within a chunk")
+    # local launcher
+    name: str = Field("default", description="local pool name: runs with the same name and config reuse its workers")
+    idle_ttl_s: float | None = Field(600.0, description="local pool shuts down after this long idle")
+    storage_roots: list[str] = Field(default_factory=list, description="worker storage roots (default: input and output)")
+    storage_profiles_file: str | None = Field(None, description="workers' storage profiles (credentials stay there)")
+
+    @model_validator(mode="after")
+    def _k8s_needs_endpoints(self) -> PoolSpec:
+        if self.launcher == "k8s" and not self.endpoints:
+            raise ValueError("launcher 'k8s' needs 'endpoints' (the worker Service URL; deploy with deploy/k8s/)")
+        return self
 
 
 class PipelineSpec(_Strict):

@@ -1,0 +1,77 @@
+"""`batch-inference run SPEC` and `batch-inference status RUN`: exit codes, ledger table, Ctrl-C + resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from click.testing import CliRunner
+
+from batch_inference.cli.pipeline_cmds import run, status
+from batch_inference_tests.pipeline.conftest import spec_dict
+
+
+def test_run_then_status(tmp_path: Path) -> None:
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(spec_dict(tmp_path, approval=0.3, max_rounds=2)))
+    result = CliRunner().invoke(run, [str(spec_path)], terminal_width=160)
+    assert result.exit_code == 3, result.output  # exhaustion is not success
+    assert "status: exhausted" in result.output and "conservation: OK" in result.output
+    assert "round 1 -> exhausted: max_rounds (2) reached" in result.output
+    shown = CliRunner().invoke(status, [str(tmp_path / "out" / "test-run")], terminal_width=160)
+    assert shown.exit_code == 0, shown.output
+    assert "round 0" in shown.output and "round 1" in shown.output and "exhausted" in shown.output
+    as_json = CliRunner().invoke(status, [str(spec_path), "--json"])
+    assert as_json.exit_code == 0 and '"rounds"' in as_json.output
+
+
+def test_run_strategy_override_and_converged_exit(tmp_path: Path) -> None:
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(spec_dict(tmp_path, approval=1.0)))
+    result = CliRunner().invoke(run, [str(spec_path), "--strategy", "in_place", "--run-name", "other"], terminal_width=160)
+    assert result.exit_code == 0, result.output
+    assert "status: converged" in result.output and (tmp_path / "out" / "other" / "tail").is_dir()
+
+
+def test_bad_spec_and_unknown_run(tmp_path: Path) -> None:
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump({**spec_dict(tmp_path), "shards": 3}))
+    result = CliRunner().invoke(run, [str(spec_path)])
+    assert result.exit_code == 1 and "shards: unknown key" in result.output
+    missing = CliRunner().invoke(status, [str(tmp_path / "nowhere" / "run")])
+    assert missing.exit_code == 1 and "no ledger" in missing.output
+
+
+def test_ctrl_c_stops_cleanly_and_rerun_resumes(tmp_path: Path) -> None:
+    data = spec_dict(
+        tmp_path, records=2000, approval=0.5, max_rounds=2, pool={"concurrency": 2},
+        engine={"kind": "simulated", "simulated": {"approval_rate": 0.5, "latency_a_s": 0.01, "latency_b_s": 0.0}},
+    )
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(data))
+    progress = tmp_path / "out" / "test-run" / "ledger" / "progress" / "round-00-infer"
+    cmd = [sys.executable, "-m", "batch_inference.cli.main", "run", str(spec_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (progress.exists() and len(list(progress.iterdir())) >= 2):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, out
+    assert "interrupted" in out
+    done = len(list(progress.iterdir()))
+    assert done < 20
+    again = CliRunner().invoke(run, [str(spec_path)], terminal_width=160)
+    assert again.exit_code == 3, again.output
+    assert "conservation: OK" in again.output

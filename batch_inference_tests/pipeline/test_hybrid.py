@@ -1,0 +1,95 @@
+"""The hybrid: rounds while they pay, then in-place retry; the decision and its figures are recorded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+
+from batch_inference.pipeline import CrossoverRule, PipelineRun, choose_crossover, run_pipeline
+from batch_inference.pipeline.crossover import expected_attempts
+
+
+def ledger(spec, name: str) -> dict:
+    return orjson.loads((Path(spec.output) / spec.run / "ledger" / f"{name}.json").read_bytes())
+
+
+def test_expected_attempts() -> None:
+    assert expected_attempts(1.0, 5) == 1.0
+    assert expected_attempts(0.0, 4) == 4.0
+    assert abs(expected_attempts(0.5, 3) - 1.75) < 1e-9
+    assert expected_attempts(0.5, 0) == 0.0
+
+
+def test_rule_switches_on_shrink_and_on_cost() -> None:
+    common = dict(round=0, records_in=1000, wall_s=10.0, drain_s=1.0, rounds_left=4, attempts_left=4)
+    # pending shrank 20% < 50%: switch
+    switch, reason, figures = choose_crossover(CrossoverRule(min_shrink=0.5, compare_cost=False), approved=200, rejected=800, **common)
+    assert switch and "shrank 20.0%" in reason and figures["shrink"] == 0.2
+    # shrank 90%, cost comparison off: keep going
+    switch, _, _ = choose_crossover(CrossoverRule(min_shrink=0.5, compare_cost=False), approved=900, rejected=100, **common)
+    assert not switch
+    # shrank 90%, but 2 more barrier-bound rounds (2 x 1 s fixed) cost more than one in-place pass
+    switch, reason, figures = choose_crossover(CrossoverRule(min_shrink=0.5), approved=900, rejected=100, **common)
+    assert switch and figures["projected_rounds_s"] > figures["projected_in_place_s"] and "projected rounds" in reason
+    # no fixed per-round cost measured: rounds and in-place cost the same work, rounds keep going
+    switch, _, _ = choose_crossover(CrossoverRule(min_shrink=0.5), approved=900, rejected=100, **{**common, "drain_s": 0.0})
+    assert not switch
+    # min_rounds holds the rule back
+    switch, reason, _ = choose_crossover(CrossoverRule(min_shrink=0.5, min_rounds=2), approved=200, rejected=800, **common)
+    assert not switch and "at least 2" in reason
+
+
+async def test_hybrid_switches_when_the_pending_set_stops_shrinking(make_spec) -> None:
+    spec = make_spec(strategy="hybrid", approval=0.25, max_rounds=5, max_attempts=5,
+                     crossover={"min_shrink": 0.5, "compare_cost": False})
+    summary = await run_pipeline(spec)
+    decision = ledger(spec, "round-00-decision")
+    assert decision["kind"] == "tail" and "shrank" in decision["reason"]
+    assert decision["figures"]["approval"] < 0.5 and "projected_rounds_s" in decision["figures"]
+    assert summary.rounds == 1 and summary.tail
+    tail = ledger(spec, "tail")
+    assert tail["from_round"] == 1 and tail["records_in"] == decision["figures"]["rejected"]
+    assert summary.conservation["ok"] and summary.approved + summary.max_attempts == 600
+    # attempts count across the round and the tail: nobody exceeds max_attempts
+    rows = [r for d in ("results", "tail/unfinished") for r in _rows(spec, d)]
+    assert max(r["attempts"] for r in rows) == 5
+    assert all(r["attempts"] >= 2 for r in _rows(spec, "tail/unfinished"))
+
+
+async def test_hybrid_keeps_rounds_while_they_pay(make_spec) -> None:
+    spec = make_spec(strategy="hybrid", approval=0.8, max_rounds=6, max_attempts=6,
+                     crossover={"min_shrink": 0.5, "compare_cost": False})
+    summary = await run_pipeline(spec)
+    assert ledger(spec, "round-00-decision")["kind"] == "next_round"
+    assert summary.rounds >= 2 and not summary.tail
+    assert summary.status == "converged" and summary.conservation["ok"]
+
+
+async def test_hybrid_hands_over_at_max_rounds_instead_of_exhausting(make_spec) -> None:
+    spec = make_spec(strategy="hybrid", approval=0.6, max_rounds=1, max_attempts=4,
+                     crossover={"min_shrink": 0.0, "compare_cost": False})
+    summary = await run_pipeline(spec)
+    decision = ledger(spec, "round-00-decision")
+    assert decision["kind"] == "tail" and "max_rounds" in decision["reason"]
+    assert summary.tail and summary.exhausted == 0 and summary.conservation["ok"]
+
+
+async def test_decide_is_recorded_once(make_spec) -> None:
+    spec = make_spec(strategy="hybrid", approval=0.5)
+    from batch_inference.pipeline.runner import open_runner
+
+    async with open_runner(spec) as runner:
+        run = PipelineRun(spec, runner)
+        await run.shard()
+        await run.infer(0)
+        await run.judge(0)
+    first = run.decide(0)
+    assert PipelineRun(spec).decide(0) == first  # a re-run reads the recorded decision
+
+
+def _rows(spec, d: str) -> list[dict]:
+    from batch_inference.storage import JsonlDir
+
+    path = Path(spec.output) / spec.run / d
+    return list(JsonlDir(str(path)).iter_records_sync()) if path.exists() else []
