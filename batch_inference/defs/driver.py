@@ -37,9 +37,11 @@ class DriveResult:
     cursor: str | None = None
 
 
-def start_run(defs: dg.Definitions, instance: dg.DagsterInstance, run_config: dict[str, Any]) -> dg.ExecuteInProcessResult:
+def start_run(defs: dg.Definitions, instance: dg.DagsterInstance, run_config: dict[str, Any],
+              log_level: str | None = None) -> dg.ExecuteInProcessResult:
     """Execute the ``start_pipeline_run`` job (what a person or the schedule launches)."""
-    return defs.resolve_job_def("start_pipeline_run").execute_in_process(run_config=run_config, instance=instance)
+    loggers = {"loggers": {"console": {"config": {"log_level": log_level}}}} if log_level else {}
+    return defs.resolve_job_def("start_pipeline_run").execute_in_process(run_config={**run_config, **loggers}, instance=instance)
 
 
 def _already_launched(instance: dg.DagsterInstance, sensor_name: str, run_key: str | None) -> bool:
@@ -78,8 +80,14 @@ def drive(
     max_ticks: int = 100,
     sensor_name: str = "round_sensor",
     on_launch: Callable[[LaunchedRun], None] | None = None,
+    log_level: str | None = None,
 ) -> DriveResult:
-    """Tick the sensor and run what it requests until a tick requests nothing new."""
+    """Tick the sensor and run what it requests until a tick requests nothing new.
+
+    ``log_level`` (e.g. ``"WARNING"``) quiets the console logger of the executed runs;
+    the event log in the instance keeps everything either way.
+    """
+    loggers = {"loggers": {"console": {"config": {"log_level": log_level}}}} if log_level else {}
     out = DriveResult(cursor=cursor)
     for _ in range(max_ticks):
         data = tick(defs, instance, out.cursor, sensor_name)
@@ -94,7 +102,7 @@ def drive(
                 tags[RUN_KEY_TAG] = request.run_key
             job = defs.resolve_job_def(request.job_name)
             result = job.execute_in_process(
-                run_config=request.run_config, instance=instance, partition_key=request.partition_key,
+                run_config={**request.run_config, **loggers}, instance=instance, partition_key=request.partition_key,
                 tags=tags, raise_on_error=False,
             )
             launched = LaunchedRun(request.job_name, request.partition_key, request.run_key, result.success, result.run_id)
