@@ -136,16 +136,12 @@ def flyte_available() -> bool:
     return True
 
 
-async def flyte_write(recs: list[dict], out: Path, zstd: bool) -> None:
+async def flyte_write(recs: list[dict], out: Path, zstd: bool, level: int) -> None:
     from flyteplugins.jsonl import JsonlDir as FJsonlDir
 
-    kw = {"max_records_per_shard": SHARD}
-    d = FJsonlDir(path=str(out))
-    try:
-        cm = d.writer(**kw, compression="zstd" if zstd else None)
-    except TypeError:
-        cm = d.writer(**kw)
-    async with cm as w:
+    ext = ".jsonl.zst" if zstd else ".jsonl"
+    out.mkdir(parents=True)  # its local writer does not create the directory
+    async with FJsonlDir(path=str(out)).writer(shard_extension=ext, max_records_per_shard=SHARD, compression_level=level) as w:
         for r in recs:
             await w.write(r)
 
@@ -216,6 +212,7 @@ def main() -> None:
             out = tmp / f"{case}-sync"
             asyncio.run(ours_write(recs, out, zstd, args.level))
             rows.append((case, "ours (sync read)", "read", min(timed(lambda: ours_read_sync(out)) for _ in range(args.repeat))))
+
             if zstd:
                 print(f"  zstd-{args.level} stored size: {dir_bytes(out) / 1e6:.1f} MB of {raw_mb:.1f} MB raw")
             shutil.rmtree(out)
@@ -223,7 +220,7 @@ def main() -> None:
                 best(
                     "flyteplugins-jsonl",
                     "",
-                    lambda o: asyncio.run(flyte_write(recs, o, zstd)),
+                    lambda o: asyncio.run(flyte_write(recs, o, zstd, args.level)),
                     lambda o: asyncio.run(flyte_read(o)),
                 )
     finally:

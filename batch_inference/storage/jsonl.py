@@ -105,22 +105,33 @@ class JsonlFile:
         _check_sink(on_error, quarantine)
         bad: list[dict] = []
         blocks = self._blocks()
+        loads, decode_error, url = orjson.loads, orjson.JSONDecodeError, self.url
         try:
             while True:
                 item = await asyncio.to_thread(next, blocks, None)
                 if item is None:
                     return
-                for rec in _io.parse_block(item[1], item[0], self.url, on_error, bad.append):
-                    if bad:
-                        await self._deliver(bad, quarantine)
-                    yield rec
-                if bad:
-                    await self._deliver(bad, quarantine)
+                n, lines = item
+                for raw in lines:  # parse_block inlined: this loop is the async hot path
+                    try:
+                        rec = loads(raw)
+                    except decode_error as exc:
+                        entry = _io._bad_line(raw, n, url, exc, on_error)
+                        if entry is not None:
+                            await self._deliver([entry], quarantine)
+                        n += 1
+                        continue
+                    n += 1
+                    if type(rec) is dict:
+                        yield rec
+                    else:
+                        await self._deliver([_io._bad_line(raw, n - 1, url, None, on_error)], quarantine)  # type: ignore[list-item]
         finally:
             await asyncio.to_thread(blocks.close)
 
     @staticmethod
     async def _deliver(bad: list[dict], quarantine: QuarantineSink | None) -> None:
+        """Hand quarantined lines to the sink on the loop (the sink may be async)."""
         entries = bad[:]
         bad.clear()
         for entry in entries:

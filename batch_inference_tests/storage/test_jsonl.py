@@ -372,3 +372,4 @@ async def test_stale_lock_of_dead_writer_is_taken_over(tmp_path) -> None:
     async with d.writer() as w:
         await w.write_many(recs(3))
     assert d.count_records() == 3 and not os.path.exists(f"{d.url}/{jsonl.LOCK_NAME}")
+
