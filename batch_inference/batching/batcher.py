@@ -17,7 +17,9 @@ one-shot futures, set only when someone is actually waiting.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from asyncio import InvalidStateError, get_running_loop
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -129,9 +131,9 @@ class DynamicBatcher(Generic[T, R]):
         self._padded = padded_cost
         self._protocol_cache: dict[type, Callable[[Any], float] | None] = {}
 
-        # (record, cost, future) in submission order; batches of (records, futures, cost)
+        # (record, cost, future) in submission order; assembled batches of them, with their cost
         self._pending: deque[tuple[T, float, asyncio.Future[R]]] = deque()
-        self._ready: deque[tuple[list[T], list[asyncio.Future[R]], float]] = deque()
+        self._ready: deque[tuple[list[tuple[T, float, asyncio.Future[R]]], float]] = deque()
         self._space_waiters: deque[asyncio.Future[None]] = deque()
         self._data_waiter: asyncio.Future[None] | None = None
         self._slot_waiter: asyncio.Future[None] | None = None
@@ -140,7 +142,11 @@ class DynamicBatcher(Generic[T, R]):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._running = False
         self._closing = False
+        self._accepting = False  # running and not closing: the one flag submit() reads
         self._assembly_done = False
+        self._submitted = 0
+        self._rejected = 0  # strict-budget records over the budget alone
+        self._cancelled = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._stats = StatsRecorder(target_batch_cost, max_batch_size, stats_window)
 
@@ -149,7 +155,8 @@ class DynamicBatcher(Generic[T, R]):
     @property
     def stats(self) -> BatchStats:
         """A fresh snapshot of the counters (see ``BatchStats``)."""
-        return self._stats.snapshot(len(self._pending) + sum(len(b[0]) for b in self._ready))
+        depth = len(self._pending) + sum(len(b[0]) for b in self._ready)
+        return self._stats.snapshot(depth, self._submitted, self._rejected, self._cancelled)
 
     @property
     def is_running(self) -> bool:
@@ -161,8 +168,9 @@ class DynamicBatcher(Generic[T, R]):
         if self._loop is not None:
             state = "running" if self._running else "stopped (a batcher is single-use)"
             raise RuntimeError(f"{type(self).__name__}.start() called twice: it is already {state}")
-        self._loop = asyncio.get_running_loop()
-        self._running = True
+        self._loop = get_running_loop()
+        self._new_future = functools.partial(asyncio.Future, loop=self._loop)
+        self._running = self._accepting = True
         self._stats.started_at = time.perf_counter()
         self._tasks = [
             asyncio.create_task(self._assemble(), name="batcher-assembler"),
@@ -177,6 +185,7 @@ class DynamicBatcher(Generic[T, R]):
         if not self._running:
             return
         self._closing = True
+        self._accepting = False
         _wake(self._data_waiter)
         while self._space_waiters:  # producers blocked on a full queue: they will raise
             _wake(self._space_waiters.popleft())
@@ -199,7 +208,7 @@ class DynamicBatcher(Generic[T, R]):
         self._stats.stopped_at = time.perf_counter()
 
     def _fail_unresolved(self, exc: BaseException | None) -> None:
-        futures = [f for _, _, f in self._pending] + [f for b in self._ready for f in b[1]]
+        futures = [f for _, _, f in self._pending] + [item[2] for b in self._ready for item in b[0]]
         self._pending.clear()
         self._ready.clear()
         for fut in futures:
@@ -218,7 +227,8 @@ class DynamicBatcher(Generic[T, R]):
     async def submit(self, record: T, estimated_cost: float | None = None) -> asyncio.Future[R]:
         """Queue ``record``; return its future at once. Suspends only while the
         queue holds ``max_queue_size`` records (backpressure)."""
-        self._check_caller()
+        if not self._accepting or get_running_loop() is not self._loop:
+            self._refuse()
         if (self._max_queue and len(self._pending) >= self._max_queue) or self._space_waiters:
             await self._wait_for_space()
         return self._enqueue(record, estimated_cost)
@@ -227,7 +237,8 @@ class DynamicBatcher(Generic[T, R]):
         self, records: Iterable[T], estimated_costs: Sequence[float] | None = None
     ) -> list[asyncio.Future[R]]:
         """``submit`` for a chunk of records; one future per record, same order."""
-        self._check_caller()
+        if not self._accepting or get_running_loop() is not self._loop:
+            self._refuse()
         records = records if isinstance(records, Sequence) else list(records)
         if estimated_costs is not None and len(estimated_costs) != len(records):
             raise ValueError(f"submit_many got {len(records)} records but {len(estimated_costs)} estimated costs")
@@ -248,36 +259,42 @@ class DynamicBatcher(Generic[T, R]):
         """The reference design's name for ``submit_many``."""
         return await self.submit_many(records, estimated_cost)
 
-    def _check_caller(self) -> None:
-        if not self._running or self._closing:
-            name = type(self).__name__
-            if self._loop is None:
-                raise RuntimeError(f"{name} is not started: call `await start()` or use `async with` first")
+    def _refuse(self) -> None:
+        """Raise the reason this caller may not submit (cold path of ``submit``)."""
+        name = type(self).__name__
+        if self._loop is None:
+            raise RuntimeError(f"{name} is not started: call `await start()` or use `async with` first")
+        if not self._accepting:
             raise RuntimeError(f"{name} is stopped: submit() after stop() would never be processed")
-        if asyncio.get_running_loop() is not self._loop:
-            raise RuntimeError(
-                f"{type(self).__name__}.submit() called from a different event loop than the one that "
-                "started the batcher; its future would never resolve. Run producers on the batcher's loop."
-            )
+        raise RuntimeError(
+            f"{name}.submit() called from a different event loop than the one that started the "
+            "batcher; its future would never resolve. Run producers on the batcher's loop."
+        )
 
     def _enqueue(self, record: T, cost: float | None) -> asyncio.Future[R]:
+        """Queue one record (the caller has checked there is room). Cost order: the
+        explicit argument, the estimator function, the record's protocol method (looked
+        up once per record type), the default."""
         if cost is None:
-            cost = self._estimate(record)
+            if self._cost_estimator is not None:
+                cost = self._cost_estimator(record)
+            else:
+                method = self._protocol_cache.get(type(record), _MISSING)
+                if method is _MISSING:
+                    method = self._protocol_method(type(record))
+                cost = self._default_cost if method is None else method(record)
         try:
             valid = cost >= 0
         except TypeError:
             valid = False
         if not valid:
             raise ValueError(f"estimated cost of record {_short(record)} must be a number >= 0, got {cost!r}")
-        fut: asyncio.Future[R] = self._loop.create_future()  # type: ignore[union-attr]
-        stats = self._stats
-        stats.submitted += 1
+        fut: asyncio.Future[R] = self._new_future()
+        self._submitted += 1
         if self._strict and cost > self._target:
-            stats.failed += 1
+            self._rejected += 1
             fut.set_exception(
-                ValueError(
-                    f"record {_short(record)} costs {cost} alone, over the strict budget of {self._target}"
-                )
+                ValueError(f"record {_short(record)} costs {cost} alone, over the strict budget of {self._target}")
             )
             return fut
         self._pending.append((record, cost, fut))
@@ -286,18 +303,10 @@ class DynamicBatcher(Generic[T, R]):
             self._data_waiter = None
         return fut
 
-    def _estimate(self, record: T) -> float:
-        """Estimator function, then the record's protocol method, then the default."""
-        if self._cost_estimator is not None:
-            return self._cost_estimator(record)
-        cls = type(record)
-        method = self._protocol_cache.get(cls, _MISSING)
-        if method is _MISSING:
-            method = next(
-                (m for name in self._protocol_methods if callable(m := getattr(cls, name, None))), None
-            )
-            self._protocol_cache[cls] = method
-        return self._default_cost if method is None else method(record)
+    def _protocol_method(self, cls: type) -> Callable[[Any], float] | None:
+        method = next((m for name in self._protocol_methods if callable(m := getattr(cls, name, None))), None)
+        self._protocol_cache[cls] = method
+        return method
 
     async def _wait_for_space(self) -> None:
         """Wait in line for a queue slot; FIFO among blocked producers."""
@@ -351,7 +360,8 @@ class DynamicBatcher(Generic[T, R]):
         """Cut ``_pending`` into batches, up to ``prefetch_batches`` ahead of the model."""
         loop = self._loop
         assert loop is not None
-        pending, ready, stats = self._pending, self._ready, self._stats
+        pending, ready = self._pending, self._ready
+        popleft, pushback = pending.popleft, pending.appendleft
         target, max_n, strict, padded = self._target, self._max_batch_size, self._strict, self._padded
         try:
             while True:
@@ -361,41 +371,41 @@ class DynamicBatcher(Generic[T, R]):
                     if self._closing:
                         return
                     await self._wait("_data_waiter")
-                records: list[T] = []
-                futures: list[asyncio.Future[R]] = []
+                batch: list[tuple[T, float, asyncio.Future[R]]] = []
+                add = batch.append
+                n = 0
                 cost = longest = 0.0
                 deadline: float | None = None
                 while True:
                     full = False
                     while pending:
-                        record, c, fut = pending[0]
-                        if fut.done():  # cancelled by its producer: skip the model work
-                            pending.popleft()
-                            stats.cancelled += 1
+                        item = popleft()
+                        if item[2].done():  # cancelled by its producer: skip the model work
+                            self._cancelled += 1
                             continue
-                        n = len(records)
+                        c = item[1]
                         if padded:
                             widest = c if c > longest else longest
                             new_cost = (n + 1) * widest
                         else:
                             new_cost = cost + c
                         if strict and n and new_cost > target:
+                            pushback(item)  # the crossing record opens the next batch
                             full = True
                             break
-                        pending.popleft()
-                        records.append(record)
-                        futures.append(fut)
+                        add(item)
+                        n += 1
                         cost = new_cost
                         if padded:
                             longest = widest
-                        if n + 1 >= max_n or new_cost >= target:
+                        if n >= max_n or new_cost >= target:
                             full = True
                             break
                     if self._space_waiters:
                         self._release_space()
                     if full:
                         break
-                    if records and deadline is None:
+                    if n and deadline is None:
                         deadline = loop.time() + self._timeout
                     if self._closing:
                         break
@@ -405,12 +415,12 @@ class DynamicBatcher(Generic[T, R]):
                     remaining = deadline - loop.time()
                     if remaining > 0:
                         await self._wait("_data_waiter", remaining)
-                    elif len(records) >= self._min_batch_size:
+                    elif n >= self._min_batch_size:
                         break
                     else:  # hold an undersized batch open: more records, or stop()
                         await self._wait("_data_waiter")
-                if records:
-                    ready.append((records, futures, cost))
+                if n:
+                    ready.append((batch, cost))
                     _wake(self._batch_waiter)
         finally:
             self._assembly_done = True
@@ -427,13 +437,13 @@ class DynamicBatcher(Generic[T, R]):
                     return
                 await self._wait("_batch_waiter")
                 continue
-            records, futures, cost = ready.popleft()
+            batch, cost = ready.popleft()
             _wake(self._slot_waiter)
-            n = len(records)
+            n = len(batch)
             failed = 0
             start = clock()
             try:
-                results = await process_fn(records)
+                results = await process_fn([item[0] for item in batch])
                 end = clock()
                 if not isinstance(results, (list, tuple)):
                     results = list(results)
@@ -445,22 +455,23 @@ class DynamicBatcher(Generic[T, R]):
             except Exception as exc:
                 end = clock()
                 failed = n
-                for fut in futures:
-                    if not fut.done():
-                        fut.set_exception(exc)
+                for item in batch:
+                    if not item[2].done():
+                        item[2].set_exception(exc)
             except BaseException:  # cancelled mid-call: leave no future hanging
-                for fut in futures:
-                    fut.cancel()
+                for item in batch:
+                    item[2].cancel()
                 raise
             else:
-                for fut, result in zip(futures, results):
-                    if fut.done():
-                        continue
-                    if isinstance(result, Exception):
-                        fut.set_exception(result)
-                        failed += 1
-                    else:
-                        fut.set_result(result)
+                for item, result in zip(batch, results):
+                    try:
+                        if isinstance(result, Exception):
+                            item[2].set_exception(result)
+                            failed += 1
+                        else:
+                            item[2].set_result(result)
+                    except InvalidStateError:  # its producer cancelled it meanwhile
+                        pass
             stats.record_batch(start, end, n, cost, failed)
 
 

@@ -70,17 +70,15 @@ class StatsRecorder:
     """Mutable counters owned by one batcher; O(1) work per batch."""
 
     __slots__ = (
-        "target", "max_batch_size", "submitted", "completed", "failed", "cancelled",
+        "target", "max_batch_size", "completed", "failed",
         "batches", "over_budget", "cost_sum", "busy_s", "started_at", "stopped_at", "window",
     )
 
     def __init__(self, target: float, max_batch_size: int, window: int) -> None:
         self.target = target
         self.max_batch_size = max_batch_size
-        self.submitted = 0
         self.completed = 0
         self.failed = 0
-        self.cancelled = 0
         self.batches = 0
         self.over_budget = 0
         self.cost_sum = 0.0
@@ -100,7 +98,8 @@ class StatsRecorder:
             self.over_budget += 1
         self.window.append((start, end, size, cost, failed))
 
-    def snapshot(self, queue_depth: int) -> BatchStats:
+    def snapshot(self, queue_depth: int, submitted: int, rejected: int, cancelled: int) -> BatchStats:
+        """``rejected``: records failed before batching (over a strict budget alone)."""
         now = time.perf_counter()
         if self.started_at is None:
             wall = 0.0
@@ -108,14 +107,15 @@ class StatsRecorder:
             wall = (self.stopped_at if self.stopped_at is not None else now) - self.started_at
         n = self.batches
         avg_cost = self.cost_sum / n if n else 0.0
+        failed = self.failed + rejected
         done = self.completed + self.failed
         return BatchStats(
             target_batch_cost=self.target,
             max_batch_size=self.max_batch_size,
-            total_submitted=self.submitted,
+            total_submitted=submitted,
             total_completed=self.completed,
-            total_failed=self.failed,
-            total_cancelled=self.cancelled,
+            total_failed=failed,
+            total_cancelled=cancelled,
             total_batches=n,
             over_budget_batches=self.over_budget,
             queue_depth=queue_depth,
