@@ -249,7 +249,7 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-async def main(scale: float, with_flyte: bool, report: Path | None) -> list[Row]:
+async def main(scale: float, with_flyte: bool, report: Path | None, repeats: int = 3) -> list[Row]:
     n_over = int(200_000 * scale)
     tokens = sim_workload(int(20_000 * scale))
     flyte = with_flyte and flyte_extras is not None
@@ -262,11 +262,23 @@ async def main(scale: float, with_flyte: bool, report: Path | None) -> list[Row]
               f"over {_fmt(row.over_budget, 'd'):>4}  batches {row.batches}", flush=True)
 
     print(f"flyte: {FLYTE_VERSION or 'not installed'}; scale {scale}", flush=True)
-    show(await overhead_floor(n_over))
+    # best of `repeats`, interleaved, so a burst of load on a shared machine hits every
+    # system alike and the ratios stay meaningful
+    runs: list[Callable[[], Awaitable[Row]]] = [lambda: overhead_floor(n_over)]
     for explicit in (False, True):
-        show(await overhead_ours(n_over, explicit))
+        runs.append(lambda e=explicit: overhead_ours(n_over, e))
         if flyte:
-            show(await overhead_flyte(n_over, explicit))
+            runs.append(lambda e=explicit: overhead_flyte(n_over, e))
+    best: list[Row | None] = [None] * len(runs)
+    for _ in range(repeats):
+        for i, run in enumerate(runs):
+            row = await run()
+            if best[i] is None or row.wall_s < best[i].wall_s:  # type: ignore[union-attr]
+                best[i] = row
+    for row in best:
+        assert row is not None
+        row.note = (row.note + "; " if row.note else "") + f"best of {repeats}"
+        show(row)
     show(await sim_ours(tokens, strict=False))
     show(await sim_ours(tokens, strict=True))
     if flyte:
@@ -298,7 +310,7 @@ async def main(scale: float, with_flyte: bool, report: Path | None) -> list[Row]
             "Same producer harness for every system: 10 producers, each submits its share one `await submit()` "
             "per record; overhead: then `stop()` drains the tail (the last partial batch's timeout is not "
             "overhead); simulated GPU: each producer awaits its futures in order while the batcher runs; batch_timeout_s={TIMEOUT_S}, prefetch_batches={PREFETCH}, "
-            f"max_queue_size={QUEUE}. Efficiency = ideal model time (every batch full) / wall.\n\n"
+            f"max_queue_size={QUEUE}. Overhead rows: best of {repeats} interleaved runs. Efficiency = ideal model time (every batch full) / wall.\n\n"
             + table(rows) + "\n\n" + "\n".join(summary) + "\n"
         )
         print(f"\nwrote {report}")
@@ -308,7 +320,8 @@ async def main(scale: float, with_flyte: bool, report: Path | None) -> list[Row]
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of the issue's record counts")
+    parser.add_argument("--repeats", type=int, default=3, help="overhead runs per system (best is kept)")
     parser.add_argument("--no-flyte", action="store_true", help="skip flyte even when installed")
     parser.add_argument("--report", type=Path, default=Path(__file__).parent / "reports" / "batcher.md")
     args = parser.parse_args()
-    asyncio.run(main(args.scale, not args.no_flyte, args.report))
+    asyncio.run(main(args.scale, not args.no_flyte, args.report, args.repeats))
