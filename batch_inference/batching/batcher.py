@@ -87,6 +87,7 @@ class DynamicBatcher(Generic[T, R]):
     """
 
     _protocol_methods: tuple[str, ...] = ("estimate_cost",)
+    _new_future: Callable[[], asyncio.Future[Any]]  # bound to the batcher's loop by start()
 
     def __init__(
         self,
@@ -472,6 +473,9 @@ class DynamicBatcher(Generic[T, R]):
                             item[2].set_result(result)
                     except InvalidStateError:  # its producer cancelled it meanwhile
                         pass
+                    except TypeError:  # e.g. StopIteration cannot be raised into a future
+                        item[2].set_exception(RuntimeError(f"process_fn returned unraisable {result!r}"))
+                        failed += 1
             stats.record_batch(start, end, n, cost, failed)
 
 

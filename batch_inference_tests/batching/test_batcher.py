@@ -397,3 +397,18 @@ async def test_submit_fast_path_does_not_yield_to_the_loop() -> None:
         assert not ran, "submit() yielded to the event loop although the queue had room"
         await task
         await asyncio.gather(*futures)
+
+
+async def test_cancelled_stop_leaves_no_future_hanging() -> None:
+    async def hangs(batch: list) -> list:
+        await asyncio.Event().wait()
+        return batch
+
+    b = make(hangs, max_batch_size=2, target_batch_cost=100)
+    await b.start()
+    futures = await b.submit_many(range(5))  # one batch in the model, the rest queued
+    await asyncio.sleep(0.02)
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(b.stop(), 0.1)
+    assert all(f.cancelled() for f in futures)
+    assert not b.is_running
