@@ -11,6 +11,7 @@ retry. A deterministic refusal (400/401/403/409/413/422) or exhausted retries ra
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 import time
@@ -88,10 +89,14 @@ class PoolClient:
 
     # -- choosing a worker ------------------------------------------------------
 
-    def _pick(self, avoid: set[str]) -> str:
+    def _pick(self, tried: dict[str, int]) -> str:
+        """Least in-flight among live workers this task has not tried (else the one tried longest ago)."""
         now = time.monotonic()
-        up = [e for e in self.endpoints if self.down_until.get(e, 0) <= now]
-        pool = [e for e in up if e not in avoid] or up or list(self.endpoints)
+        up = [e for e in self.endpoints if self.down_until.get(e, 0) <= now] or list(self.endpoints)
+        pool = [e for e in up if e not in tried]
+        if not pool:
+            oldest = min(tried.get(e, -1) for e in up)
+            pool = [e for e in up if tried.get(e, -1) == oldest]
         least = min(self.in_flight.get(e, 0) for e in pool)
         return random.choice([e for e in pool if self.in_flight.get(e, 0) == least])
 
@@ -123,10 +128,10 @@ class PoolClient:
         body = spec.model_dump_json().encode()
         errors: list[str] = []
         failures = refusals = 0
-        tried: set[str] = set()
-        while True:
+        tried: dict[str, int] = {}  # endpoint -> the step at which this task last went there
+        for step in itertools.count():
             endpoint = self._pick(tried)
-            tried.add(endpoint)
+            tried[endpoint] = step
             self.in_flight[endpoint] = self.in_flight.get(endpoint, 0) + 1
             try:
                 async with session.post(f"{endpoint}/tasks", data=body, headers={"Content-Type": "application/json"}) as resp:
@@ -157,6 +162,7 @@ class PoolClient:
             self.retried += 1
             log.warning("task %s failed on %s (%s); retry %d/%d", spec.task_id, endpoint, errors[-1], failures, self.retries)
             await asyncio.sleep(self._backoff(failures))
+        raise AssertionError("unreachable")  # pragma: no cover
 
     # -- observability --------------------------------------------------------------
 

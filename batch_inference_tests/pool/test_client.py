@@ -1,0 +1,134 @@
+"""PoolClient retry and routing logic against scripted HTTP endpoints on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from batch_inference.pool import PoolClient, TaskFailed, TaskResult, TaskSpec
+from batch_inference_tests.fixtures.pool import infer_spec
+
+SPEC: TaskSpec = infer_spec("t1", "/data/in.jsonl", "/data/out.jsonl")
+
+
+def _ok(worker: str) -> web.Response:
+    result = TaskResult(task_id=SPEC.task_id, kind="infer", worker=worker, counts={"ok": 1, "error": 0}, records_in=1)
+    return web.Response(body=result.model_dump_json(), content_type="application/json")
+
+
+class Scripted:
+    """A fake worker answering POST /tasks from a script of (status | 'hang' | 'ok')."""
+
+    def __init__(self, name: str, script: list[int | str], delay_s: float = 0.0) -> None:
+        self.name, self.script, self.delay_s = name, list(script), delay_s
+        self.hits = 0
+        self.concurrent = self.peak = 0
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.hits += 1
+        self.concurrent += 1
+        self.peak = max(self.peak, self.concurrent)
+        try:
+            step = self.script.pop(0) if self.script else "ok"
+            await asyncio.sleep(self.delay_s)
+            if step == "hang":
+                await asyncio.sleep(3600)
+            if step == "ok":
+                return _ok(self.name)
+            return web.json_response({"error": f"scripted {step}", "retryable": step >= 500 or step == 429}, status=int(step))
+        finally:
+            self.concurrent -= 1
+
+
+@pytest.fixture
+async def serve() -> AsyncIterator[Callable[..., asyncio.Future]]:
+    servers: list[TestServer] = []
+
+    async def start(worker: Scripted) -> str:
+        app = web.Application()
+        app.router.add_post("/tasks", worker.handle)
+        server = TestServer(app, host="127.0.0.1")
+        await server.start_server()
+        servers.append(server)
+        return str(server.make_url("")).rstrip("/")
+
+    yield start
+    for server in servers:
+        await server.close()
+
+
+def _dead_endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"  # closed again: connection refused
+
+
+async def test_retries_a_5xx_on_another_worker(serve) -> None:
+    a, b = Scripted("a", [500]), Scripted("b", [500])
+    async with PoolClient([await serve(a), await serve(b)], retries=3, backoff_s=0.01) as pool:
+        result = await pool.run_task(SPEC)
+        assert pool.retried == 2
+    assert result.worker in ("a", "b") and a.hits + b.hits == 3
+    assert a.hits >= 1 and b.hits >= 1  # the retry went to the other worker
+
+
+async def test_exhausted_retries_raise_task_failed_with_every_error(serve) -> None:
+    a = Scripted("a", [502] * 10)
+    async with PoolClient([await serve(a)], retries=2, backoff_s=0.01) as pool:
+        with pytest.raises(TaskFailed) as info:
+            await pool.run_task(SPEC)
+    assert info.value.spec == SPEC and len(info.value.errors) == 3 and a.hits == 3
+    assert all("HTTP 502" in e for e in info.value.errors)
+
+
+async def test_deterministic_refusal_is_not_retried(serve) -> None:
+    a = Scripted("a", [422])
+    async with PoolClient([await serve(a)], retries=3, backoff_s=0.01) as pool:
+        with pytest.raises(TaskFailed, match="HTTP 422"):
+            await pool.run_task(SPEC)
+    assert a.hits == 1
+
+
+async def test_busy_refusals_wait_without_using_retries(serve) -> None:
+    a = Scripted("a", [429, 429, 503, 429])
+    async with PoolClient([await serve(a)], retries=0, backoff_s=0.01) as pool:
+        result = await pool.run_task(SPEC)
+        assert pool.retried == 0
+    assert result.worker == "a" and a.hits == 5
+
+
+async def test_dead_and_hung_workers_are_skipped(serve) -> None:
+    hung = Scripted("hung", ["hang"])
+    good = Scripted("good", [])
+    endpoints = [_dead_endpoint(), await serve(hung), await serve(good)]
+    async with PoolClient(endpoints, retries=3, backoff_s=0.01, timeout_s=0.5) as pool:
+        results = await asyncio.gather(*(pool.run_task(SPEC.model_copy(update={"task_id": f"t{i}"})) for i in range(3)))
+        assert pool.down_until  # the dead endpoint was marked down
+    assert all(r.worker in ("good", "hung") for r in results) and good.hits >= 2
+
+
+async def test_least_loaded_worker_gets_the_next_task(serve) -> None:
+    a, b = Scripted("a", [], delay_s=0.2), Scripted("b", [], delay_s=0.2)
+    async with PoolClient([await serve(a), await serve(b)], concurrency=2) as pool:
+        assert pool.limit == 4
+        await asyncio.gather(*(pool.run_task(SPEC) for _ in range(4)))
+    assert a.hits == b.hits == 2 and a.peak == b.peak == 2
+
+
+async def test_refresh_replaces_endpoints_after_a_death(serve) -> None:
+    good = Scripted("good", [])
+    good_url = await serve(good)
+    refreshed = asyncio.Event()
+
+    async def refresh() -> list[str]:
+        refreshed.set()
+        return [good_url]
+
+    async with PoolClient([_dead_endpoint()], retries=2, backoff_s=0.05, refresh=refresh) as pool:
+        result = await pool.run_task(SPEC)
+    assert refreshed.is_set() and result.worker == "good" and pool.endpoints == [good_url]
