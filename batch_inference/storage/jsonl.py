@@ -103,7 +103,6 @@ class JsonlFile:
         line is then parsed as it is yielded (about a microsecond on the loop).
         """
         _check_sink(on_error, quarantine)
-        bad: list[dict] = []
         blocks = self._blocks()
         loads, decode_error, url = orjson.loads, orjson.JSONDecodeError, self.url
         try:
@@ -480,7 +479,7 @@ class _DirSession:
         self._last_beat = 0.0
         self.core = _io.RotatingWriter(
             d.fs,
-            lambda i: urls.fs_for(d.shard_url(i, compression, prefix), d.storage_options)[1],
+            lambda i: f"{d.path}/{urls.basename(d.shard_url(i, compression, prefix))}",
             compressed=compression == "zstd",
             max_records=max_records,
             max_bytes=max_bytes,
@@ -574,8 +573,11 @@ class _DirSession:
             self._release()
 
     def abort(self) -> None:
+        self.core.abort()
+        holder = self._read_lock()
+        if holder is not None and holder.get("token") != self.token:
+            return  # another writer took the directory over: its shards carry our names, leave them
         try:
-            self.core.abort()
             paths = [self.core.path_for(i) for i in range(self.core.index)]
             if paths:
                 self.dir.fs.rm(paths)

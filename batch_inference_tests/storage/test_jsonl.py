@@ -373,3 +373,15 @@ async def test_stale_lock_of_dead_writer_is_taken_over(tmp_path) -> None:
         await w.write_many(recs(3))
     assert d.count_records() == 3 and not os.path.exists(f"{d.url}/{jsonl.LOCK_NAME}")
 
+
+
+async def test_writer_that_lost_its_lock_fails_loudly_and_touches_nothing(tmp_path) -> None:
+    d = JsonlDir(str(tmp_path / "d"))
+    lock = tmp_path / "d" / jsonl.LOCK_NAME
+    with pytest.raises(ConcurrentWriteError, match="lost the directory lock"):
+        async with d.writer(max_records_per_shard=5) as w:
+            await w.write_many(recs(12))
+            # another writer judged us dead and took over (its lock, its shard)
+            lock.write_bytes(orjson.dumps({"token": "other", "host": "elsewhere", "pid": 1, "heartbeat": 1e18}))
+    assert lock.exists() and d.manifest() is None
+    assert len(d.shards()) == 3  # nothing deleted under the new holder's feet
