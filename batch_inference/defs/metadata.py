@@ -63,6 +63,22 @@ def phase_metadata(summary: dict[str, Any]) -> dict[str, Any]:
     return meta
 
 
+def round_metadata(infer: dict[str, Any], judge: dict[str, Any]) -> dict[str, Any]:
+    """A whole round's figures (infer + judge phases): what ``approved``/``rejected`` show.
+
+    Tokens, engine time and wall time add up over both phases; the batch fill is the
+    inference phase's (a rule judge runs no model).
+    """
+    merged = dict(judge)
+    merged["records_in"] = int(infer.get("records_in", 0)) + sum(int(q.get("records", 0)) for q in infer.get("quarantined", []))
+    for key in ("tokens_in", "tokens_out", "engine_busy_s", "wall_s", "drain_s"):
+        merged[key] = infer.get(key, 0) + judge.get(key, 0)
+    merged["avg_fill"] = max(float(infer.get("avg_fill", 0.0)), float(judge.get("avg_fill", 0.0)))
+    merged["quarantined"] = list(infer.get("quarantined", [])) + list(judge.get("quarantined", []))
+    merged["input_url"] = infer.get("input_url", judge.get("input_url", ""))
+    return phase_metadata(merged)
+
+
 def funnel_markdown(view: Any) -> str:
     """The run's funnel from its ledger: one row per round, then the tail and the end."""
     lines = [

@@ -12,7 +12,7 @@ from typing import Any
 import dagster as dg
 
 from batch_inference.defs.keys import APPROVED, CPU_OP_TAGS, FAILED, GPU_OP_TAGS, INFERRED, PENDING, REJECTED, SHARDED
-from batch_inference.defs.metadata import funnel_markdown, location, phase_metadata, shard_list
+from batch_inference.defs.metadata import funnel_markdown, location, phase_metadata, round_metadata, shard_list
 from batch_inference.defs.partitions import ROUNDS, parse_round_key, round_label
 from batch_inference.defs.pool.resources import PoolResource
 from batch_inference.defs.specs import load_spec
@@ -107,7 +107,7 @@ def judge(context: dg.AssetExecutionContext, pool: PoolResource, storage: Storag
     layout = RunLayout(spec.output, spec.run)
     ledger = Ledger(layout, spec.storage_options)
     infer_summary = ledger.read(f"round-{key.round:02d}-infer") or {}
-    figures = phase_metadata(summary)
+    figures = round_metadata(infer_summary, summary)
     prefix = f"round-{key.round:02d}-"
 
     approved_shards = [f.url for f in JsonlDir(layout.results, storage_options=spec.storage_options).shards() if f.name.startswith(prefix)]

@@ -1,0 +1,174 @@
+"""Whole pipeline runs driven by ticking the real round sensor over an ephemeral instance."""
+
+from __future__ import annotations
+
+import dagster as dg
+import pytest
+import yaml
+
+from batch_inference.defs.driver import drive, start_run, tick
+from batch_inference.defs.keys import APPROVED, REJECTED, RESULTS, SHARDED, SOURCE, TAIL_RETRY
+from batch_inference.defs.partitions import ROUND_NUMBERS, RUNS
+from batch_inference.defs.runs.jobs import start_run_config
+from batch_inference.pipeline import Ledger, PipelineSpec, RunLayout
+from batch_inference.storage import JsonlDir
+
+
+def history(result) -> list[tuple[str, str]]:
+    return [(r.job_name, r.partition_key) for r in result.launched]
+
+
+def latest(instance: dg.DagsterInstance, key: dg.AssetKey, partition: str) -> dict:
+    recs = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key, asset_partitions=[partition]), limit=1).records
+    assert recs, f"no materialization of {key.to_user_string()}[{partition}]"
+    return {k: v.value for k, v in recs[0].asset_materialization.metadata.items()}
+
+
+def check_results(instance: dg.DagsterInstance, asset: dg.AssetKey) -> dict[str, bool]:
+    """check name -> passed, for the latest evaluation of each check on ``asset``."""
+    out = {}
+    for record in instance.event_log_storage.get_event_records(
+        dg.EventRecordsFilter(event_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION), limit=1000, ascending=True
+    ):
+        evaluation = record.event_log_entry.dagster_event.event_specific_data
+        if evaluation.asset_key == asset:
+            out[evaluation.check_name] = evaluation.passed
+    return out
+
+
+def test_multi_round_run_on_the_tiny_model(defs, instance, write_spec, tiny_model_dir):
+    """start -> shard -> r00 -> r01 -> r02 (cap) -> results, every step requested by the sensor."""
+    spec_path = write_spec("tiny", records=40, max_rounds=3, max_attempts=5,
+                           engine={"kind": "transformers", "model": str(tiny_model_dir), "device": "cpu"},
+                           judge={"kind": "rule", "callable": "regex", "kwargs": {"pattern": "e.*e"}})
+    assert start_run(defs, instance, start_run_config(str(spec_path))).success
+    assert instance.get_dynamic_partitions(RUNS.name) == ["tiny"]
+
+    result = drive(defs, instance)
+
+    assert history(result)[:2] == [("shard_job", "tiny"), ("round_job", "tiny|r00")]
+    assert history(result)[-1] == ("results_job", "tiny")
+    rounds = [p for job, p in history(result) if job == "round_job"]
+    assert rounds == [f"tiny|r{r:02d}" for r in range(len(rounds))] and 2 <= len(rounds) <= 3
+    assert all(r.success for r in result.launched)
+    assert instance.get_dynamic_partitions(ROUND_NUMBERS.name) == [f"r{r:02d}" for r in range(len(rounds))]
+
+    # Each round's rejected set is the next round's input, and the metadata says so.
+    for r in range(len(rounds) - 1):
+        rej = latest(instance, REJECTED, f"tiny|r{r:02d}")
+        assert rej["decision"] == "next_round"
+        pending = latest(instance, dg.AssetKey("pending"), f"tiny|r{r + 1:02d}")
+        assert pending["records"] == rej["records"] and pending["from"] == f"rejected[tiny|r{r:02d}]"
+    approved = latest(instance, APPROVED, "tiny|r00")
+    for key in ("records", "approval_rate", "tokens_in", "tokens_out", "utilization", "avg_fill", "records_per_s", "wall_s"):
+        assert key in approved
+    assert approved["tokens_in"] > 0 and 0 < approved["approval_rate"] < 1
+
+    res = latest(instance, RESULTS, "tiny")
+    spec = PipelineSpec.load(spec_path)
+    ledger = Ledger(RunLayout(spec.output, spec.run)).view()
+    assert res["records"] == 40 and res["approved"] == ledger.run["approved"]
+    assert res["approved"] + res["exhausted"] == 40 and res["conservation_ok"] is True
+    assert "| round 00 -> next_round |" in res["funnel"]
+    assert check_results(instance, RESULTS) == {"conservation": True, "no_duplicate_ids": True, "run_quarantine_empty": True}
+    assert check_results(instance, REJECTED) == {"round_conservation": True}
+
+    # Done: more ticks request nothing (run keys are spent, the cursor is past every event).
+    again = drive(defs, instance, cursor=result.cursor)
+    assert again.launched == [] and again.ticks == 1
+    assert drive(defs, instance).launched == []  # even from a fresh cursor: run keys dedupe
+
+
+def test_tail_handoff(defs, instance, write_spec):
+    """Hybrid whose crossover fires after r00: the sensor hands the tail over, then results."""
+    spec_path = write_spec("hyb", records=60, strategy="hybrid", approval=0.5, max_attempts=10,
+                           crossover={"min_shrink": 1.0, "compare_cost": False, "min_rounds": 1})
+    start_run(defs, instance, start_run_config(str(spec_path)))
+    result = drive(defs, instance)
+    assert history(result) == [("shard_job", "hyb"), ("round_job", "hyb|r00"), ("tail_job", "hyb"), ("results_job", "hyb")]
+    assert latest(instance, REJECTED, "hyb|r00")["decision"] == "tail"
+    tail = latest(instance, TAIL_RETRY, "hyb")
+    assert tail["from_round"] == 1 and tail["records"] == latest(instance, REJECTED, "hyb|r00")["records"]
+    run = instance.get_run_by_id(result.launched[2].run_id)
+    assert run.run_config["ops"]["tail_retry"]["config"] == {"from_round": 1}
+    res = latest(instance, RESULTS, "hyb")
+    assert res["tail"] is True and res["approved"] + res["max_attempts"] == 60
+
+
+def test_in_place_strategy_goes_straight_to_the_tail(defs, instance, write_spec):
+    start_run(defs, instance, start_run_config(str(write_spec("inp", records=30, strategy="in_place", max_attempts=8))))
+    result = drive(defs, instance)
+    assert history(result) == [("shard_job", "inp"), ("tail_job", "inp"), ("results_job", "inp")]
+    assert latest(instance, TAIL_RETRY, "inp")["from_round"] == 0
+
+
+def test_two_runs_side_by_side_and_events_landing_between_ticks(defs, instance, write_spec):
+    """Two runs share partitions defs but not keys or paths; several events per tick all count."""
+    for name in ("tonight", "yesterday"):
+        start_run(defs, instance, start_run_config(str(write_spec(name, records=40))))
+    # Both starts land before the first tick: one tick requests both shards.
+    first = tick(defs, instance, None)
+    assert sorted(r.partition_key for r in first.run_requests) == ["tonight", "yesterday"]
+    # Shard both by hand before the next tick: both round-0 requests come in one tick.
+    for name in ("tonight", "yesterday"):
+        assert defs.resolve_job_def("shard_job").execute_in_process(instance=instance, partition_key=name).success
+    second = tick(defs, instance, first.cursor)
+    assert sorted(r.run_key for r in second.run_requests) == ["tonight|r00", "yesterday|r00"]
+    assert [r.partition_keys for r in second.dynamic_partitions_requests] == [["r00"]]  # the label is shared, added once
+
+    # Nothing was launched for that tick yet: drive from the same cursor (same requests).
+    result = drive(defs, instance, cursor=first.cursor)
+    assert history(result)[:2] == [("round_job", "tonight|r00"), ("round_job", "yesterday|r00")]
+    keys = [p for _, p in history(result)]
+    assert keys.count("tonight") == 1 and keys.count("yesterday") == 1  # results, once each
+    roots = set()
+    for name in ("tonight", "yesterday"):
+        res = latest(instance, RESULTS, name)
+        assert res["records"] == 40 and res["conservation_ok"]
+        roots.add(res["uri"].rsplit("/", 1)[0])
+        ids = {rec["id"] for rec in JsonlDir(res["uri"]).iter_records_sync()}
+        assert ids and all(i.startswith(f"{name}-") for i in ids)  # each run's results hold only its records
+    assert len(roots) == 2
+
+
+def test_a_failed_round_is_never_advanced(defs, instance, write_spec, monkeypatch):
+    """A round whose blocking conservation check fails ends its run; the sensor stops there."""
+    from batch_inference.pipeline import PipelineRun
+    from batch_inference.storage import JsonlDir
+
+    real_judge = PipelineRun.judge
+
+    async def lossy_judge(self, r):
+        summary = await real_judge(self, r)
+        shard = JsonlDir(self.layout.rejected(r)).shards()[0]  # a write lost after the judge reported
+        shard.fs.rm(shard.path)
+        return summary
+
+    monkeypatch.setattr(PipelineRun, "judge", lossy_judge)
+    start_run(defs, instance, start_run_config(str(write_spec("broken", records=60, approval=0.3))))
+    result = drive(defs, instance)
+    assert history(result) == [("shard_job", "broken"), ("round_job", "broken|r00")]
+    assert result.launched[1].success is False
+    assert check_results(instance, REJECTED) == {"round_conservation": False}
+    assert instance.get_dynamic_partitions(ROUND_NUMBERS.name) == ["r00"]  # r01 never added
+    assert not instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=RESULTS, asset_partitions=["broken"]), limit=1).records
+
+
+def test_starting_a_run_twice_is_refused(defs, instance, write_spec):
+    path = str(write_spec("once", records=5))
+    assert start_run(defs, instance, start_run_config(path)).success
+    with pytest.raises(dg.Failure, match="already started"):
+        start_run(defs, instance, start_run_config(path))
+    assert start_run(defs, instance, start_run_config(path, run="once-again")).success  # a new name is a new run
+    spec = latest(instance, SOURCE, "once-again")["spec"]
+    assert spec["run"] == "once-again" and yaml.safe_dump(spec)
+
+
+def test_steps_of_an_unstarted_run_name_the_fix(defs, instance):
+    instance.add_dynamic_partitions(RUNS.name, ["ghost"])
+    result = defs.resolve_job_def("shard_job").execute_in_process(instance=instance, partition_key="ghost", raise_on_error=False)
+    assert not result.success
+    failure = next(e for e in result.all_events if e.is_step_failure)
+    error = failure.step_failure_data.error
+    assert error.cause.cls_name == "SpecNotFound" and "start_pipeline_run" in error.cause.message
+    assert not instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=SHARDED, asset_partitions=["ghost"]), limit=1).records
