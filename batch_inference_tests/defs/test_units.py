@@ -1,0 +1,113 @@
+"""Pure pieces: partition keys, the sensor's policy, resources, metadata."""
+
+from __future__ import annotations
+
+import dagster as dg
+import pytest
+
+from batch_inference.defs.keys import REJECTED, SHARDED, SOURCE, TAIL_RETRY
+from batch_inference.defs.metadata import funnel_markdown, phase_metadata
+from batch_inference.defs.partitions import ROUNDS, RoundKey, parse_round_key
+from batch_inference.defs.pool.resources import PoolResource
+from batch_inference.defs.rounds.sensors import follow_up
+from batch_inference.defs.storage.resources import StorageResource
+from batch_inference.pipeline import LedgerView, PipelineSpec
+
+
+def test_round_keys_read_run_then_round():
+    key = RoundKey("nightly-20261129", 3)
+    assert str(key) == "nightly-20261129|r03"
+    assert parse_round_key("nightly-20261129|r03") == key
+    assert parse_round_key(key.partition_key()) == key
+    assert ROUNDS.get_partition_key_from_str(str(key)).keys_by_dimension == {"pipeline": "nightly-20261129", "round": "r03"}
+    for bad in ("nightly", "nightly|3", "|r01", "a|r1"):
+        with pytest.raises(ValueError, match="not '<run>\\|rNN'"):
+            parse_round_key(bad)
+
+
+def meta(**values):
+    return {k: dg.MetadataValue.text(v) for k, v in values.items()}
+
+
+@pytest.mark.parametrize(
+    ("key", "partition", "metadata", "expected"),
+    [
+        (SOURCE, "n", {}, ("shard_job", "n", "n:shard", None)),
+        (SHARDED, "n", meta(strategy="rounds"), ("round_job", "n|r00", "n|r00", "r00")),
+        (SHARDED, "n", meta(strategy="in_place"), ("tail_job", "n", "n:tail", None)),
+        (REJECTED, "n|r01", meta(decision="next_round"), ("round_job", "n|r02", "n|r02", "r02")),
+        (REJECTED, "n|r01", meta(decision="tail"), ("tail_job", "n", "n:tail", None)),
+        (REJECTED, "n|r02", meta(decision="done"), ("results_job", "n", "n:results", None)),
+        (REJECTED, "n|r02", meta(decision="exhausted"), ("results_job", "n", "n:results", None)),
+        (TAIL_RETRY, "n", {}, ("results_job", "n", "n:results", None)),
+    ],
+)
+def test_one_follow_up_per_step(key, partition, metadata, expected):
+    action = follow_up(key, partition, metadata)
+    assert (action.job_name, action.partition_key, action.run_key, action.new_round_label) == expected
+
+
+def test_tail_after_round_n_starts_from_round_n_plus_1():
+    action = follow_up(REJECTED, "n|r04", meta(decision="tail", decision_reason="shrank 10%"))
+    assert action.run_config == {"ops": {"tail_retry": {"config": {"from_round": 5}}}}
+    assert "shrank 10%" in action.run_request().tags["batch_inference/reason"]
+
+
+def test_unknown_decision_is_loud():
+    with pytest.raises(ValueError, match="no known decision"):
+        follow_up(REJECTED, "n|r00", {})
+    assert follow_up(dg.AssetKey("inferred"), "n|r00", {}) is None
+
+
+def test_storage_settings_use_dagster_aws_names_and_map_to_s3fs():
+    from dagster_aws.s3 import S3Resource
+
+    assert set(StorageResource.model_fields) - {"base_url"} == set(S3Resource.model_fields)
+    s3 = S3Resource(region_name="eu-west-1", endpoint_url="http://127.0.0.1:9000", aws_access_key_id="AK",
+                    aws_secret_access_key="SK", verify=False, max_attempts=7)
+    opts = StorageResource.from_s3_resource(s3, base_url="s3://b/runs").storage_options()
+    assert opts == {"key": "AK", "secret": "SK", "endpoint_url": "http://127.0.0.1:9000",
+                    "client_kwargs": {"region_name": "eu-west-1", "verify": False},
+                    "config_kwargs": {"retries": {"max_attempts": 7}}}
+    assert StorageResource().storage_options() == {}
+
+
+def test_storage_options_reach_a_real_s3_server(s3_server, s3_bucket):
+    """The mapped options open the bucket through s3fs, as the storage layer will."""
+    import fsspec
+
+    creds = s3_server.storage_options
+    storage = StorageResource(endpoint_url=s3_server.endpoint_url, aws_access_key_id=creds["key"],
+                              aws_secret_access_key=creds["secret"], region_name="us-east-1")
+    fs, path = fsspec.core.url_to_fs(f"{s3_bucket}/probe.txt", **storage.storage_options())
+    fs.pipe_file(path, b"ok")
+    assert fs.cat_file(path) == b"ok"
+
+
+def test_pool_resource_points_the_spec_at_its_pool(tmp_path):
+    spec = PipelineSpec.parse({
+        "run": "x", "input": "in.jsonl", "output": str(tmp_path), "engine": {"kind": "simulated"},
+        "infer": {"template": "{p}"}, "judge": {"kind": "rule", "callable": "min_length"},
+        "pool": {"launcher": "local", "concurrency": 8},
+    })
+    assert PoolResource().apply(spec) is spec  # mode "spec": the run's own pool section
+    inproc = PoolResource(mode="inprocess", concurrency=2).apply(spec).pool
+    assert (inproc.launcher, inproc.concurrency, inproc.endpoints) == ("inprocess", 2, [])
+    remote = PoolResource(mode="endpoints", endpoints=["http://10.0.0.5:8700"], token_env="TOK").apply(spec).pool
+    assert (remote.endpoints, remote.token_env, remote.concurrency) == (["http://10.0.0.5:8700"], "TOK", 8)
+    with pytest.raises(ValueError, match="needs at least one endpoint"):
+        PoolResource(mode="endpoints").apply(spec)
+
+
+def test_phase_metadata_and_funnel():
+    summary = {"round": 0, "phase": "judge", "input_url": "/r/in", "output_url": "s3://b/r/out", "shards": 2, "shards_run": 2,
+               "records_in": 10, "counts": {"approved": 6, "rejected": 4}, "tokens_in": 100, "tokens_out": 50,
+               "engine_busy_s": 1.0, "wall_s": 2.0, "drain_s": 0.5, "avg_fill": 0.8, "cached_tasks": 0, "quarantined": []}
+    m = {k: v.value for k, v in phase_metadata(summary).items()}
+    assert (m["approval_rate"], m["utilization"], m["records_per_s"]) == (0.6, 0.5, 5.0)
+    assert m["output"] == "s3://b/r/out" and m["input"] == "/r/in"
+    view = LedgerView(spec=None, shard={"records": 10, "wall_s": 0.1}, rounds=[
+        {"round": 0, "infer": {**summary, "phase": "infer", "counts": {"ok": 10}}, "judge": summary,
+         "decision": {"kind": "next_round"}}])
+    table = funnel_markdown(view)
+    assert "| round 00 -> next_round | 10 | 6 | 4 | 0 | 60.0% | 200/100 | 4.00 |" in table
