@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import time
 from asyncio import InvalidStateError, get_running_loop
 from collections import deque
@@ -129,6 +130,8 @@ class DynamicBatcher(Generic[T, R]):
         self._cost_estimator = cost_estimator
         self._default_cost = default_cost
         self._strict = strict_budget
+        self._ceiling = target_batch_cost if strict_budget else math.inf  # a record's cost must not exceed it
+        self._capacity = max_queue_size or math.inf  # submit() waits at this many queued records
         self._padded = padded_cost
         self._protocol_cache: dict[type, Callable[[Any], float] | None] = {}
 
@@ -227,32 +230,48 @@ class DynamicBatcher(Generic[T, R]):
 
     async def submit(self, record: T, estimated_cost: float | None = None) -> asyncio.Future[R]:
         """Queue ``record``; return its future at once. Suspends only while the
-        queue holds ``max_queue_size`` records (backpressure)."""
+        queue holds ``max_queue_size`` records (backpressure).
+
+        Cost order: the explicit argument, the estimator function, the record's
+        protocol method (looked up once per record type), the default. This is the
+        hot path (one call per record): keep it flat."""
         if not self._accepting or get_running_loop() is not self._loop:
             self._refuse()
-        if (self._max_queue and len(self._pending) >= self._max_queue) or self._space_waiters:
+        if len(self._pending) >= self._capacity or self._space_waiters:
             await self._wait_for_space()
-        return self._enqueue(record, estimated_cost)
+        if estimated_cost is None:
+            if self._cost_estimator is not None:
+                estimated_cost = self._cost_estimator(record)
+            else:
+                method = self._protocol_cache.get(type(record), _MISSING)
+                if method is _MISSING:
+                    method = self._protocol_method(type(record))
+                estimated_cost = self._default_cost if method is None else method(record)
+        fut: asyncio.Future[R] = self._new_future()
+        try:
+            admissible = 0 <= estimated_cost <= self._ceiling
+        except TypeError:
+            admissible = False
+        if not admissible:
+            self._inadmissible(record, estimated_cost, fut)
+            return fut
+        self._submitted += 1
+        self._pending.append((record, estimated_cost, fut))
+        if self._data_waiter is not None:
+            _wake(self._data_waiter)
+            self._data_waiter = None
+        return fut
 
     async def submit_many(
         self, records: Iterable[T], estimated_costs: Sequence[float] | None = None
     ) -> list[asyncio.Future[R]]:
         """``submit`` for a chunk of records; one future per record, same order."""
-        if not self._accepting or get_running_loop() is not self._loop:
-            self._refuse()
         records = records if isinstance(records, Sequence) else list(records)
         if estimated_costs is not None and len(estimated_costs) != len(records):
             raise ValueError(f"submit_many got {len(records)} records but {len(estimated_costs)} estimated costs")
-        futures: list[asyncio.Future[R]] = []
-        append = futures.append
-        enqueue = self._enqueue
-        pending = self._pending
-        limit = self._max_queue
-        for i, record in enumerate(records):
-            if (limit and len(pending) >= limit) or self._space_waiters:
-                await self._wait_for_space()
-            append(enqueue(record, None if estimated_costs is None else estimated_costs[i]))
-        return futures
+        if estimated_costs is None:
+            return [await self.submit(r) for r in records]
+        return [await self.submit(r, c) for r, c in zip(records, estimated_costs)]
 
     async def submit_batch(
         self, records: Sequence[T], *, estimated_cost: Sequence[float] | None = None
@@ -272,37 +291,20 @@ class DynamicBatcher(Generic[T, R]):
             "batcher; its future would never resolve. Run producers on the batcher's loop."
         )
 
-    def _enqueue(self, record: T, cost: float | None) -> asyncio.Future[R]:
-        """Queue one record (the caller has checked there is room). Cost order: the
-        explicit argument, the estimator function, the record's protocol method (looked
-        up once per record type), the default."""
-        if cost is None:
-            if self._cost_estimator is not None:
-                cost = self._cost_estimator(record)
-            else:
-                method = self._protocol_cache.get(type(record), _MISSING)
-                if method is _MISSING:
-                    method = self._protocol_method(type(record))
-                cost = self._default_cost if method is None else method(record)
+    def _inadmissible(self, record: T, cost: Any, fut: asyncio.Future[R]) -> None:
+        """Cold path of ``submit``: a bad cost raises; a record over a strict budget
+        alone fails its own future (blast radius: one record)."""
         try:
             valid = cost >= 0
         except TypeError:
             valid = False
         if not valid:
             raise ValueError(f"estimated cost of record {_short(record)} must be a number >= 0, got {cost!r}")
-        fut: asyncio.Future[R] = self._new_future()
         self._submitted += 1
-        if self._strict and cost > self._target:
-            self._rejected += 1
-            fut.set_exception(
-                ValueError(f"record {_short(record)} costs {cost} alone, over the strict budget of {self._target}")
-            )
-            return fut
-        self._pending.append((record, cost, fut))
-        if self._data_waiter is not None:
-            _wake(self._data_waiter)
-            self._data_waiter = None
-        return fut
+        self._rejected += 1
+        fut.set_exception(
+            ValueError(f"record {_short(record)} costs {cost} alone, over the strict budget of {self._target}")
+        )
 
     def _protocol_method(self, cls: type) -> Callable[[Any], float] | None:
         method = next((m for name in self._protocol_methods if callable(m := getattr(cls, name, None))), None)
@@ -314,7 +316,7 @@ class DynamicBatcher(Generic[T, R]):
         loop = self._loop
         assert loop is not None
         first = True
-        while first or (self._max_queue and len(self._pending) >= self._max_queue):
+        while first or len(self._pending) >= self._capacity:
             first = False
             waiter: asyncio.Future[None] = loop.create_future()
             self._space_waiters.append(waiter)
