@@ -22,7 +22,7 @@ from batch_inference.pipeline.ledger import ConservationError, IdSource, Ledger,
 from batch_inference.pipeline.spec import PipelineSpec
 from batch_inference.pipeline.summaries import Decision, PhaseSummary, RecompactSummary, RunSummary, ShardSummary
 from batch_inference.pool import dispatch_bounded
-from batch_inference.pool.protocol import TaskResult, TaskRunner, TaskSpec
+from batch_inference.pool.protocol import TaskFailed, TaskResult, TaskRunner, TaskSpec
 from batch_inference.storage import JsonlDir, JsonlFile
 from batch_inference.storage.urls import join
 
@@ -167,8 +167,11 @@ class PipelineRun:
             self.reporter.shard_done(name, int(rec["records_in"]), rec["counts"])
 
         async def on_error(item: Item, exc: BaseException) -> None:
-            if not isinstance(exc, Exception):
-                raise exc  # cancellation / Ctrl-C: never quarantined
+            if not isinstance(exc, TaskFailed):
+                # Cancellation, Ctrl-C, or the driver's own storage failing (e.g. writing the
+                # progress record of a task that succeeded): not the shard's fault, never
+                # quarantined; the run stops and a re-run resumes.
+                raise exc
             index, shard = item
             await asyncio.to_thread(self._discard_outputs, make_task(index, shard))
             entry = {"shard": shard.url, "phase": phase, "error": str(exc), "records": await sizes(item),
