@@ -1,21 +1,24 @@
 """The hybrid's crossover: keep re-dispatching rounds while they pay, then hand over.
 
-Decided after each round from that round's own measured figures (no guesses about the
-engine). The model, per round ``r`` with ``P`` records in, ``R`` rejected, wall ``W``:
+Decided after each round from that round's own measured figures. Per round ``r`` with
+``P`` records in, ``R`` rejected, wall ``W`` and engine time ``B`` (per worker):
 
 * approval ``a = approved / judged``; shrink ``= 1 - R / P``.
-* fixed cost of a round ``F`` = the two phases' drains (the final wave, from the last
-  task's start to the phase's end: the barrier in-place retry does not pay per round);
-  per-record cost ``c = (W - F) / P``.
-* with ``k`` attempts left per record, one record needs ``E = (1 - (1-a)^k) / a``
-  more attempts on average (``k`` when ``a == 0``).
-* finishing by rounds costs ``sum_j (F + c * R * (1-a)^j)`` over the rounds still
-  needed (until fewer than one record is expected, at most the rounds left);
-* finishing in place costs ``c * R * E + F * E``: the same per-attempt work without
-  per-round barriers, but its final wave lasts ``E`` attempts (a chunk is done only
-  when its slowest record is).
+* per-record cost of an attempt ``c = B / P`` (rounds are engine-bound; the engine's
+  time is what the work costs), and the round's fixed cost ``F = W - B`` (engine idle:
+  dispatch, the final wave, intermediate writes) plus the last recompaction's wall.
+* with ``k`` attempts left per record, one record needs ``E = (1 - (1-a)^k) / a`` more
+  attempts on average (``k`` when ``a == 0``).
+* finishing by rounds costs ``sum_j (F + c * R * (1-a)^j)`` over the rounds still needed
+  (until fewer than one record is expected, at most the rounds left);
+* finishing in place costs ``f * c * R * E + F``: no per-round barriers, but each
+  record-attempt costs ``f`` times a round's (``in_place_cost_factor``: the sample's
+  own loop, its checkpoints and the chunk's straggler tail; calibrated by
+  ``bench/strategies.py`` on this machine's simulated engine).
 
-Switch when ``shrink < min_shrink`` or (``compare_cost``) rounds cost more than in-place.
+Switch when ``shrink < min_shrink`` (off by default) or (``compare_cost``) rounds cost
+more than in-place. Large measured per-round overheads (a scheduler, a cold pool, slow
+object storage) therefore move the crossover earlier, as the reference describes.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ def choose_crossover(
     approved: int,
     rejected: int,
     wall_s: float,
-    drain_s: float,
+    engine_s: float,
+    fixed_extra_s: float = 0.0,
     rounds_left: int,
     attempts_left: int,
 ) -> tuple[bool, str, dict[str, Any]]:
@@ -51,8 +55,10 @@ def choose_crossover(
     judged = approved + rejected
     approval = approved / judged if judged else 0.0
     shrink = 1 - rejected / records_in if records_in else 1.0
-    fixed = min(drain_s, wall_s)
-    per_record = (wall_s - fixed) / records_in if records_in else 0.0
+    busy = min(engine_s, wall_s)
+    fixed = wall_s - busy + fixed_extra_s
+    per_record = busy / records_in if records_in else 0.0
+    factor = rule.in_place_cost_factor
     e = expected_attempts(approval, attempts_left)
     if 0 < approval < 1 and rejected > 1:
         needed = math.ceil(math.log(1 / rejected) / math.log(1 - approval))
@@ -60,7 +66,7 @@ def choose_crossover(
         needed = attempts_left if approval == 0 else 1
     n_rounds = max(0, min(rounds_left, attempts_left, needed))
     cost_rounds = sum(fixed + per_record * rejected * (1 - approval) ** j for j in range(n_rounds))
-    cost_in_place = per_record * rejected * e + fixed * e
+    cost_in_place = factor * per_record * rejected * e + fixed
     figures = {
         "round": round,
         "records_in": records_in,
@@ -71,7 +77,9 @@ def choose_crossover(
         "min_shrink": rule.min_shrink,
         "wall_s": round_(wall_s),
         "fixed_s": round_(fixed),
+        "engine_s": round_(busy),
         "per_record_s": per_record,
+        "in_place_cost_factor": factor,
         "expected_attempts": round_(e),
         "rounds_projected": n_rounds,
         "projected_rounds_s": round_(cost_rounds),

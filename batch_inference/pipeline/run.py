@@ -21,6 +21,7 @@ from batch_inference.pipeline.layout import RunLayout, part
 from batch_inference.pipeline.ledger import ConservationError, IdSource, Ledger, check_conservation
 from batch_inference.pipeline.spec import PipelineSpec
 from batch_inference.pipeline.summaries import Decision, PhaseSummary, RecompactSummary, RunSummary, ShardSummary
+from batch_inference.pipeline.transient import is_transient
 from batch_inference.pool import dispatch_bounded
 from batch_inference.pool.protocol import TaskFailed, TaskResult, TaskRunner, TaskSpec
 from batch_inference.storage import JsonlDir, JsonlFile
@@ -340,10 +341,13 @@ class PipelineRun:
         elif attempts_left <= 0:
             kind, reason = "exhausted", f"max_attempts ({self.spec.max_attempts}) reached with {rejected} rejected"
         elif self.spec.strategy == "hybrid":
+            last = self.ledger.read(f"round-{r:02d}-recompact") if r > 0 else None
+            recompact_s = float(last["wall_s"]) if last else 0.0
             switch, reason, more = choose_crossover(
                 self.spec.crossover, round=r, records_in=records_in, approved=approved, rejected=rejected,
-                wall_s=infer.wall_s + judge.wall_s, drain_s=infer.drain_s + judge.drain_s,
-                rounds_left=rounds_left, attempts_left=attempts_left,
+                wall_s=infer.wall_s + judge.wall_s,
+                engine_s=(infer.engine_busy_s + judge.engine_busy_s) / self.spec.pool.replicas,
+                fixed_extra_s=recompact_s, rounds_left=rounds_left, attempts_left=attempts_left,
             )
             figures.update(more)
             if switch or rounds_left <= 0:
@@ -509,14 +513,39 @@ async def drive(run: PipelineRun) -> RunSummary:
     return await run.finalize()
 
 
-async def run_pipeline(spec: PipelineSpec, *, runner: TaskRunner | None = None, reporter: Reporter | None = None) -> RunSummary:
-    """Run (or resume) a whole pipeline; opens a runner from ``spec.pool`` when none is given."""
+async def drive_retrying(run: PipelineRun, *, retries: int = 5, backoff_s: float = 1.0) -> RunSummary:
+    """``drive``, resumed after a transient storage/network error (steps are idempotent).
+
+    Waits ``backoff_s``, doubling, up to ``retries`` times (defaults ride out ~30 s of
+    object-store outage), then lets the error through: the run stops, a re-run resumes.
+    """
+    for attempt in range(retries + 1):
+        try:
+            return await drive(run)
+        except Exception as exc:
+            if attempt >= retries or not is_transient(exc):
+                raise
+            wait = backoff_s * 2**attempt
+            log.warning("run %s: transient error (%s: %s); resuming in %.1fs (%d/%d)",
+                        run.spec.run, type(exc).__name__, exc, wait, attempt + 1, retries)
+            await asyncio.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+async def run_pipeline(
+    spec: PipelineSpec, *, runner: TaskRunner | None = None, reporter: Reporter | None = None,
+    retries: int = 5, backoff_s: float = 1.0,
+) -> RunSummary:
+    """Run (or resume) a whole pipeline; opens a runner from ``spec.pool`` when none is given.
+
+    Transient storage errors resume the run after a backoff (``retries``, ``backoff_s``).
+    """
     if runner is not None:
-        return await drive(PipelineRun(spec, runner, reporter=reporter))
+        return await drive_retrying(PipelineRun(spec, runner, reporter=reporter), retries=retries, backoff_s=backoff_s)
     from batch_inference.pipeline.runner import open_runner
 
     async with open_runner(spec) as opened:
-        return await drive(PipelineRun(spec, opened, reporter=reporter))
+        return await drive_retrying(PipelineRun(spec, opened, reporter=reporter), retries=retries, backoff_s=backoff_s)
 
 
 _NEEDS_RUNNER = {"infer", "judge", "tail"}

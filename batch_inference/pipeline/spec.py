@@ -36,15 +36,16 @@ class CrossoverRule(_Strict):
     """When the hybrid hands the pending set from rounds to in-place retry.
 
     After each round (from ``min_rounds`` on) the hybrid switches when the pending set
-    shrank by less than ``min_shrink`` (a fraction of the round's input), or, with
-    ``compare_cost``, when the projected wall time of finishing by rounds exceeds the
-    projected wall time of in-place retry; both projections use the round's own
+    shrank by less than ``min_shrink`` (a fraction of the round's input; 0 = off), or,
+    with ``compare_cost``, when the projected wall time of finishing by rounds exceeds
+    the projected wall time of in-place retry; both projections use the round's own
     measured figures (see ``pipeline.crossover``).
     """
 
-    min_shrink: float = Field(0.5, ge=0.0, le=1.0)
+    min_shrink: float = Field(0.0, ge=0.0, le=1.0)
     compare_cost: bool = True
     min_rounds: int = Field(1, ge=1)
+    in_place_cost_factor: float = Field(1.3, gt=0, description="in-place cost of a record-attempt relative to a round's")
 
 
 class PoolSpec(_Strict):

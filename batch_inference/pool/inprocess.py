@@ -7,6 +7,7 @@ pipeline's and Dagster's fast tests and small local runs use it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -22,8 +23,10 @@ log = logging.getLogger(__name__)
 class InProcessPool:
     """``async with InProcessPool(cfg, concurrency=4) as pool: await pool.run_task(spec)``.
 
-    ``retries`` re-runs a failed task that many times (input errors are not retried);
-    then ``TaskFailed`` is raised for the caller to quarantine.
+    ``retries`` re-runs a failed task that many times (input errors are not retried),
+    waiting ``backoff_s`` (doubling) between tries so that a storage blip of a few
+    seconds is ridden out, as PoolClient does; then ``TaskFailed`` is raised for the
+    caller to quarantine.
     """
 
     def __init__(
@@ -35,6 +38,7 @@ class InProcessPool:
         retries: int = 0,
         storage_profiles: dict[str, dict[str, Any]] | None = None,
         checkpoint_interval_s: float = 5.0,
+        backoff_s: float = 0.5,
     ) -> None:
         options = batcher if isinstance(batcher, BatcherOptions) or batcher is None else BatcherOptions.model_validate(batcher)
         self.host = EngineHost(engine_config, options)
@@ -43,6 +47,7 @@ class InProcessPool:
             storage_profiles=storage_profiles, checkpoint_interval_s=checkpoint_interval_s,
         )
         self.retries = retries
+        self.backoff_s = backoff_s
 
     @property
     def limit(self) -> int:
@@ -65,6 +70,8 @@ class InProcessPool:
             except Exception as exc:
                 errors.append(f"{type(exc).__name__}: {exc}")
                 log.warning("task %s attempt %d failed: %s", spec.task_id, attempt + 1, exc)
+                if attempt < self.retries:
+                    await asyncio.sleep(self.backoff_s * 2**attempt)
         raise TaskFailed(spec, errors)
 
     def stats(self) -> dict[str, Any]:

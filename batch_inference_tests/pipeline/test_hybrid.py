@@ -22,19 +22,29 @@ def test_expected_attempts() -> None:
 
 
 def test_rule_switches_on_shrink_and_on_cost() -> None:
-    common = dict(round=0, records_in=1000, wall_s=10.0, drain_s=1.0, rounds_left=4, attempts_left=4)
+    # a round of 1,000 records: wall 10 s, engine busy 9 s -> fixed 1 s, 9 ms per record
+    common = dict(round=0, records_in=1000, wall_s=10.0, engine_s=9.0, rounds_left=4, attempts_left=4)
     # pending shrank 20% < 50%: switch
     switch, reason, figures = choose_crossover(CrossoverRule(min_shrink=0.5, compare_cost=False), approved=200, rejected=800, **common)
     assert switch and "shrank 20.0%" in reason and figures["shrink"] == 0.2
     # shrank 90%, cost comparison off: keep going
     switch, _, _ = choose_crossover(CrossoverRule(min_shrink=0.5, compare_cost=False), approved=900, rejected=100, **common)
     assert not switch
-    # shrank 90%, but 2 more barrier-bound rounds (2 x 1 s fixed) cost more than one in-place pass
-    switch, reason, figures = choose_crossover(CrossoverRule(min_shrink=0.5), approved=900, rejected=100, **common)
+    # shrank 90%: two more rounds each pay the 1 s fixed cost; in-place pays it once
+    switch, reason, figures = choose_crossover(CrossoverRule(), approved=900, rejected=100, **common)
     assert switch and figures["projected_rounds_s"] > figures["projected_in_place_s"] and "projected rounds" in reason
-    # no fixed per-round cost measured: rounds and in-place cost the same work, rounds keep going
-    switch, _, _ = choose_crossover(CrossoverRule(min_shrink=0.5), approved=900, rejected=100, **{**common, "drain_s": 0.0})
-    assert not switch
+    # no fixed cost measured: a round's record-attempt is cheaper than in-place's, rounds go on
+    switch, _, figures = choose_crossover(CrossoverRule(), approved=900, rejected=100, **{**common, "engine_s": 10.0})
+    assert not switch and figures["fixed_s"] == 0
+    # low approval with a small fixed cost: rounds still pay (the per-attempt work dominates) ...
+    switch, _, figures = choose_crossover(CrossoverRule(), approved=200, rejected=800, **common)
+    assert not switch and figures["rounds_projected"] == 4
+    # ... but a large measured per-round overhead (scheduler, slow storage) hands over
+    switch, _, _ = choose_crossover(CrossoverRule(), approved=200, rejected=800, **{**common, "engine_s": 5.0})
+    assert switch
+    # a factor calibrated for a cheaper in-place loop hands over too
+    switch, _, _ = choose_crossover(CrossoverRule(in_place_cost_factor=0.8), approved=200, rejected=800, **common)
+    assert switch
     # min_rounds holds the rule back
     switch, reason, _ = choose_crossover(CrossoverRule(min_shrink=0.5, min_rounds=2), approved=200, rejected=800, **common)
     assert not switch and "at least 2" in reason
