@@ -10,7 +10,9 @@ errors come back as ``Completion(error=...)``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,12 +69,16 @@ class EngineHost:
         self.loads = 0  # engine builds in this process: 1 for a healthy worker, however many tasks
         self.load_time_s = 0.0
         self.engine_busy_s = 0.0
+        # The engine gets its own thread: on the default executor a batch would queue
+        # behind the storage layer's read/write hops and the GPU would sit idle.
+        self._engine_thread: ThreadPoolExecutor | None = None
 
     async def start(self) -> None:
         if self.engine is not None:
             return
         t0 = time.perf_counter()
-        self.engine = await asyncio.to_thread(build_engine, self.engine_config)
+        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self.engine = await self._on_engine_thread(build_engine, self.engine_config)
         self.loads += 1
         self.load_time_s = time.perf_counter() - t0
         o = self.batcher_options
@@ -91,8 +97,11 @@ class EngineHost:
             await self.batcher.stop()
             self.batcher = None
         if self.engine is not None:
-            await asyncio.to_thread(self.engine.close)
+            await self._on_engine_thread(self.engine.close)
             self.engine = None
+        if self._engine_thread is not None:
+            self._engine_thread.shutdown(wait=False)
+            self._engine_thread = None
 
     async def __aenter__(self) -> EngineHost:
         await self.start()
@@ -116,7 +125,7 @@ class EngineHost:
     async def _infer_batch(self, batch: list[GenRequest]) -> list[Completion]:
         engine = self._engine()
         t0 = time.perf_counter()
-        completions = await asyncio.to_thread(engine.generate, [r.prompt for r in batch], [r.params for r in batch])
+        completions = await self._on_engine_thread(engine.generate, [r.prompt for r in batch], [r.params for r in batch])
         busy = time.perf_counter() - t0
         self.engine_busy_s += busy
         total = sum(r.cost for r in batch) or 1
@@ -125,6 +134,9 @@ class EngineHost:
             r.engine_s = busy * r.cost / total
             r.fill = fill
         return completions
+
+    async def _on_engine_thread(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._engine_thread, functools.partial(fn, *args))
 
     def _engine(self) -> Engine:
         if self.engine is None:
