@@ -1,7 +1,7 @@
 """Blocking byte-level I/O under JsonlFile/JsonlDir: chunked reads, line parsing, atomic writes.
 
 Everything here is synchronous on purpose: the async API runs these functions in a
-thread, one *block* (hundreds of records) per hop, never one record per hop.
+thread, one *block* (thousands of records) per hop, never one record per hop.
 """
 
 from __future__ import annotations
