@@ -109,8 +109,7 @@ def pool_status(as_json: bool, name: str, state_dir: str | None) -> None:
     """Show the recorded workers and whether they answer."""
     from batch_inference.pool.launchers.local import LocalLauncher
 
-    launcher = LocalLauncher({"kind": "simulated"}, name=name, state_dir=state_dir)
-    rows = launcher.status()
+    rows = LocalLauncher(None, name=name, state_dir=state_dir).status()
     if as_json:
         click.echo(json.dumps([r.__dict__ for r in rows], indent=2))
         return
@@ -127,7 +126,7 @@ def pool_down(name: str, state_dir: str | None) -> None:
     """Stop every worker of the pool (SIGTERM, then SIGKILL after the grace period)."""
     from batch_inference.pool.launchers.local import LocalLauncher
 
-    n = LocalLauncher({"kind": "simulated"}, name=name, state_dir=state_dir).down()
+    n = LocalLauncher(None, name=name, state_dir=state_dir).down()
     click.echo(f"pool {name}: stopped {n} worker(s)")
 
 

@@ -14,7 +14,7 @@ from typing import Any
 from batch_inference.engines import EngineConfig
 from batch_inference.pool.engine_host import BatcherOptions, EngineHost
 from batch_inference.pool.protocol import TaskFailed, TaskResult, TaskSpec
-from batch_inference.pool.runtime import SpecConflict, WorkerRuntime
+from batch_inference.pool.runtime import Refused, WorkerRuntime
 from batch_inference.pool.tasks import TaskInputError
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,9 @@ class InProcessPool:
         for attempt in range(self.retries + 1):
             try:
                 return await self.runtime.run(spec)
-            except (TaskInputError, SpecConflict, ValueError) as exc:  # deterministic: no retry
+            except (Refused, TaskInputError, ValueError) as exc:
+                # bad input or config, a conflicting spec, or a refusal: there is no other
+                # worker here to try, and the same call would fail the same way
                 raise TaskFailed(spec, [*errors, f"{type(exc).__name__}: {exc}"]) from exc
             except Exception as exc:
                 errors.append(f"{type(exc).__name__}: {exc}")

@@ -176,3 +176,14 @@ async def test_busy_and_abandoned_tasks(tmp_path: Path, inprocess_pool) -> None:
         with pytest.raises(Abandoned):
             await long_task
     assert not (tmp_path / "a-out.jsonl").exists()  # abandoned inside its writer: nothing committed
+
+
+async def test_storage_profiles_are_the_workers_own(tmp_path: Path, inprocess_pool) -> None:
+    src = "memory://pool-test/in.jsonl"
+    async with JsonlFile(src, storage_options={}).writer() as w:
+        await w.write_many([{"id": "a", "q": "x"}, {"id": "b", "q": "y"}])
+    spec = infer_spec("p", src, "memory://pool-test/out.jsonl", storage_options_ref="mem")
+    async with inprocess_pool(storage_profiles={"mem": {}}) as pool:
+        assert (await pool.run_task(spec)).counts == {"ok": 2, "error": 0}
+        with pytest.raises(TaskFailed, match="unknown storage profile 'other'"):
+            await pool.run_task(spec.model_copy(update={"task_id": "q", "storage_options_ref": "other"}))

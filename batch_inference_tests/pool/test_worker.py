@@ -260,3 +260,12 @@ async def test_tiny_model_worker_loads_once_and_serves_several_tasks(tmp_path: P
     assert [r.counts for r in results] == [{"ok": 4, "error": 0}] * 3
     assert stats["engine_loads"] == 1 and stats["tasks_completed"] == 3
     assert all(isinstance(row["result"], str) and row["usage"]["completion_tokens"] >= 1 for row in read_rows(tmp_path / "out0.jsonl"))
+
+
+async def test_scaledown_ttl_removes_idle_replicas_above_the_minimum(tmp_path: Path, local_pool) -> None:
+    launcher = local_pool(replicas=2, min_replicas=1, idle_ttl_s=120, scaledown_ttl_s=1)
+    base, extra = launcher.status()
+    await wait_until(lambda: not psutil.pid_exists(extra.pid) or psutil.Process(extra.pid).status() == psutil.STATUS_ZOMBIE, timeout_s=30)
+    launcher._reap()
+    assert [s.healthy for s in launcher.status()] == [True, False]  # the minimum stays hot
+    assert len(launcher.up()) == 2  # work arrives: the replica comes back on demand

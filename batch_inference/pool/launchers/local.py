@@ -74,7 +74,7 @@ class LocalLauncher:
 
     def __init__(
         self,
-        engine_config: EngineConfig | dict[str, Any],
+        engine_config: EngineConfig | dict[str, Any] | None,
         *,
         replicas: int = 2,
         concurrency: int = 10,
@@ -92,7 +92,8 @@ class LocalLauncher:
     ) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
-        self.engine_config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig.model_validate(engine_config)
+        # None: a handle for status()/down() of an existing pool only (up() needs a config)
+        self.engine_config = engine_config if isinstance(engine_config, EngineConfig) or engine_config is None else EngineConfig.model_validate(engine_config)
         self.batcher = batcher if isinstance(batcher, BatcherOptions) else BatcherOptions.model_validate(batcher or {})
         self.replicas = replicas
         self.concurrency = concurrency
@@ -106,7 +107,7 @@ class LocalLauncher:
         self.grace_s = grace_s
         self.start_timeout_s = start_timeout_s
         self.python = python
-        self.config_hash = config_hash(self.engine_config, self.batcher, concurrency, self.storage_roots)
+        self.config_hash = config_hash(self.engine_config, self.batcher, concurrency, self.storage_roots) if self.engine_config else ""
         self._children: list[subprocess.Popen[bytes]] = []  # reaped as they exit (no zombies)
 
     # -- state ------------------------------------------------------------------
@@ -149,12 +150,17 @@ class LocalLauncher:
 
     def up(self) -> list[str]:
         """Ensure ``replicas`` healthy workers of this configuration; returns their endpoints."""
+        if self.engine_config is None:
+            raise ValueError(f"pool {self.name}: up() needs an engine config")
         self._reap()
         with self._locked():
             kept: dict[int, WorkerRecord] = {}
             for rec in self._records():
                 health = _health(rec.endpoint)
-                if rec.replica < self.replicas and health and health.get("pid") == rec.pid and health.get("config_hash") == self.config_hash and health.get("status") == "ok":
+                if health is None and _is_worker(rec.pid):
+                    health = _health(rec.endpoint, timeout_s=10.0)  # alive but slow (busy machine): ask once more
+                same = bool(health and health.get("pid") == rec.pid and health.get("config_hash") == self.config_hash)
+                if rec.replica < self.replicas and same and health and health.get("status") == "ok":
                     kept[rec.replica] = rec
                 else:
                     why = "another configuration" if health and health.get("config_hash") != self.config_hash else "not healthy"
@@ -210,7 +216,7 @@ class LocalLauncher:
     def _spawn(self, replica: int) -> tuple[subprocess.Popen[bytes], Path]:
         self.dir.mkdir(parents=True, exist_ok=True)
         engine_file = self.dir / "engine.json"
-        engine_file.write_text(self.engine_config.model_dump_json())
+        engine_file.write_text(self.engine_config.model_dump_json())  # type: ignore[union-attr]
         ready = self.dir / f"worker-{replica}.ready"
         ready.unlink(missing_ok=True)
         ttl = self.idle_ttl_s if replica < self.min_replicas else (self.scaledown_ttl_s or self.idle_ttl_s)
