@@ -160,6 +160,7 @@ class PipelineRun:
             rec = {**result.model_dump(mode="json"), "index": index, "input": shard.url}
             if after is not None:
                 rec["after"] = await after(index, result)
+            await asyncio.to_thread(self._clear_stale_quarantine, failed_entry(index))
             await asyncio.to_thread(self.ledger.write_progress, step, index, rec)
             return rec
 
@@ -201,8 +202,13 @@ class PipelineRun:
             drain_s=(wall - (last_start - t0)) if todo else 0.0,
             avg_fill=sum(float(x["avg_fill"]) * int(x["records_in"]) for x in recs) / n_req,
             cached_tasks=sum(1 for x in recs if x.get("cached")),
-            quarantined=sorted(quarantined, key=lambda q: q["shard"]) + self._old_quarantine(failed_entry, items, done, quarantined),
+            quarantined=sorted(quarantined, key=lambda q: q["shard"]),
         )
+
+    def _clear_stale_quarantine(self, url: str) -> None:
+        """A shard quarantined by an interrupted earlier call that has now succeeded."""
+        if (f := self._file(url)).exists_sync():
+            f.fs.rm(f.path)
 
     def _discard_outputs(self, spec: TaskSpec) -> None:
         """A quarantined task's records are all ``failed``: no partial output may count too."""
@@ -224,20 +230,6 @@ class PipelineRun:
                 rec = self.ledger.read_progress(step, i)
                 if rec is not None:
                     out[i] = rec
-        return out
-
-    def _old_quarantine(
-        self, failed_entry: Callable[[int], str], items: list[Item], done: dict[int, Any], new: list[dict[str, Any]]
-    ) -> list[dict[str, Any]]:
-        """Quarantine entries of an interrupted earlier call for shards still not done."""
-        seen = {q["shard"] for q in new}
-        out = []
-        for i, shard in items:
-            if i in done or shard.url in seen:
-                continue
-            f = self._file(failed_entry(i))
-            if f.exists_sync():
-                out.extend(f.iter_records_sync())
         return out
 
     def _phase_done(self, name: str) -> PhaseSummary | None:
