@@ -297,6 +297,7 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
         attempt = int(state.get("attempt", 0))
         result: str | None = state.get("last_result")
         verdict: Verdict | None = None
+        batch_error: str | None = None
         try:
             while attempt < spec.max_attempts:
                 if result is None:
@@ -305,7 +306,12 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
                         raise prompt
                     (done,) = await ctx.generate([prompt], [_params(infer.sampling, record, prior + attempt)])
                     if isinstance(done, BaseException):
-                        raise done
+                        # The engine raised for the whole batch: not this record's fault.
+                        # It costs this attempt (bounded by max_attempts), never the record.
+                        batch_error = _error_text(done)
+                        attempt += 1
+                        ckpt.add({"id": rid, "attempt": attempt, "last_result": None})
+                        continue
                     if done.error is not None:
                         return {**base, "result": None, "status": "error", "error": done.error, "attempts": prior + attempt + 1}
                     result = done.text
@@ -321,7 +327,7 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
                 attempt += 1
                 ckpt.add({"id": rid, "attempt": attempt, "last_result": None})
             final = {"result": None, "status": "max_attempts", "error": None, "attempts": prior + spec.max_attempts,
-                     "verdict": verdict.to_dict() if verdict else None}
+                     "verdict": verdict.to_dict() if verdict else None, **({"last_error": batch_error} if batch_error else {})}
             ckpt.add({"id": rid, "attempt": attempt, "last_result": None, "final": final})
             return {**base, **final}
         except Exception as exc:  # this record's own path: prompt, engine batch, judge
