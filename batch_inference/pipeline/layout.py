@@ -62,6 +62,10 @@ class RunLayout:
     def failed_entry(self, r: int, phase: str, index: int) -> str:
         return join(self.failed(r), f"{phase}-part-{index:05d}.jsonl")
 
+    def failed_records(self, r: int) -> str:
+        """Rejected records of round ``r`` whose error is permanent (``status: failed``, reason)."""
+        return join(self.round_dir(r), "failed-records")
+
     def approved_shard(self, r: int, index: int) -> str:
         """Approved rows go straight into results (no copy pass), named by round."""
         return join(self.results, part(index, f"round-{r:02d}-part"))

@@ -7,6 +7,7 @@ with ``asyncio.to_thread``. None needs a GPU or the pool.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import ExitStack
 from typing import Any
 
 from batch_inference.storage import JsonlDir, JsonlFile, ReshardReport, reshard
@@ -14,6 +15,44 @@ from batch_inference.storage import JsonlDir, JsonlFile, ReshardReport, reshard
 # Per-attempt fields a new round recomputes: dropped at recompaction so an approved row
 # of a later round never carries an earlier round's rejection.
 ATTEMPT_FIELDS = ("result", "error", "finish_reason", "usage", "rejection", "verdict", "status", "round")
+
+
+# Per-item error tags that fail the same record the same way on every attempt (see
+# ARCHITECTURE "engines"): such a record ends ``failed`` with its reason at once instead of
+# burning every remaining round. Batch-level exceptions and engine_error stay retryable.
+PERMANENT_ERRORS = ("prompt_too_long:", "empty_prompt:", "missing_field", "tokenizer_error:", "simulated_error:")
+
+
+def permanent_error(rec: dict[str, Any]) -> str | None:
+    """The record's inference error when retrying it cannot help, else None."""
+    error = rec.get("error")
+    return error if isinstance(error, str) and error.startswith(PERMANENT_ERRORS) else None
+
+
+class _FailedSink:
+    """Writes rows with a permanent error to ``dst`` as ``status: failed`` (opened on first use)."""
+
+    def __init__(self, dst: str | None, storage_options: dict[str, Any] | None) -> None:
+        self.dst, self.storage_options = dst, storage_options
+        self.records = 0
+        self._stack = ExitStack()
+        self._w: Any = None
+
+    def take(self, rec: dict[str, Any], round: int | None = None) -> bool:
+        reason = permanent_error(rec) if self.dst else None
+        if reason is None:
+            return False
+        if self._w is None:
+            self._w = self._stack.enter_context(JsonlDir(self.dst, storage_options=self.storage_options).writer_sync())  # type: ignore[arg-type]
+        self._w.write({**rec, "status": "failed", "reason": reason, "failed_round": round})
+        self.records += 1
+        return True
+
+    def __enter__(self) -> _FailedSink:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.__exit__(*exc)
 
 
 def shard_input(
@@ -27,20 +66,24 @@ def shard_input(
 
 
 def recompact(
-    src: str, dst: str, *, records_per_shard: int, storage_options: dict[str, Any] | None = None
+    src: str, dst: str, *, records_per_shard: int, storage_options: dict[str, Any] | None = None,
+    failed_dst: str | None = None, round: int | None = None,
 ) -> tuple[int, int, int]:
     """Repack the rejected shards of a round into full pending shards for the next round.
 
     The judge writes one rejected shard per inferred shard, so without this the shard
-    count survives every round while the record count collapses. Returns
+    count survives every round while the record count collapses. Rows with a permanent
+    error go to ``failed_dst`` instead (terminal ``failed``). Returns
     ``(records, shards_in, shards_out)``.
     """
     source = JsonlDir(src, storage_options=storage_options)
     shards = source.shards() if source.exists_sync() else []
     out = JsonlDir(dst, storage_options=storage_options)
-    with out.writer_sync(max_records_per_shard=records_per_shard) as w:
+    with _FailedSink(failed_dst, storage_options) as failed, out.writer_sync(max_records_per_shard=records_per_shard) as w:
         for shard in shards:
             for rec in shard.iter_records_sync():
+                if failed.take(rec, round):
+                    continue
                 for key in ATTEMPT_FIELDS:
                     rec.pop(key, None)
                 w.write(rec)
@@ -50,16 +93,20 @@ def recompact(
 
 
 def write_exhausted(
-    src_dirs: Iterable[str], dst: str, *, round: int, storage_options: dict[str, Any] | None = None
+    src_dirs: Iterable[str], dst: str, *, round: int, storage_options: dict[str, Any] | None = None,
+    failed_dst: str | None = None,
 ) -> int:
-    """Write the records still rejected at the round cap as ``status: exhausted``."""
+    """Write the records still rejected at the round cap as ``status: exhausted``
+    (those with a permanent error to ``failed_dst`` as ``failed``)."""
     out = JsonlDir(dst, storage_options=storage_options)
-    with out.writer_sync() as w:
+    with _FailedSink(failed_dst, storage_options) as failed, out.writer_sync() as w:
         for url in src_dirs:
             d = JsonlDir(url, storage_options=storage_options)
             if not d.exists_sync():
                 continue
             for rec in d.iter_records_sync():
+                if failed.take(rec, round):
+                    continue
                 rec["status"] = "exhausted"
                 rec["exhausted_round"] = round
                 w.write(rec)

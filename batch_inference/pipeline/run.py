@@ -367,6 +367,7 @@ class PipelineRun:
         records, shards_in, shards_out = await asyncio.to_thread(
             passes.recompact, self.layout.rejected(r), self.layout.pending(r + 1),
             records_per_shard=self.spec.shard_records, storage_options=self.storage_options,
+            failed_dst=self.layout.failed_records(r), round=r,
         )
         summary = RecompactSummary(round=r + 1, input_url=self.layout.rejected(r), output_url=self.layout.pending(r + 1),
                                    records=records, shards_in=shards_in, shards_out=shards_out, wall_s=time.perf_counter() - t0)
@@ -449,12 +450,14 @@ class PipelineRun:
         if last is not None and last.kind == "exhausted" and not tail:
             exhausted = passes.write_exhausted(
                 [self.layout.rejected(last.round)], self.layout.exhausted, round=last.round, storage_options=self.storage_options,
+                failed_dst=self.layout.failed_records(last.round),
             )
         sources = [
             IdSource("input", (self.layout.sharded,)),
             IdSource("approved", (self.layout.results,)),
             IdSource("exhausted", (self.layout.exhausted,)),
             IdSource("unfinished", (self.layout.tail_unfinished,), status_field=True),
+            IdSource("failed", tuple(self.layout.failed_records(i) for i in range(r))),
         ]
         quarantined = [q for p in phases for q in p.quarantined]
         if quarantined:
