@@ -62,7 +62,12 @@ def make_spec(tmp_path: Path, **overrides: Any) -> PipelineSpec:
 
 
 def terminal_states(spec: PipelineSpec) -> dict[str, list[str]]:
-    """id -> every terminal state it was found in, read straight from storage."""
+    """id -> every terminal state it was found in, read straight from storage.
+
+    Terminal sets: results (approved), exhausted, tail/unfinished (max_attempts or
+    error = failed), round-NN/failed-records (permanent per-record errors), and the
+    records of every quarantined shard (failed).
+    """
     opts = spec.storage_options or None
     lay = RunLayout(spec.output, spec.run)
     found: dict[str, list[str]] = {}
@@ -72,7 +77,12 @@ def terminal_states(spec: PipelineSpec) -> dict[str, list[str]]:
             s = state or ("max_attempts" if row.get("status") == "max_attempts" else "failed")
             found.setdefault(str(row["id"]), []).append(s)
 
-    for url, state in ((lay.results, "approved"), (lay.exhausted, "exhausted"), (lay.tail_unfinished, None)):
+    dirs = [(lay.results, "approved"), (lay.exhausted, "exhausted"), (lay.tail_unfinished, None)]
+    r = 0
+    while JsonlDir(lay.round_dir(r), storage_options=opts).exists_sync():
+        dirs.append((lay.failed_records(r), "failed"))
+        r += 1
+    for url, state in dirs:
         d = JsonlDir(url, storage_options=opts)
         if d.exists_sync() and d.shards():
             add(d.iter_records_sync(), state)
