@@ -198,7 +198,9 @@ class WorkerRuntime:
             "engine": getattr(host.engine, "name", None),
             "engine_loads": host.loads,
             "model_load_time_s": host.load_time_s,
-            "engine_busy_s": host.engine_busy_s,
+            "engine_busy_s": host.engine_busy_s,  # wall time inside generate calls, measured here
+            # the engine's own account of its model time, when it keeps one (the simulated engine's cost model)
+            "engine_model_busy_s": getattr(host.engine, "busy_s", None),
             "uptime_s": uptime,
             "idle_s": self.idle_s,
             "draining": self.draining,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from batch_inference.engines import Completion, SamplingParams
@@ -120,8 +120,15 @@ def _render(template: PromptTemplate, record: dict[str, Any]) -> str | BaseExcep
         return exc
 
 
-def _params(sampling: SamplingConfig, record: dict[str, Any], attempt: int) -> SamplingParams:
-    return sampling.to_params(seed=derive_seed(sampling.seed, str(record["id"]), attempt))
+class _Seeder:
+    """Per-record SamplingParams: the task's base params with ``derive_seed(seed, id, attempt)``."""
+
+    def __init__(self, sampling: SamplingConfig) -> None:
+        self.base_seed = sampling.seed
+        self.base = sampling.to_params()
+
+    def __call__(self, record: dict[str, Any], attempt: int) -> SamplingParams:
+        return replace(self.base, seed=derive_seed(self.base_seed, str(record["id"]), attempt))
 
 
 # --------------------------------------------------------------------------- infer
@@ -132,15 +139,16 @@ async def run_infer(ctx: TaskContext) -> dict[str, int]:
     spec = ctx.spec
     assert spec.infer is not None
     template = PromptTemplate(spec.infer.template)
+    params_for = _Seeder(spec.infer.sampling)
     counts = {"ok": 0, "error": 0}
     async with ctx.file(spec.outputs["output"]).writer() as out:
         async for chunk in ctx.chunks():
             prompts = [_render(template, r) for r in chunk]
-            params = [_params(spec.infer.sampling, r, _prior_attempts(r)) for r in chunk]
-            results = await ctx.generate(prompts, params)
+            prior = [_prior_attempts(r) for r in chunk]
+            results = await ctx.generate(prompts, [params_for(r, n) for r, n in zip(chunk, prior)])
             rows = []
-            for record, res in zip(chunk, results):
-                row = {**_clean(record), "attempts": _prior_attempts(record) + 1}
+            for record, n, res in zip(chunk, prior, results):
+                row = {**_clean(record), "attempts": n + 1}
                 if isinstance(res, Completion) and res.error is None:
                     row.update(result=res.text, error=None, finish_reason=res.finish_reason,
                                usage={"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens})
@@ -280,8 +288,8 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
     """
     spec = ctx.spec
     assert spec.infer is not None and spec.judge is not None
-    infer = spec.infer
-    template = PromptTemplate(infer.template)
+    template = PromptTemplate(spec.infer.template)
+    params_for = _Seeder(spec.infer.sampling)
     judging = Judging(ctx, spec.judge)
     store = CheckpointStore(spec.outputs["checkpoint"], storage_options=ctx.storage_options)
     states = await store.load()
@@ -304,7 +312,7 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
                     prompt = _render(template, record)
                     if isinstance(prompt, BaseException):
                         raise prompt
-                    (done,) = await ctx.generate([prompt], [_params(infer.sampling, record, prior + attempt)])
+                    (done,) = await ctx.generate([prompt], [params_for(record, prior + attempt)])
                     if isinstance(done, BaseException):
                         # The engine raised for the whole batch: not this record's fault.
                         # It costs this attempt (bounded by max_attempts), never the record.
