@@ -31,6 +31,7 @@ Quarantined = dict[str, Any]  # {file, line, reason, raw}
 
 def iter_chunks(fs: fsspec.AbstractFileSystem, path: str, url: str, compressed: bool) -> Iterator[bytes]:
     """Yield the (decompressed) bytes of a file in bounded chunks."""
+    fs.invalidate_cache(path)  # a cached listing may hold the size of a since-rewritten shard
     try:
         f = fs.open(path, "rb")
     except FileNotFoundError:

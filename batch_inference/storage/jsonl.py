@@ -93,55 +93,19 @@ class JsonlFile:
         for first, lines in self._blocks():
             yield from _io.parse_block(lines, first, self.url, on_error, on_bad)
 
-    async def iter_records(
+    def iter_records(
         self, *, on_error: OnError = "raise", quarantine: QuarantineSink | None = None
     ) -> AsyncIterator[dict]:
-        """Stream records without blocking the loop.
-
-        Read + decompress + line split run in a thread, one ~1 MiB chunk per hop; each
-        line is then parsed as it is yielded (about a microsecond on the loop).
-        """
+        """Stream records without blocking the loop (see ``_aiter_records``)."""
         _check_sink(on_error, quarantine)
-        blocks = self._blocks()
-        loads, decode_error, url = orjson.loads, orjson.JSONDecodeError, self.url
-        try:
-            while True:
-                item = await asyncio.to_thread(next, blocks, None)
-                if item is None:
-                    return
-                n, lines = item
-                for raw in lines:  # parse_block inlined: this loop is the async hot path
-                    try:
-                        rec = loads(raw)
-                    except decode_error as exc:
-                        entry = _io._bad_line(raw, n, url, exc, on_error)
-                        if entry is not None:
-                            await self._deliver([entry], quarantine)
-                        n += 1
-                        continue
-                    n += 1
-                    if type(rec) is dict:
-                        yield rec
-                    else:
-                        await self._deliver([_io._bad_line(raw, n - 1, url, None, on_error)], quarantine)  # type: ignore[list-item]
-        finally:
-            await asyncio.to_thread(blocks.close)
-
-    @staticmethod
-    async def _deliver(bad: list[dict], quarantine: QuarantineSink | None) -> None:
-        """Hand quarantined lines to the sink on the loop (the sink may be async)."""
-        entries = bad[:]
-        bad.clear()
-        for entry in entries:
-            res = quarantine(entry)  # type: ignore[misc]
-            if inspect.isawaitable(res):
-                await res
+        return _aiter_records(lambda: [self], on_error, quarantine)
 
     async def read_all(self) -> list[dict]:
         """Every record in a list: small files only (manifests, tests)."""
         return await asyncio.to_thread(lambda: list(self.iter_records_sync()))
 
     def exists_sync(self) -> bool:
+        self.fs.invalidate_cache(self.path)  # another process may have written it since we listed
         return bool(self.fs.exists(self.path))
 
     async def exists(self) -> bool:
@@ -162,6 +126,48 @@ class JsonlFile:
             self.fs, lambda _i: self.path, compressed=self.compressed, zstd_level=zstd_level, always_create=True
         )
         return SyncJsonlWriter(core, self.url)
+
+
+async def _aiter_records(
+    list_shards: Callable[[], list[JsonlFile]], on_error: str, quarantine: QuarantineSink | None
+) -> AsyncIterator[dict]:
+    """The async hot path, shared by JsonlFile and JsonlDir (one generator level per record).
+
+    Listing, read + decompress + line split run in a thread, one ~1 MiB chunk per hop;
+    each line is then parsed as it is yielded (about a microsecond on the loop).
+    """
+    loads, decode_error = orjson.loads, orjson.JSONDecodeError
+    for shard in await asyncio.to_thread(list_shards):
+        blocks, url = shard._blocks(), shard.url
+        try:
+            while True:
+                item = await asyncio.to_thread(next, blocks, None)
+                if item is None:
+                    break
+                n, lines = item
+                for raw in lines:
+                    try:
+                        rec = loads(raw)
+                    except decode_error as exc:
+                        entry = _io._bad_line(raw, n, url, exc, on_error)
+                        if entry is not None:
+                            await _deliver(entry, quarantine)
+                        n += 1
+                        continue
+                    n += 1
+                    if type(rec) is dict:
+                        yield rec
+                    else:
+                        await _deliver(_io._bad_line(raw, n - 1, url, None, on_error), quarantine)
+        finally:
+            await asyncio.to_thread(blocks.close)
+
+
+async def _deliver(entry: dict | None, quarantine: QuarantineSink | None) -> None:
+    """Hand a quarantined line to the sink on the loop (the sink may be async)."""
+    res = quarantine(entry)  # type: ignore[misc,arg-type]
+    if inspect.isawaitable(res):
+        await res
 
 
 class _WriterBase:
@@ -344,8 +350,10 @@ class JsonlDir:
 
     def manifest(self) -> DirManifest | None:
         """The committed manifest, or None (directory written shard by shard, or being rewritten)."""
+        path = f"{self.path}/{MANIFEST_NAME}"
+        self.fs.invalidate_cache(path)  # rewritten by another process since we last looked?
         try:
-            with self.fs.open(f"{self.path}/{MANIFEST_NAME}", "rb") as f:
+            with self.fs.open(path, "rb") as f:
                 return DirManifest.from_json(f.read())
         except FileNotFoundError:
             return None
@@ -383,6 +391,7 @@ class JsonlDir:
         return sum(1 for _ in self.iter_records_sync())
 
     def exists_sync(self) -> bool:
+        self.fs.invalidate_cache(self.path)
         return bool(self.fs.exists(self.path))
 
     # reading -------------------------------------------------------------
@@ -400,12 +409,11 @@ class JsonlDir:
             for first, lines in shard._blocks():
                 yield from _io.parse_block(lines, first, shard.url, on_error, on_bad)
 
-    async def iter_records(
+    def iter_records(
         self, *, on_error: OnError = "raise", quarantine: QuarantineSink | None = None
     ) -> AsyncIterator[dict]:
-        for shard in await self.ashards():
-            async for rec in shard.iter_records(on_error=on_error, quarantine=quarantine):
-                yield rec
+        _check_sink(on_error, quarantine)
+        return _aiter_records(self.shards, on_error, quarantine)
 
     # writing -------------------------------------------------------------
 

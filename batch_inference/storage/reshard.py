@@ -12,7 +12,7 @@ import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
 
-from batch_inference.storage.jsonl import DEFAULT_MAX_BYTES, Compression, JsonlDir, JsonlFile
+from batch_inference.storage.jsonl import DEFAULT_MAX_BYTES, Compression, JsonlDir, JsonlFile, OnError, QuarantineSink
 
 BLOOM_BYTES = 64 * 1024 * 1024  # 512 Mi bits: ~0.1% false suspects at 100M ids (k=4)
 
@@ -44,6 +44,7 @@ class ReshardReport:
     bytes: int = 0
     ids_assigned: int = 0
     duplicate_ids: dict[str, int] = field(default_factory=dict)  # id -> occurrences (>1)
+    malformed: int = 0  # lines handed to the quarantine sink (on_error="quarantine")
 
 
 def _source(src: str | JsonlFile | JsonlDir, storage_options: dict | None) -> JsonlFile | JsonlDir:
@@ -68,20 +69,29 @@ def reshard(
     check_duplicates: bool = True,
     storage_options: dict | None = None,
     bloom_bytes: int = BLOOM_BYTES,
+    on_error: OnError = "raise",
+    quarantine: QuarantineSink | None = None,
 ) -> ReshardReport:
     """Blocking: rewrite ``src`` into ``dst`` (replaced whole) and report counts and duplicate ids.
 
-    Run it with ``asyncio.to_thread`` from async code; it is a CPU pass.
+    Run it with ``asyncio.to_thread`` from async code; it is a CPU pass. With
+    ``on_error="quarantine"`` malformed lines go to the (synchronous) ``quarantine`` sink
+    and the rest is resharded.
     """
     source = _source(src, storage_options)
     out = dst if isinstance(dst, JsonlDir) else JsonlDir(dst, storage_options=storage_options)
     report = ReshardReport()
     bloom = _Bloom(bloom_bytes) if check_duplicates else None
     suspects: set[str] = set()
+
+    def counted(entry: dict) -> None:
+        report.malformed += 1
+        quarantine(entry)  # type: ignore[misc]
+
     with out.writer_sync(
         max_records_per_shard=records_per_shard, max_bytes_per_shard=max_bytes_per_shard, compression=compression
     ) as w:
-        for pos, rec in enumerate(source.iter_records_sync()):
+        for pos, rec in enumerate(source.iter_records_sync(on_error=on_error, quarantine=counted)):
             rid = rec.get("id")
             if rid is None and assign_ids:
                 rid = rec["id"] = f"{pos:012d}"

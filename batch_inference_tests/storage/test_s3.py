@@ -85,3 +85,17 @@ async def test_reshard_s3_to_s3(s3_server, s3_bucket: str) -> None:
     assert (report.records, report.shards, report.ids_assigned) == (2500, 3, 2500)
     out = JsonlDir(f"{s3_bucket}/sharded", storage_options=so)
     assert [r["id"] for r in out.iter_records_sync()][:2] == ["000000000000", "000000000001"]
+
+
+async def test_reader_with_a_stale_listing_reads_the_rewritten_shard_whole(s3_server, s3_bucket: str) -> None:
+    so = s3_server.storage_options
+    other_process = {**so, "skip_instance_cache": True}  # its own s3fs instance and caches
+    reader = JsonlDir(f"{s3_bucket}/d", storage_options=so)
+    async with reader.writer() as w:
+        await w.write_many(recs(10))
+    shard = reader.shards()[0]
+    assert shard.fs.ls(reader.path, detail=True)  # the reader's instance now caches the old size
+    async with JsonlFile(shard.url, storage_options=other_process).writer() as w:
+        await w.write_many(recs(5000, start=1))
+    assert shard.exists_sync()
+    assert [r["n"] for r in shard.iter_records_sync()] == list(range(1, 5001))
