@@ -41,6 +41,11 @@ class RunLayout:
     def sharded(self) -> str:
         return join(self.root, "sharded")
 
+    @property
+    def input_quarantine(self) -> str:
+        """Malformed input lines found at sharding: ``{file, line, reason, raw}`` each."""
+        return join(self.root, "quarantine", "input.jsonl")
+
     # -- rounds ---------------------------------------------------------------------
     def round_dir(self, r: int) -> str:
         return join(self.root, f"round-{r:02d}")

@@ -17,6 +17,7 @@ and that results hold no id more often than the input does. Memory is one bucket
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import tempfile
 import uuid
@@ -28,8 +29,10 @@ from typing import Any
 import orjson
 
 from batch_inference.pipeline.layout import RunLayout
-from batch_inference.storage import JsonlDir, JsonlFile
+from batch_inference.storage import CorruptShardError, JsonlDir, JsonlFile, MalformedRecordError
 from batch_inference.storage.urls import fs_for, is_local
+
+log = logging.getLogger(__name__)
 
 BUCKET_IDS = 250_000  # input ids per bucket held in memory at once during the check
 TERMINAL_STATES = ("approved", "exhausted", "max_attempts", "failed")
@@ -128,20 +131,27 @@ class IdSource:
     status_field: bool = False  # rows carry "status" (tail unfinished: max_attempts | error)
 
 
-def _iter_ids(src: IdSource, storage_options: dict[str, Any]) -> Iterator[tuple[str, str]]:
+def _iter_ids(src: IdSource, storage_options: dict[str, Any], unreadable: list[str]) -> Iterator[tuple[str, str]]:
+    """Ids of one source; a shard damaged in storage is read up to the damage and listed in ``unreadable``."""
     for url in src.urls:
         if src.is_dir:
             d = JsonlDir(url, storage_options=storage_options)
             if not d.exists_sync():
                 continue
-            records = d.iter_records_sync()
+            files = d.shards()
         else:
-            records = JsonlFile(url, storage_options=storage_options).iter_records_sync()
-        for rec in records:
-            state = src.state
-            if src.status_field:
-                state = "max_attempts" if rec.get("status") == "max_attempts" else "failed"
-            yield state, str(rec.get("id"))
+            files = [JsonlFile(url, storage_options=storage_options)]
+        for f in files:
+            try:
+                for rec in f.iter_records_sync():
+                    state = src.state
+                    if src.status_field:
+                        state = "max_attempts" if rec.get("status") == "max_attempts" else "failed"
+                    yield state, str(rec.get("id"))
+            except (CorruptShardError, MalformedRecordError) as exc:
+                if f.url not in unreadable:
+                    unreadable.append(f.url)
+                log.error("conservation check: %s", exc)
 
 
 def _bucket_of(rid: str, n: int) -> int:
@@ -154,18 +164,20 @@ def check_conservation(
     """Stream ids into hashed buckets on local disk, then check each bucket in memory.
 
     Returns ``{"ok", "input", "terminal": {state: n}, "missing", "extra", "duplicate_results",
-    "examples"}``; never raises (the caller decides how loudly to fail).
+    "examples", "unreadable"}``; never raises for damaged shards (listed in ``unreadable``,
+    which makes ``ok`` false); the caller decides how loudly to fail.
     """
     options = storage_options or {}
     n_buckets = max(1, -(-input_records // BUCKET_IDS))
     totals: Counter[str] = Counter()
     missing = extra = dup_results = 0
     bad: list[str] = []
+    unreadable: list[str] = []
     with tempfile.TemporaryDirectory(prefix="bi-conservation-") as tmp:
         files = [open(os.path.join(tmp, f"b{i}"), "wb") for i in range(n_buckets)]  # noqa: SIM115
         try:
             for src in sources:
-                for state, rid in _iter_ids(src, options):
+                for state, rid in _iter_ids(src, options, unreadable):
                     totals[state] += 1
                     files[_bucket_of(rid, n_buckets)].write(orjson.dumps([state, rid]) + b"\n")
         finally:
@@ -192,7 +204,7 @@ def check_conservation(
                 if (n_term != n_in or n_res > max(n_in, 1)) and len(bad) < examples:
                     bad.append(f"{rid}: input {n_in}, terminal {n_term}, in results {n_res}")
     terminal = {s: totals.get(s, 0) for s in TERMINAL_STATES}
-    ok = missing == 0 and extra == 0 and dup_results == 0 and totals.get("input", 0) == input_records
+    ok = missing == 0 and extra == 0 and dup_results == 0 and totals.get("input", 0) == input_records and not unreadable
     return {
         "ok": ok,
         "input": totals.get("input", 0),
@@ -201,5 +213,6 @@ def check_conservation(
         "extra": extra,
         "duplicate_results": dup_results,
         "examples": bad,
+        "unreadable": unreadable,
         "method": f"hashed buckets on local disk ({n_buckets} bucket(s), <= ~{BUCKET_IDS} ids in memory each)",
     }

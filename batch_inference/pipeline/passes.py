@@ -55,14 +55,31 @@ class _FailedSink:
         self._stack.__exit__(*exc)
 
 
+MAX_RAW_CHARS = 4096  # of a malformed line kept in its quarantine entry
+
+
 def shard_input(
-    src: str, dst: str, *, records_per_shard: int, storage_options: dict[str, Any] | None = None
+    src: str, dst: str, *, records_per_shard: int, storage_options: dict[str, Any] | None = None,
+    quarantine_url: str | None = None,
 ) -> ReshardReport:
     """Reshard ``src`` (a JSONL(.zst) file or a JsonlDir) into ``dst``; ids assigned when missing.
 
-    Duplicate input ids are reported (``report.duplicate_ids``), never merged.
+    Duplicate input ids are reported (``report.duplicate_ids``), never merged. With
+    ``quarantine_url``, malformed lines (bad JSON, bad UTF-8, not an object) are written
+    there as ``{file, line, reason, raw}`` and the rest goes on (``report.malformed``).
     """
-    return reshard(src, dst, records_per_shard=records_per_shard, storage_options=storage_options)
+    if quarantine_url is None:
+        return reshard(src, dst, records_per_shard=records_per_shard, storage_options=storage_options)
+    with ExitStack() as stack:
+        sink: list[Any] = []
+
+        def quarantine(entry: dict[str, Any]) -> None:
+            if not sink:
+                sink.append(stack.enter_context(JsonlFile(quarantine_url, storage_options=storage_options).writer_sync()))
+            sink[0].write({**entry, "raw": entry["raw"][:MAX_RAW_CHARS]})
+
+        return reshard(src, dst, records_per_shard=records_per_shard, storage_options=storage_options,
+                       on_error="quarantine", quarantine=quarantine)
 
 
 def recompact(

@@ -108,14 +108,17 @@ class PipelineRun:
         report = await asyncio.to_thread(
             passes.shard_input, self.spec.input, self.layout.sharded,
             records_per_shard=self.spec.shard_records, storage_options=self.storage_options,
+            quarantine_url=self.layout.input_quarantine,
         )
+        if report.malformed:
+            log.warning("run %s: %d malformed input line(s) quarantined: see %s", self.spec.run, report.malformed, self.layout.input_quarantine)
         dups = report.duplicate_ids
         if dups:
             log.warning("run %s: %d duplicate input id(s), kept (not merged), e.g. %s", self.spec.run, len(dups), list(dups)[:5])
         summary = ShardSummary(
             input_url=self.spec.input, output_url=self.layout.sharded, records=report.records, shards=report.shards,
             ids_assigned=report.ids_assigned, duplicate_ids=len(dups), duplicate_examples=list(dups)[:10],
-            wall_s=time.perf_counter() - t0,
+            wall_s=time.perf_counter() - t0, malformed=report.malformed,
         )
         await asyncio.to_thread(self.ledger.write, "shard", summary.as_dict())
         return summary
@@ -148,6 +151,7 @@ class PipelineRun:
         self.reporter.phase_started(name, total_records)
         for rec in done.values():
             self.reporter.shard_done(name, int(rec["records_in"]), rec["counts"])
+        retried_before = int(getattr(runner, "retried", 0))
         t0 = time.perf_counter()
         last_start = t0
 
@@ -202,6 +206,7 @@ class PipelineRun:
             drain_s=(wall - (last_start - t0)) if todo else 0.0,
             avg_fill=sum(float(x["avg_fill"]) * int(x["records_in"]) for x in recs) / n_req,
             cached_tasks=sum(1 for x in recs if x.get("cached")),
+            task_retries=int(getattr(runner, "retried", 0)) - retried_before,
             quarantined=sorted(quarantined, key=lambda q: q["shard"]),
         )
 
@@ -479,7 +484,8 @@ class PipelineRun:
             raise ConservationError(
                 f"run {self.spec.run!r}: conservation failed: {report['missing']} missing, {report['extra']} extra, "
                 f"{report['duplicate_results']} duplicated in results (input {report['input']} of {shard.records}); "
-                f"e.g. {report['examples'][:5]}", report,
+                f"e.g. {report['examples'][:5]}"
+                + (f"; unreadable (damaged in storage): {report['unreadable']}" if report.get("unreadable") else ""), report,
             )
         if exhausted:
             log.warning("run %s: %d record(s) exhausted max_rounds: see %s", self.spec.run, exhausted, self.layout.exhausted)

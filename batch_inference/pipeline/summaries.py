@@ -48,6 +48,7 @@ class ShardSummary(_Summary):
     duplicate_examples: list[str]
     wall_s: float
     resumed: bool = False
+    malformed: int = 0  # input lines quarantined at sharding (see RunLayout.input_quarantine)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class PhaseSummary(_Summary):
     drain_s: float  # from the last task's start to the phase's end: the final wave
     avg_fill: float
     cached_tasks: int  # tasks the pool replayed by task id
+    task_retries: int = 0  # tasks re-sent after a failure (as counted by the runner, e.g. PoolClient.retried)
     quarantined: list[dict[str, Any]] = field(default_factory=list)  # {shard, phase, error, records}
 
     @property

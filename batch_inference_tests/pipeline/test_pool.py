@@ -8,6 +8,7 @@ import signal
 import time
 from pathlib import Path
 
+import orjson
 import pytest
 
 from batch_inference.pipeline import PipelineSpec, run_pipeline
@@ -46,6 +47,8 @@ async def test_hybrid_on_real_workers_survives_a_sigkill_mid_tail(local_pool, tm
         await asyncio.to_thread(kill_worker, victim, signal.SIGKILL)
         summary = await asyncio.wait_for(run, 120)
     assert client.retried >= 1  # the killed worker's tasks went to the other worker
+    tail = orjson.loads((root / "ledger" / "tail.json").read_bytes())
+    assert tail["task_retries"] >= 1  # and the ledger says so
     assert summary.rounds == 1 and summary.tail
     assert summary.conservation["ok"] and summary.approved + summary.max_attempts == 400
     # every sample checkpointed at the kill resumed at (never before) the attempt it was on
