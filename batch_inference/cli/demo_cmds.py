@@ -126,8 +126,9 @@ def run_demo(root: Path, spec_path: Path, run: str, *, ephemeral: bool, console:
         raise click.ClickException(f"start_pipeline_run failed for {run}")
 
     def show(launched: Any) -> None:
-        mark = "[green]ok[/]" if launched.success else "[red]FAILED[/]"
-        console.print(f"  {time.perf_counter() - t0:6.1f}s  {launched.job_name:<12} {launched.partition_key:<28} {mark}")
+        mark = "[green]ok[/]" if launched.success else f"[red]FAILED[/] {launched.error}"
+        console.print(f"  {time.perf_counter() - t0:6.1f}s  {launched.job_name:<12} {launched.partition_key:<28} {mark}",
+                      highlight=False)
 
     result = drive(defs, instance, cursor=str(cursor) if cursor else None, on_launch=show, log_level="WARNING")
     failed = [r for r in result.launched if not r.success]

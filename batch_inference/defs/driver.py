@@ -28,6 +28,7 @@ class LaunchedRun:
     run_key: str | None
     success: bool
     run_id: str
+    error: str | None = None  # the first step failure, innermost cause first
 
 
 @dataclass
@@ -35,6 +36,18 @@ class DriveResult:
     launched: list[LaunchedRun] = field(default_factory=list)
     ticks: int = 0
     cursor: str | None = None
+
+
+def first_error(result: dg.ExecuteInProcessResult) -> str:
+    """The first failed step of a run, as ``step: Cause: message`` (the user's exception)."""
+    for event in result.all_events:
+        if event.is_step_failure and event.step_failure_data is not None:
+            error = event.step_failure_data.error
+            while error is not None and error.cause is not None:
+                error = error.cause
+            message = error.message.strip() if error is not None else "unknown error"
+            return f"{event.step_key}: {message}"
+    return "the run failed before any step did (see its event log)"
 
 
 def start_run(defs: dg.Definitions, instance: dg.DagsterInstance, run_config: dict[str, Any],
@@ -105,7 +118,8 @@ def drive(
                 run_config={**request.run_config, **loggers}, instance=instance, partition_key=request.partition_key,
                 tags=tags, raise_on_error=False,
             )
-            launched = LaunchedRun(request.job_name, request.partition_key, request.run_key, result.success, result.run_id)
+            launched = LaunchedRun(request.job_name, request.partition_key, request.run_key, result.success, result.run_id,
+                                   None if result.success else first_error(result))
             out.launched.append(launched)
             if on_launch is not None:
                 on_launch(launched)

@@ -19,7 +19,7 @@ from batch_inference.defs.specs import load_spec
 from batch_inference.defs.steps import run_cpu_step, run_gpu_step, summary_dict
 from batch_inference.defs.storage.resources import StorageResource
 
-GROUP = "rounds"
+GROUP = "batch_inference"
 
 
 @dg.asset(

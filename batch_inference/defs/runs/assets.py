@@ -26,7 +26,7 @@ from batch_inference.defs.specs import load_spec
 from batch_inference.defs.steps import run_cpu_step, run_gpu_step, summary_dict
 from batch_inference.defs.storage.resources import StorageResource
 
-GROUP = "runs"
+GROUP = "batch_inference"
 
 source_dataset = dg.AssetSpec(
     SOURCE,

@@ -3,7 +3,9 @@
 ``conservation`` (every input id in exactly one terminal state) and ``no_duplicate_ids``
 (no id in results more often than in the input) come from the pipeline's own
 ``check_conservation`` (hashed buckets on local disk: memory bounded at any scale), run
-again here over the run's storage rather than trusted from the ledger. Both block.
+again here over the run's storage rather than trusted from the ledger, over the same
+terminal sets ``PipelineRun.finalize`` counts (docs/ARCHITECTURE.md, terminal states).
+Both block.
 ``quarantine_empty`` warns when any shard of the run was quarantined.
 """
 
@@ -46,6 +48,7 @@ def run_checks(context: dg.AssetCheckExecutionContext, storage: StorageResource)
         IdSource("approved", (layout.results,)),
         IdSource("exhausted", (layout.exhausted,)),
         IdSource("unfinished", (layout.tail_unfinished,), status_field=True),
+        IdSource("failed", tuple(layout.failed_records(entry["round"]) for entry in view.rounds)),
     ]
     if quarantined:
         sources.append(IdSource("failed", tuple(q["shard"] for q in quarantined), is_dir=False))
