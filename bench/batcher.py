@@ -248,6 +248,11 @@ def _fmt(x: float | int | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _load() -> str:
+    """The 1-minute load average: these machines are shared, and it explains outliers."""
+    return f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "n/a"
+
+
 def table(rows: list[Row]) -> str:
     head = "| system | scenario | records | wall s | records/s | batches | efficiency | avg fill | over budget | note |"
     lines = [head, "|" + "---|" * 10]
@@ -273,7 +278,8 @@ async def main(
               f"eff {_fmt(row.efficiency, '.4f'):>6}  fill {_fmt(row.avg_fill, '.4f'):>6}  "
               f"over {_fmt(row.over_budget, 'd'):>4}  batches {row.batches}", flush=True)
 
-    print(f"flyte: {FLYTE_VERSION or 'not installed'}; scale {scale}", flush=True)
+    load_before = _load()
+    print(f"flyte: {FLYTE_VERSION or 'not installed'}; scale {scale}; load average {load_before}", flush=True)
     # best of `repeats`, interleaved, so a burst of load on a shared machine hits every
     # system alike and the ratios stay meaningful
     runs: list[Callable[[], Awaitable[Row]]] = [lambda: overhead_floor(n_over)]
@@ -322,11 +328,15 @@ async def main(
             f"`{' '.join(['python', 'bench/batcher.py', *sys.argv[1:]])}` on {platform.python_implementation()} "
             f"{platform.python_version()}, {os.cpu_count()} CPUs (shared), "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; flyte {FLYTE_VERSION or 'not installed'}; "
-            f"scale {scale}.\n\n"
+            f"scale {scale}; load average before / after: {load_before} / {_load()}.\n\n"
             "Same producer harness for every system: 10 producers, each submits its share one `await submit()` "
             "per record; overhead: then `stop()` drains the tail (the last partial batch's timeout is not "
-            "overhead); simulated GPU: each producer awaits its futures in order while the batcher runs; batch_timeout_s={TIMEOUT_S}, prefetch_batches={PREFETCH}, "
-            f"max_queue_size={QUEUE}. Overhead rows: best of {repeats} interleaved runs. Efficiency = ideal model time (every batch full) / wall.\n\n"
+            "overhead); simulated GPU: each producer awaits its futures in order while the batcher runs. "
+            f"batch_timeout_s={TIMEOUT_S}, prefetch_batches={PREFETCH}, max_queue_size={QUEUE}. Overhead rows: "
+            f"best of {repeats} interleaved runs. Efficiency = ideal model time (every batch full) / wall; "
+            "`utilization` (ours and flyte's own stat) = model-call time / wall, so 1 - utilization is the "
+            "batcher's share of the loss and the rest is the simulated call running long (timer wake-up "
+            "latency, CPU contention).\n\n"
             + table(rows) + "\n\n" + "\n".join(summary) + "\n"
         )
         print(f"\nwrote {report}")
