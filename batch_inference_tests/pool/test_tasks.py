@@ -141,7 +141,7 @@ async def test_retry_flushes_checkpoints_once_per_chunk_not_per_sample(tmp_path:
 async def test_concurrent_tasks_share_one_batcher(tmp_path: Path, inprocess_pool) -> None:
     for s in range(8):
         write_shard(tmp_path / f"in{s}.jsonl", 20, prefix=f"s{s}-")
-    async with inprocess_pool(concurrency=8, batcher={"batch_timeout_s": 0.2}) as pool:
+    async with inprocess_pool(concurrency=8, batcher={"batch_timeout_s": 0.5}) as pool:
         results = await asyncio.gather(*(pool.run_task(infer_spec(f"t{s}", tmp_path / f"in{s}.jsonl", tmp_path / f"o{s}.jsonl", chunk_size=20)) for s in range(8)))
         stats = pool.stats()
     assert sum(r.records_in for r in results) == 160

@@ -52,7 +52,7 @@ async def test_engine_loaded_once_per_worker_across_many_tasks(tmp_path: Path, l
 
 
 async def test_shared_batcher_merges_records_of_concurrent_tasks(tmp_path: Path, local_pool) -> None:
-    launcher = local_pool(replicas=1, concurrency=8, batcher={"batch_timeout_s": 0.2})
+    launcher = local_pool(replicas=1, concurrency=8, batcher={"batch_timeout_s": 0.5})
     specs = []
     for i in range(8):
         write_shard(tmp_path / f"in{i}.jsonl", 20, prefix=f"s{i}-")
