@@ -161,7 +161,19 @@ class AtomicFile:
     def write(self, data: bytes) -> None:
         if self._f is None:
             self._open()
-        self._f.write(data)
+        if self._mode != "local":
+            self._f.write(data)
+            return
+        # An unbuffered local write may be short (disk nearly full) without raising:
+        # write the rest until it all lands or the OS raises (ENOSPC), never commit a cut file.
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[self._f.write(view) :]
+        except OSError as exc:  # name the file: "[Errno 28] No space left on device: '<path>'"
+            if exc.filename is None:
+                raise OSError(exc.errno, exc.strerror, self.path) from exc
+            raise
 
     def commit(self) -> None:
         if self._f is None:
