@@ -64,8 +64,13 @@ class Ledger:
             parent = os.path.dirname(path)
             os.makedirs(parent, exist_ok=True)
             tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
-            with open(tmp, "wb") as f:
-                f.write(payload)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(payload)
+            except OSError as exc:  # e.g. disk full: name the object, leave no temp file
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise OSError(exc.errno, exc.strerror, path) from exc
             os.replace(tmp, path)
         else:
             self.fs.pipe_file(path, payload)  # one PUT: atomic on object stores
