@@ -1,0 +1,77 @@
+"""Disk full while writing shards: a real small tmpfs (ENOSPC from the kernel).
+
+Expected: a clear error, no partial shard visible, no shard quarantined for a full disk
+(it is not the data's fault), and after space is freed (the tmpfs grown) the same run
+resumes and completes with every record conserved.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+
+from batch_inference.pipeline import run_pipeline
+from batch_inference.storage import JsonlDir, JsonlFile
+from batch_inference_tests.faults.helpers import assert_conserved, make_spec
+
+
+def _mount(path: Path, size: str) -> str | None:
+    """Mount a tmpfs of ``size`` at ``path``; the reason it cannot be done, or None."""
+    path.mkdir(parents=True, exist_ok=True)
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True, timeout=30)
+    return None if res.returncode == 0 else (res.stderr.decode().strip() or f"mount exited {res.returncode}")
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1.5 MB tmpfs, unmounted at teardown (needs root or CAP_SYS_ADMIN: skipped without)."""
+    mnt = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CAP_SYS_ADMIN); this environment is not root")
+    why = _mount(mnt, "1536k")
+    if why:
+        pytest.skip(f"cannot mount a tmpfs here: {why}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+def _visible_shards_are_whole(root: Path) -> int:
+    """Every visible (non-hidden) shard decompresses and parses completely; returns how many."""
+    n = 0
+    for p in root.rglob("*.jsonl*"):
+        if not p.name.startswith("."):
+            sum(1 for _ in JsonlFile(str(p)).iter_records_sync())
+            n += 1
+    return n
+
+
+async def test_disk_full_mid_round_is_a_clear_error_and_resumes(tmp_path: Path, small_disk: Path) -> None:
+    # ~1 KB of incompressible text per record: the sharded input (~0.7 MB) fits, round 0 does not
+    src = tmp_path / "input.jsonl"
+    ids = [f"f{i:04d}" for i in range(700)]
+    with open(src, "wb") as f:
+        for rid in ids:
+            f.write(orjson.dumps({"id": rid, "prompt": os.urandom(500).hex()}) + b"\n")
+    spec = make_spec(tmp_path, input=str(src), output=str(small_disk / "out"), shard_records=100, chunk_size=50,
+                     engine={"kind": "simulated", "simulated": {"approval_rate": 0.7, "latency_a_s": 0.0, "latency_b_s": 0.0}})
+    with pytest.raises(OSError) as info:
+        await run_pipeline(spec, retries=0)
+    assert "No space left on device" in str(info.value) and str(small_disk) in str(info.value), info.value
+    print(f"DISK FULL error: {info.value}")
+    root = small_disk / "out" / spec.run
+    assert _visible_shards_are_whole(root) > 0
+    assert not list(root.glob("round-*/failed/*")), "a full disk must not quarantine shards"
+
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True, timeout=30)
+    summary = await run_pipeline(spec)
+    assert summary.failed == 0 and summary.conservation["ok"]
+    assert_conserved(spec, ids)
+    assert JsonlDir(str(root / "sharded")).manifest() is not None
