@@ -29,7 +29,7 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = ROOT / ".venv" / "bin"
-WIDTH, HEIGHT = 1600, 1000
+WIDTH, HEIGHT = int(os.environ.get("WIDTH", "1600")), int(os.environ.get("HEIGHT", "1000"))
 
 
 def free_port() -> int:
@@ -121,7 +121,7 @@ async def capture(debug_port: int, url: str, out: Path) -> None:
         await asyncio.sleep(10)
         print("navigation hidden:", await js(JS_HIDE_NAV))
         await asyncio.sleep(2)
-        for _ in range(int(os.environ.get("ZOOM_IN", "2"))):  # enough to show each node's details
+        for _ in range(int(os.environ.get("ZOOM_IN", "0"))):  # enough to show each node's details
             print("zoomed in:", await js(JS_ZOOM_IN))
             await asyncio.sleep(1)
         await asyncio.sleep(4)
@@ -131,7 +131,7 @@ async def capture(debug_port: int, url: str, out: Path) -> None:
 
 def main() -> None:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else ROOT / "docs" / "asset-graph.png").resolve()
-    page = os.environ.get("PAGE", "asset-groups")
+    page = os.environ.get("PAGE", "locations/batch_inference/asset-groups/batch_inference")
     chromium = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
     if not chromium:
         sys.exit("no chromium on PATH (apt-get install -y chromium)")
