@@ -172,3 +172,19 @@ def test_steps_of_an_unstarted_run_name_the_fix(defs, instance):
     error = failure.step_failure_data.error
     assert error.cause.cls_name == "SpecNotFound" and "start_pipeline_run" in error.cause.message
     assert not instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=SHARDED, asset_partitions=["ghost"]), limit=1).records
+
+
+def test_the_daemon_resolves_the_sensors_requests(defs, write_spec, tmp_path):
+    """Dagster's own tick evaluation (what the daemon runs) accepts every request: the new
+    round label in the same result makes ``<run>|r00`` a valid partition of round_job."""
+    (tmp_path / "home").mkdir()
+    with dg.DagsterInstance.local_temp(tempdir=str(tmp_path / "home")) as instance:
+        start_run(defs, instance, start_run_config(str(write_spec("daemon", records=10))))
+        assert defs.resolve_job_def("shard_job").execute_in_process(instance=instance, partition_key="daemon").success
+        sensor = defs.resolve_sensor_def("round_sensor")
+        context = dg.build_sensor_context(instance_ref=instance.get_ref(), definitions=defs, sensor_name="round_sensor")
+        data = sensor.evaluate_tick(context)
+        assert [(r.job_name, r.partition_key) for r in data.run_requests] == [
+            ("shard_job", "daemon"), ("round_job", "daemon|r00")]
+        assert data.run_requests[1].tags["dagster/partition/pipeline"] == "daemon"
+        assert data.run_requests[1].tags["dagster/partition/round"] == "r00"
