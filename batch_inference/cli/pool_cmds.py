@@ -26,6 +26,8 @@ import click
 @click.option("--idle-ttl-s", type=float, default=None, help="Exit after this long with no task.")
 @click.option("--grace-s", type=float, default=30.0, show_default=True, help="SIGTERM: time running tasks get to finish.")
 @click.option("--ready-file", default=None, help="Write {pid, port} here once serving.")
+@click.option("--allow-rule-module", "rule_modules", multiple=True,
+              help="Module whose functions tasks may name as rule judges ('module:fn'); repeatable. Built-ins always.")
 @click.option("--checkpoint-interval-s", type=float, default=5.0, show_default=True, help="Retry-task checkpoint flush period.")
 @click.option("--target-batch-tokens", type=int, default=12_800, show_default=True)
 @click.option("--max-batch-size", type=int, default=256, show_default=True)
@@ -34,7 +36,7 @@ import click
 @click.option("--max-queue-size", type=int, default=5_000, show_default=True)
 def worker(engine_config: str, host: str, port: int, concurrency: int, storage_roots: tuple[str, ...],
            storage_options: str | None, token_file: str | None, idle_ttl_s: float | None, grace_s: float,
-           ready_file: str | None, checkpoint_interval_s: float, target_batch_tokens: int, max_batch_size: int,
+           ready_file: str | None, rule_modules: tuple[str, ...], checkpoint_interval_s: float, target_batch_tokens: int, max_batch_size: int,
            batch_timeout_s: float, prefetch_batches: int, max_queue_size: int) -> None:
     """Run one persistent worker: the engine loads once and serves shard tasks over HTTP."""
     import os
@@ -45,7 +47,7 @@ def worker(engine_config: str, host: str, port: int, concurrency: int, storage_r
     settings = WorkerSettings(
         host=host, port=port, concurrency=concurrency, storage_roots=list(storage_roots) or [os.getcwd()],
         token=read_token(token_file), idle_ttl_s=idle_ttl_s, grace_s=grace_s, ready_file=ready_file,
-        checkpoint_interval_s=checkpoint_interval_s,
+        checkpoint_interval_s=checkpoint_interval_s, rule_modules=list(rule_modules),
     )
     try:
         check_security(settings)

@@ -47,10 +47,12 @@ async def open_runner(spec: PipelineSpec) -> AsyncIterator[TaskRunner]:
         return
     from batch_inference.pool import LocalLauncher
 
+    # the spec's own rule judge ("module:fn") may be imported by the workers this run starts
+    rule = spec.judge.callable if spec.judge.kind == "rule" and ":" in (spec.judge.callable or "") else None
     launcher = LocalLauncher(
         spec.engine, replicas=pool.replicas, concurrency=pool.concurrency, batcher=pool.batcher or None,
         storage_roots=pool.storage_roots or default_roots(spec), idle_ttl_s=pool.idle_ttl_s, name=pool.name,
-        storage_profiles_file=pool.storage_profiles_file,
+        storage_profiles_file=pool.storage_profiles_file, rule_modules=[rule.partition(":")[0]] if rule else None,
     )
     client = await asyncio.to_thread(launcher.client, retries=pool.retries, timeout_s=pool.timeout_s, token=token)
     async with client:

@@ -34,6 +34,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from batch_inference.engines import EngineConfig
+from batch_inference.judges.rules import BUILTIN_RULES
 from batch_inference.pool.engine_host import BatcherOptions, EngineHost
 from batch_inference.pool.metrics import prometheus_text
 from batch_inference.pool.protocol import TaskSpec
@@ -63,6 +64,9 @@ class WorkerSettings(BaseModel):
     max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1024)
     checkpoint_interval_s: float = Field(5.0, gt=0)
     ready_file: str | None = None
+    # Modules whose functions a task's rule judge may name ("module:fn"); built-in rules
+    # are always allowed. Importing a module a request names would run code by reference.
+    rule_modules: list[str] = Field(default_factory=list)
     # The engine thread and the event loop share the GIL: with CPython's default 5 ms
     # switch interval a finished batch can wait that long behind the loop's JSON work
     # before the next one is dispatched. The worker owns its process, so it shortens it.
@@ -142,6 +146,10 @@ def create_app(runtime: WorkerRuntime, settings: WorkerSettings, *, config_id: s
         if outside:
             log.warning("refused task %s: %s outside the storage roots", spec.task_id, ", ".join(_redact(u) for u in outside))
             return _error(403, f"task {spec.task_id}: {len(outside)} URL(s) outside this worker's storage roots", retryable=False)
+        if (rule := foreign_rule(spec, settings.rule_modules)) is not None:
+            log.warning("refused task %s: rule judge %r is not allowed on this worker", spec.task_id, rule)
+            return _error(403, f"task {spec.task_id}: rule judge {rule!r} is neither a built-in rule nor in a module "
+                               f"this worker allows (--allow-rule-module)", retryable=False)
         try:
             result = await runtime.run(spec)
         except Refused as exc:
@@ -167,6 +175,14 @@ def create_app(runtime: WorkerRuntime, settings: WorkerSettings, *, config_id: s
     app = web.Application(middlewares=[auth], client_max_size=settings.max_body_bytes)
     app.add_routes([web.post("/tasks", post_task), web.get("/health", health), web.get("/stats", stats), web.get("/metrics", metrics)])
     return app
+
+
+def foreign_rule(spec: TaskSpec, allowed_modules: list[str]) -> str | None:
+    """The task's rule-judge import path when the worker does not allow its module, else None."""
+    judge = spec.judge
+    if judge is None or judge.kind != "rule" or not judge.callable or judge.callable in BUILTIN_RULES:
+        return None
+    return None if judge.callable.partition(":")[0] in allowed_modules else judge.callable
 
 
 def check_security(settings: WorkerSettings) -> None:

@@ -89,6 +89,7 @@ class LocalLauncher:
         grace_s: float = 30.0,
         start_timeout_s: float = 180.0,
         python: str = sys.executable,
+        rule_modules: list[str] | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
@@ -107,6 +108,7 @@ class LocalLauncher:
         self.grace_s = grace_s
         self.start_timeout_s = start_timeout_s
         self.python = python
+        self.rule_modules = list(rule_modules or [])
         self.config_hash = config_hash(self.engine_config, self.batcher, concurrency, self.storage_roots) if self.engine_config else ""
         self._children: list[subprocess.Popen[bytes]] = []  # reaped as they exit (no zombies)
 
@@ -229,6 +231,8 @@ class LocalLauncher:
                "--max-queue-size", str(b.max_queue_size)]
         for root in self.storage_roots:
             cmd += ["--storage-root", root]
+        for module in self.rule_modules:
+            cmd += ["--allow-rule-module", module]
         if ttl:
             cmd += ["--idle-ttl-s", str(ttl)]
         if self.storage_profiles_file:
