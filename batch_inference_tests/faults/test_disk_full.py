@@ -1,4 +1,6 @@
-"""Disk full while writing shards: a real small tmpfs (ENOSPC from the kernel).
+"""Disk full while writing shards: a real small tmpfs (ENOSPC from the kernel), and the
+same scenario on ``quota://`` (an fsspec filesystem that fails writes past a quota with
+ENOSPC) so that it runs where mounting is not allowed too.
 
 Expected: a clear error, no partial shard visible, no shard quarantined for a full disk
 (it is not the data's fault), and after space is freed (the tmpfs grown) the same run
@@ -12,13 +14,16 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
 from batch_inference.pipeline import run_pipeline
-from batch_inference.storage import JsonlDir, JsonlFile
+from batch_inference.storage import JsonlFile
+from batch_inference.storage.urls import fs_for
 from batch_inference_tests.faults.helpers import assert_conserved, make_spec
+from batch_inference_tests.faults.quota_fs import QuotaFileSystem
 
 
 def _mount(path: Path, size: str) -> str | None:
@@ -43,35 +48,61 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
 
 
-def _visible_shards_are_whole(root: Path) -> int:
+def _visible_shards_are_whole(url: str) -> int:
     """Every visible (non-hidden) shard decompresses and parses completely; returns how many."""
+    fs, root = fs_for(url)
+    fs.invalidate_cache()
     n = 0
-    for p in root.rglob("*.jsonl*"):
-        if not p.name.startswith("."):
-            sum(1 for _ in JsonlFile(str(p)).iter_records_sync())
+    for path in fs.find(root):
+        name = path.rsplit("/", 1)[-1]
+        if ".jsonl" in name and not name.startswith("."):
+            sum(1 for _ in JsonlFile(url + path[len(root):]).iter_records_sync())
             n += 1
     return n
 
 
-async def test_disk_full_mid_round_is_a_clear_error_and_resumes(tmp_path: Path, small_disk: Path) -> None:
-    # ~1 KB of incompressible text per record: the sharded input (~0.7 MB) fits, round 0 does not
+def _input(tmp_path: Path) -> tuple[Path, list[str]]:
+    """~1 KB of incompressible text per record: the sharded input (~0.7 MB) fits, round 0 does not."""
     src = tmp_path / "input.jsonl"
     ids = [f"f{i:04d}" for i in range(700)]
     with open(src, "wb") as f:
         for rid in ids:
             f.write(orjson.dumps({"id": rid, "prompt": os.urandom(500).hex()}) + b"\n")
-    spec = make_spec(tmp_path, input=str(src), output=str(small_disk / "out"), shard_records=100, chunk_size=50,
+    return src, ids
+
+
+async def _fill_then_grow(tmp_path: Path, out: str, grow: Any) -> str:
+    src, ids = _input(tmp_path)
+    spec = make_spec(tmp_path, input=str(src), output=out, shard_records=100, chunk_size=50,
                      engine={"kind": "simulated", "simulated": {"approval_rate": 0.7, "latency_a_s": 0.0, "latency_b_s": 0.0}})
     with pytest.raises(OSError) as info:
         await run_pipeline(spec, retries=0)
-    assert "No space left on device" in str(info.value) and str(small_disk) in str(info.value), info.value
-    print(f"DISK FULL error: {info.value}")
-    root = small_disk / "out" / spec.run
+    message = str(info.value)
+    assert "No space left on device" in message and out.split("://")[-1] in message, message
+    root = f"{out}/{spec.run}"
     assert _visible_shards_are_whole(root) > 0
-    assert not list(root.glob("round-*/failed/*")), "a full disk must not quarantine shards"
+    fs, path = fs_for(root)
+    assert not [p for p in fs.find(path) if "/failed/" in p], "a full disk must not quarantine shards"
 
-    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True, timeout=30)
+    grow()
     summary = await run_pipeline(spec)
     assert summary.failed == 0 and summary.conservation["ok"]
     assert_conserved(spec, ids)
-    assert JsonlDir(str(root / "sharded")).manifest() is not None
+    return message
+
+
+async def test_disk_full_mid_round_is_a_clear_error_and_resumes(tmp_path: Path, small_disk: Path) -> None:
+    def grow() -> None:
+        subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True, timeout=30)
+
+    message = await _fill_then_grow(tmp_path, str(small_disk / "out"), grow)
+    print(f"DISK FULL (tmpfs) error: {message}")
+
+
+async def test_quota_exceeded_mid_round_is_a_clear_error_and_resumes(tmp_path: Path) -> None:
+    QuotaFileSystem.reset(quota_bytes=1536 * 1024)
+    try:
+        message = await _fill_then_grow(tmp_path, "quota://faults/out", QuotaFileSystem.grow)
+    finally:
+        QuotaFileSystem.reset(quota_bytes=None)
+    print(f"DISK FULL (quota) error: {message}")
