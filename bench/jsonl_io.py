@@ -215,14 +215,20 @@ def main() -> None:
             for k in range(args.repeat):
                 d = {name: tmp / f"{case}-{name}-{k}" for name in ("floor", "many", "each", "flyte")}
                 n = args.records
-                measure(case, "floor", "write", lambda: floor_write(recs, d["floor"], zstd, args.level))
-                measure(case, "ours (async, write_many)", "write", lambda: asyncio.run(ours_write_many(recs, d["many"], zstd, args.level)))
-                measure(case, "ours (async, await write per record)", "write", lambda: asyncio.run(ours_write(recs, d["each"], zstd, args.level)))
+                writes = [
+                    ("floor", lambda: floor_write(recs, d["floor"], zstd, args.level)),
+                    ("ours (async, write_many)", lambda: asyncio.run(ours_write_many(recs, d["many"], zstd, args.level))),
+                    ("ours (async, await write per record)", lambda: asyncio.run(ours_write(recs, d["each"], zstd, args.level))),
+                ]
+                for name, fn in writes[k % 3 :] + writes[: k % 3]:  # rotate who goes first
+                    os.sync()  # start each write with no dirty pages left by the previous one
+                    measure(case, name, "write", fn)
                 measure(case, "floor", "read", lambda: floor_read(d["floor"], zstd), n)
                 measure(case, "floor behind an async generator", "read", lambda: asyncio.run(floor_read_async(d["floor"], zstd)), n)
                 measure(case, "ours (async)", "read", lambda: asyncio.run(ours_read_async(d["many"])), n)
                 measure(case, "ours (sync)", "read", lambda: ours_read_sync(d["many"]), n)
                 if has_flyte:
+                    os.sync()
                     measure(case, "flyteplugins-jsonl", "write", lambda: asyncio.run(flyte_write(recs, d["flyte"], zstd, args.level)))
                     measure(case, "flyteplugins-jsonl", "read", lambda: asyncio.run(flyte_read(d["flyte"])), n)
                 if zstd and k == 0:
