@@ -111,3 +111,23 @@ def test_phase_metadata_and_funnel():
          "decision": {"kind": "next_round"}}])
     table = funnel_markdown(view)
     assert "| round 00 -> next_round | 10 | 6 | 4 | 0 | 60.0% | 200/100 | 4.00 |" in table
+
+
+def test_a_backlog_larger_than_a_tick_is_handled_oldest_first(monkeypatch):
+    """With more events than one tick takes, the cursor stops at the last one handled."""
+    from batch_inference.defs.partitions import RUNS
+    from batch_inference.defs.rounds import sensors
+    from batch_inference.defs.rounds.sensors import _records_since
+
+    monkeypatch.setattr(sensors, "MAX_EVENTS_PER_TICK", 3)
+    monkeypatch.setattr(sensors, "PAGE", 2)
+    instance = dg.DagsterInstance.ephemeral()
+    runs = [f"r{i}" for i in range(5)]
+    instance.add_dynamic_partitions(RUNS.name, runs)
+    for i, run in enumerate(runs):  # interleave two watched keys
+        key = SOURCE if i % 2 == 0 else SHARDED
+        instance.report_runless_asset_event(dg.AssetMaterialization(key, partition=run))
+    first = _records_since(instance, 0)
+    assert [r.partition_key for r in first] == ["r0", "r1", "r2"]
+    rest = _records_since(instance, first[-1].storage_id)
+    assert [r.partition_key for r in rest] == ["r3", "r4"]

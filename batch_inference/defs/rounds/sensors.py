@@ -19,7 +19,7 @@ so a wrong round never propagates. Run keys name the step (``<run>|r01``), so a
 re-evaluated tick or a re-materialised round never launches the same step twice.
 """
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,21 +99,28 @@ def follow_up(asset_key: dg.AssetKey, partition_key: str, metadata: Mapping[str,
     return None
 
 
-def _records_since(instance: dg.DagsterInstance, after: int) -> Iterator[dg.EventLogRecord]:
-    """Every watched materialisation with storage id > ``after``, oldest first."""
+def _records_since(instance: dg.DagsterInstance, after: int) -> list[dg.EventLogRecord]:
+    """The oldest watched materialisations with storage id > ``after`` (at most one tick's worth).
+
+    Each key contributes at most ``MAX_EVENTS_PER_TICK`` of its oldest events; of the
+    merge, the oldest ``MAX_EVENTS_PER_TICK`` are returned. Every event of any key not
+    fetched is newer than all of those, so advancing the cursor to the last one handled
+    loses nothing.
+    """
     records: list[Any] = []
     for key in WATCHED:
-        cursor = None
-        while True:
+        fetched, cursor = 0, None
+        while fetched < MAX_EVENTS_PER_TICK:
             page = instance.fetch_materializations(
                 dg.AssetRecordsFilter(asset_key=key, after_storage_id=after), limit=PAGE, cursor=cursor, ascending=True
             )
             records.extend(page.records)
-            if not page.has_more or len(records) >= MAX_EVENTS_PER_TICK * len(WATCHED):
+            fetched += len(page.records)
+            if not page.has_more:
                 break
             cursor = page.cursor
     records.sort(key=lambda r: r.storage_id)
-    yield from records[:MAX_EVENTS_PER_TICK]
+    return records[:MAX_EVENTS_PER_TICK]
 
 
 @dg.sensor(
@@ -130,14 +137,14 @@ def round_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
     new_labels: list[str] = []
     requests: list[dg.RunRequest] = []
     for record in _records_since(instance, cursor):
-        run = instance.get_run_by_id(record.run_id)
+        run = instance.get_run_by_id(record.run_id) if record.run_id else None  # runless: reported via the API
         if run is not None and not run.is_finished:
             break  # its checks may still fail: decide on a later tick
         cursor = record.storage_id
         key, partition = record.asset_key, record.partition_key
         if partition is None:
             continue
-        if run is None or run.status != dg.DagsterRunStatus.SUCCESS:
+        if record.run_id and (run is None or run.status != dg.DagsterRunStatus.SUCCESS):
             context.log.warning(f"{key.to_user_string()}[{partition}]: its run did not succeed; no follow-up (fix and re-materialise it)")
             continue
         materialization = record.asset_materialization
