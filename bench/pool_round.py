@@ -163,6 +163,17 @@ def simulator_cpu_ms(batch: int = 190) -> float:
     return (time.perf_counter() - t0) / 20 * 1e3
 
 
+def tiny_model_load_s(base: Path) -> float:
+    """Seconds a fresh process's engine build takes for the tiny transformers model (imports + load)."""
+    from batch_inference.engines import make_tiny_model
+
+    model = make_tiny_model(base / "tiny", seed=0)
+    code = ("import time; t=time.perf_counter(); from batch_inference.engines import build_engine; "
+            f"e=build_engine({{'kind': 'transformers', 'model': {str(model)!r}, 'device': 'cpu'}}); print(time.perf_counter()-t)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
 def report(pool: dict, naive: dict, shards: int, records: int, load_start: float) -> str:
     effs = [w["efficiency"] for w in pool["workers"]]
     batches = sum(w["batches"] for w in pool["workers"])
@@ -219,6 +230,16 @@ def report(pool: dict, naive: dict, shards: int, records: int, load_start: float
         f"{pool['engine_loads']} vs {naive['engine_loads']}.",
         "",
     ]
+    if naive.get("tiny_load_s") is not None:
+        extra = naive["engine_loads"] * naive["tiny_load_s"] / REPLICAS
+        lines += [
+            "The simulated engine loads instantly, so the naive penalty above is process start-up and lost "
+            "cross-task batching only. A real model loads per fresh process: the tiny 2 MB transformers model "
+            f"takes {naive['tiny_load_s']:.1f} s to import and load here, which would add ~{extra:.0f} s per GPU "
+            f"to the naive round (x{(naive['wall_s'] + extra) / pool['wall_s']:.1f} the pool's wall); an 8B model's "
+            "minutes-long load makes per-shard processes unusable.",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -238,6 +259,7 @@ async def main() -> None:
         urls = await asyncio.to_thread(make_shards, base, args.shards, args.records)
         pool = await pool_round(base, urls)
         naive = await asyncio.to_thread(naive_round, base, urls)
+        naive["tiny_load_s"] = await asyncio.to_thread(tiny_model_load_s, base)
     text = report(pool, naive, args.shards, args.records, load_start)
     print(text)
     if not args.no_report:
