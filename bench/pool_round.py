@@ -249,6 +249,7 @@ async def main() -> None:
     parser.add_argument("--records", type=int, default=2000)
     parser.add_argument("--one-shard", help=argparse.SUPPRESS)
     parser.add_argument("--no-report", action="store_true", help="print only, do not write bench/reports/")
+    parser.add_argument("--no-model-load", action="store_true", help="skip timing the tiny model's load (smoke tests)")
     args = parser.parse_args()
     if args.one_shard:
         await one_shard(args.one_shard)
@@ -259,7 +260,7 @@ async def main() -> None:
         urls = await asyncio.to_thread(make_shards, base, args.shards, args.records)
         pool = await pool_round(base, urls)
         naive = await asyncio.to_thread(naive_round, base, urls)
-        naive["tiny_load_s"] = await asyncio.to_thread(tiny_model_load_s, base)
+        naive["tiny_load_s"] = None if args.no_model_load else await asyncio.to_thread(tiny_model_load_s, base)
     text = report(pool, naive, args.shards, args.records, load_start)
     print(text)
     if not args.no_report:
