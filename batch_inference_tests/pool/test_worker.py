@@ -269,3 +269,15 @@ async def test_scaledown_ttl_removes_idle_replicas_above_the_minimum(tmp_path: P
     launcher._reap()
     assert [s.healthy for s in launcher.status()] == [True, False]  # the minimum stays hot
     assert len(launcher.up()) == 2  # work arrives: the replica comes back on demand
+
+
+async def test_storage_profiles_come_from_the_worker_config(tmp_path: Path, worker_process) -> None:
+    profiles = tmp_path / "profiles.yaml"
+    profiles.write_text("local:\n  auto_mkdir: true\n")
+    _, endpoint, _ = worker_process("--storage-options", str(profiles))
+    write_shard(tmp_path / "in.jsonl", 5)
+    spec = infer_spec("p", tmp_path / "in.jsonl", tmp_path / "out.jsonl", storage_options_ref="local")
+    status, body = await _post(endpoint, spec.model_dump_json())
+    assert status == 200 and body["counts"]["ok"] == 5
+    status, body = await _post(endpoint, spec.model_copy(update={"task_id": "q", "storage_options_ref": "nope"}).model_dump_json())
+    assert status == 400 and "unknown storage profile 'nope'" in body["error"] and body["retryable"] is False
