@@ -71,12 +71,15 @@ class SimulatedEngine:
             call = self.calls
         if self.options.fail_batch_every and call % self.options.fail_batch_every == 0:
             raise SimulatedBatchError(f"simulated batch failure (call {call}, every {self.options.fail_batch_every})")
+        started = time.perf_counter()
         out = [self._one(prompt, p) for prompt, p in zip(prompts, per_item)]
         ran = [c for c in out if c.error is None]
         cost = self.cost_s([c.prompt_tokens for c in ran], [c.completion_tokens for c in ran])
         with self._lock:
             self.busy_s += cost
-        time.sleep(cost)
+        # The modelled cost is the whole call: building the outputs is part of it,
+        # so a batch takes `cost` seconds of wall time, not cost + our own CPU.
+        time.sleep(max(0.0, cost - (time.perf_counter() - started)))
         return out
 
     def _one(self, prompt: str, p: SamplingParams) -> Completion:
