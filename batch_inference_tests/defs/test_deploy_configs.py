@@ -51,7 +51,7 @@ def dagster_home(tmp_path, monkeypatch):
 def test_local_instance_config():
     config, custom = dagster_instance_config(str(ROOT))
     assert custom is None
-    assert config["storage"]["sqlite"]["base_dir"] == {"env": "DAGSTER_HOME"}
+    assert "storage" not in config  # SQLite under $DAGSTER_HOME, Dagster's default
     assert config["run_queue"]["max_concurrent_runs"] >= 1
     assert config["telemetry"]["enabled"] is False
 
@@ -65,6 +65,8 @@ def test_local_instance_loads(tmp_path):
     assert type(instance.run_coordinator).__name__ == "QueuedRunCoordinator"
     assert instance.run_coordinator.get_run_queue_config().max_concurrent_runs == 2  # our setting, not a default
     assert Path(instance.root_directory) == tmp_path
+    assert type(instance.run_storage).__name__ == "SqliteRunStorage"
+    assert str(tmp_path) in instance.run_storage._conn_string  # SQLite files under DAGSTER_HOME
     instance.dispose()
 
 
