@@ -67,10 +67,10 @@ async def _run_with_faults(spec: Any, launcher: Any, **killer: Any) -> tuple[Any
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["rounds", "in_place"])
 async def test_sigkill_a_busy_worker_several_times(tmp_path: Path, local_pool: Any, strategy: str) -> None:
-    ids = write_input(tmp_path / "input.jsonl", 600)
+    ids = write_input(tmp_path / "input.jsonl", 800)
     spec = make_spec(tmp_path, strategy=strategy, engine=SLOW_ENGINE, shard_records=50, chunk_size=25)
     launcher = local_pool(engine_config=SLOW_ENGINE, replicas=2, concurrency=3, grace_s=2.0)
-    summary, kills = await _run_with_faults(spec, launcher, kills=3, sig=signal.SIGKILL)
+    summary, kills = await _run_with_faults(spec, launcher, kills=3, sig=signal.SIGKILL, pause_s=0.1)
     assert len(kills) == 3, f"the run ended after {len(kills)} kill(s): make the engine slower"
     assert summary.failed == 0 and summary.status in ("converged", "exhausted")
     counts = assert_conserved(spec, ids)
@@ -94,10 +94,10 @@ async def test_all_workers_killed_mid_round_pool_restarts(tmp_path: Path, local_
 
 @pytest.mark.slow
 async def test_sigterm_drains_a_worker_without_loss(tmp_path: Path, local_pool: Any) -> None:
-    ids = write_input(tmp_path / "input.jsonl", 400)
+    ids = write_input(tmp_path / "input.jsonl", 800)
     spec = make_spec(tmp_path, engine=SLOW_ENGINE)
     launcher = local_pool(engine_config=SLOW_ENGINE, replicas=2, concurrency=3, grace_s=5.0)
-    summary, kills = await _run_with_faults(spec, launcher, kills=2, sig=signal.SIGTERM, pause_s=1.0)
+    summary, kills = await _run_with_faults(spec, launcher, kills=2, sig=signal.SIGTERM, pause_s=0.1)
     assert len(kills) == 2
     assert summary.failed == 0
     assert_conserved(spec, ids)
