@@ -40,14 +40,15 @@ def pending(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.M
     layout = RunLayout(spec.output, spec.run)
     url = layout.pending(key.round)
     meta: dict[str, Any] = {"round": dg.MetadataValue.int(key.round), "uri": location(url)}
-    if key.round == 0:
-        shards = JsonlDir(url, storage_options=spec.storage_options).shards()
-        records = JsonlDir(url, storage_options=spec.storage_options).count_records()
-        meta.update({"from": dg.MetadataValue.text(f"sharded[{key.run}]"), "records": dg.MetadataValue.int(records),
+    pending_dir = JsonlDir(url, storage_options=spec.storage_options)
+    if key.round == 0:  # the sharded input itself: nothing to write
+        shards = pending_dir.shards()
+        meta.update({"from": dg.MetadataValue.text(f"sharded[{key.run}]"),
+                     "records": dg.MetadataValue.int(pending_dir.count_records()),
                      "shards": dg.MetadataValue.int(len(shards))})
     else:
         summary = summary_dict(run_cpu_step(spec, lambda run: run.recompact(key.round - 1)))
-        shards = JsonlDir(url, storage_options=spec.storage_options).shards()
+        shards = pending_dir.shards()
         meta.update({
             "from": dg.MetadataValue.text(f"rejected[{key.run}|{round_label(key.round - 1)}]"),
             "records": dg.MetadataValue.int(int(summary["records"])),
@@ -75,8 +76,7 @@ def inferred(context: dg.AssetExecutionContext, pool: PoolResource, storage: Sto
     key = parse_round_key(context.partition_key)
     spec = load_spec(context.instance, key.run, storage)
     summary = summary_dict(run_gpu_step(spec, pool, lambda run: run.infer(key.round)))
-    meta = phase_metadata(summary)
-    meta.pop("approved"), meta.pop("rejected"), meta.pop("approval_rate")
+    meta = {k: v for k, v in phase_metadata(summary).items() if k not in ("approved", "rejected", "approval_rate")}
     meta["shard_urls"] = shard_list([f.url for f in JsonlDir(summary["output_url"], storage_options=spec.storage_options).shards()])
     meta.update(pool.describe(spec))
     return dg.MaterializeResult(metadata=meta)
@@ -110,7 +110,8 @@ def judge(context: dg.AssetExecutionContext, pool: PoolResource, storage: Storag
     figures = round_metadata(infer_summary, summary)
     prefix = f"round-{key.round:02d}-"
 
-    approved_shards = [f.url for f in JsonlDir(layout.results, storage_options=spec.storage_options).shards() if f.name.startswith(prefix)]
+    results_dir = JsonlDir(layout.results, storage_options=spec.storage_options)
+    approved_shards = [f.url for f in results_dir.shards() if f.name.startswith(prefix)]
     yield dg.MaterializeResult(asset_key=APPROVED, metadata={
         **figures,
         "records": dg.MetadataValue.int(int(summary["counts"].get("approved", 0))),
@@ -135,5 +136,5 @@ def judge(context: dg.AssetExecutionContext, pool: PoolResource, storage: Storag
         "records": dg.MetadataValue.int(sum(int(q.get("records", 0)) for q in quarantined)),
         "shards": dg.MetadataValue.int(len(quarantined)),
         "uri": location(layout.failed(key.round)),
-        "entries": dg.MetadataValue.json(quarantined),
+        "entries": dg.MetadataValue.json(quarantined[:50]),  # the full list is in the ledger
     })
