@@ -1,4 +1,5 @@
-"""The driver (``batch-inference run SPEC``) SIGKILLed mid-round; the same command resumes.
+"""The driver SIGKILLed mid-round: the ``batch-inference run SPEC`` process (the same command
+resumes) and the process executing a Dagster round run (re-executing that run resumes).
 
 Finished shards (progress record + committed output) must be neither recomputed nor
 duplicated; the shard that was in flight must not be visible half-written.
@@ -82,3 +83,83 @@ def test_driver_sigkilled_mid_round_resumes_without_recompute(tmp_path: Path) ->
     run = orjson.loads((root / "ledger" / "run.json").read_bytes())
     assert run["conservation"]["ok"] and counts["approved"] == run["approved"]
     print(f"RECOVERY driver SIGKILL: re-run finished the remaining {8 - len(done_before)}/8 shards of round 0 and the rest in {recover_s:.1f}s")
+
+
+DAGSTER_DRIVER = """
+import sys
+import dagster as dg
+from batch_inference.definitions import build_definitions
+from batch_inference.defs.driver import drive, start_run
+from batch_inference.defs.pool.resources import PoolResource
+from batch_inference.defs.runs.jobs import start_run_config
+from batch_inference.defs.storage.resources import StorageResource
+
+instance = dg.DagsterInstance.local_temp(tempdir=sys.argv[1])
+defs = build_definitions(pool=PoolResource(mode="inprocess"), storage=StorageResource())
+assert start_run(defs, instance, start_run_config(sys.argv[2]), log_level="WARNING").success
+drive(defs, instance, log_level="WARNING")
+"""
+
+
+@pytest.mark.slow
+def test_dagster_run_sigkilled_mid_round_reexecutes_without_recompute(tmp_path: Path) -> None:
+    """The process executing a Dagster round run dies; re-executing that run resumes it."""
+    import dagster as dg
+
+    from batch_inference.definitions import build_definitions
+    from batch_inference.defs.driver import drive
+    from batch_inference.defs.pool.resources import PoolResource
+    from batch_inference.defs.storage.resources import StorageResource
+
+    ids = write_input(tmp_path / "input.jsonl", 400)
+    data = spec_data(
+        tmp_path, run="dagster-kill", shard_records=50, chunk_size=25,
+        engine={"kind": "simulated", "simulated": {"approval_rate": 0.6, "latency_a_s": 0.03, "latency_b_s": 0.0}},
+        judge={"kind": "rule", "callable": "regex", "kwargs": {"pattern": "^APPROVED"}},
+        pool={"launcher": "inprocess", "concurrency": 2, "retries": 1, "batcher": {"batch_timeout_s": 0.002}},
+    )
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(data))
+    spec = PipelineSpec.load(spec_path)
+    root = Path(spec.output) / spec.run
+    progress = root / "ledger" / "progress" / "round-00-infer"
+    home = tmp_path / "dagster-home"
+    home.mkdir()
+
+    proc = subprocess.Popen([sys.executable, "-c", DAGSTER_DRIVER, str(home), str(spec_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_snapshot(progress)) < 2:
+            assert proc.poll() is None, f"the run ended before it could be killed: {proc.stdout.read().decode()[-3000:]}"  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "no round-0 progress within 120 s"
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    done_before = _snapshot(progress)
+    assert 2 <= len(done_before) < 8
+
+    instance = dg.DagsterInstance.local_temp(tempdir=str(home))
+    (killed,) = [r for r in instance.get_runs() if r.job_name == "round_job"]
+    assert killed.status in (dg.DagsterRunStatus.STARTED, dg.DagsterRunStatus.STARTING)
+    defs = build_definitions(pool=PoolResource(mode="inprocess"), storage=StorageResource())
+    t0 = time.monotonic()
+    # what a person does in the UI: re-execute the dead run (same job, same partition)
+    again = defs.resolve_job_def("round_job").execute_in_process(
+        instance=instance, partition_key=killed.tags["dagster/partition"], raise_on_error=False,
+        run_config={"loggers": {"console": {"config": {"log_level": "WARNING"}}}},
+    )
+    assert again.success
+    drive(defs, instance, log_level="WARNING")  # the sensor carries on from the re-executed round
+    recover_s = time.monotonic() - t0
+
+    after = _snapshot(progress)
+    assert {k: after[k] for k in done_before} == done_before, "finished shards were recomputed"
+    run = orjson.loads((root / "ledger" / "run.json").read_bytes())
+    assert run["conservation"]["ok"]
+    assert_conserved(spec, ids)
+    print(f"RECOVERY dagster run SIGKILL: re-execution + the rest of the run took {recover_s:.1f}s")
