@@ -188,3 +188,13 @@ def test_the_daemon_resolves_the_sensors_requests(defs, write_spec, tmp_path):
             ("shard_job", "daemon"), ("round_job", "daemon|r00")]
         assert data.run_requests[1].tags["dagster/partition/pipeline"] == "daemon"
         assert data.run_requests[1].tags["dagster/partition/round"] == "r00"
+
+
+def test_a_round_materialised_twice_gets_one_follow_up(defs, instance, write_spec):
+    start_run(defs, instance, start_run_config(str(write_spec("twice", records=20))))
+    instance.add_dynamic_partitions(ROUND_NUMBERS.name, ["r00"])
+    assert defs.resolve_job_def("shard_job").execute_in_process(instance=instance, partition_key="twice").success
+    for _ in range(2):  # round 0 materialised twice (a manual re-run) before the sensor ticks
+        assert defs.resolve_job_def("round_job").execute_in_process(instance=instance, partition_key="twice|r00").success
+    keys = [r.run_key for r in tick(defs, instance, None).run_requests]
+    assert keys == ["twice:shard", "twice|r00", "twice|r01"]

@@ -136,6 +136,7 @@ def round_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
     known_labels = set(instance.get_dynamic_partitions(ROUND_NUMBERS.name))
     new_labels: list[str] = []
     requests: list[dg.RunRequest] = []
+    requested: set[str] = set()
     for record in _records_since(instance, cursor):
         run = instance.get_run_by_id(record.run_id) if record.run_id else None  # runless: reported via the API
         if run is not None and not run.is_finished:
@@ -149,8 +150,9 @@ def round_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
             continue
         materialization = record.asset_materialization
         action = follow_up(key, partition, materialization.metadata if materialization else {})
-        if action is None:
+        if action is None or action.run_key in requested:  # e.g. a round re-materialised twice
             continue
+        requested.add(action.run_key)
         if action.new_round_label and action.new_round_label not in known_labels:
             known_labels.add(action.new_round_label)
             new_labels.append(action.new_round_label)
