@@ -219,7 +219,8 @@ class RotatingWriter:
     """Blocking core of every writer: takes encoded lines, rotates, compresses, commits.
 
     ``path_for(i)`` names shard i; ``on_commit(stats)`` is told about each committed
-    shard. With no limits it writes exactly one file (JsonlFile.writer).
+    shard and ``on_block()`` about each block written (the directory lock's heartbeat).
+    With no limits it writes exactly one file (JsonlFile.writer).
     """
 
     def __init__(
@@ -232,6 +233,7 @@ class RotatingWriter:
         max_bytes: int | None = None,
         zstd_level: int = DEFAULT_ZSTD_LEVEL,
         on_commit: Callable[[ShardStats], None] | None = None,
+        on_block: Callable[[], None] | None = None,
         always_create: bool = False,
     ) -> None:
         if max_records is not None and max_records < 1:
@@ -241,7 +243,7 @@ class RotatingWriter:
         self.fs, self.path_for, self.compressed = fs, path_for, compressed
         self.max_records = max_records or (1 << 62)
         self.max_bytes = max_bytes or (1 << 62)
-        self.on_commit = on_commit
+        self.on_commit, self.on_block = on_commit, on_block
         self._cctx = zstandard.ZstdCompressor(level=zstd_level, write_checksum=True) if compressed else None
         self.index = 0
         self._file: AtomicFile | None = None
@@ -311,6 +313,8 @@ class RotatingWriter:
         if data:
             self._stored += len(data)
             self._file.write(data)
+        if self.on_block is not None:
+            self.on_block()
 
     def _commit_shard(self) -> None:
         self._flush()

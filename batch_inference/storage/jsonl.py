@@ -473,7 +473,7 @@ class _DirSession:
             max_records=max_records,
             max_bytes=max_bytes,
             zstd_level=level,
-            on_commit=lambda _s: self._heartbeat(),
+            on_block=self._heartbeat,
         )
 
     # lock ------------------------------------------------------------------

@@ -385,3 +385,16 @@ async def test_writer_that_lost_its_lock_fails_loudly_and_touches_nothing(tmp_pa
             lock.write_bytes(orjson.dumps({"token": "other", "host": "elsewhere", "pid": 1, "heartbeat": 1e18}))
     assert lock.exists() and d.manifest() is None
     assert len(d.shards()) == 3  # nothing deleted under the new holder's feet
+
+
+async def test_dir_lock_heartbeat_is_refreshed_while_writing(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(jsonl, "LOCK_TTL_S", 0.0)  # refresh on every block
+    d = JsonlDir(str(tmp_path / "d"))
+    lock = tmp_path / "d" / jsonl.LOCK_NAME
+    async with d.writer() as w:
+        await w.write_many(recs(100))
+        first = orjson.loads(lock.read_bytes())["heartbeat"]
+        await asyncio.sleep(0.01)
+        await w.write_many(recs(40_000))  # several blocks
+        assert orjson.loads(lock.read_bytes())["heartbeat"] > first
+    assert not lock.exists()
