@@ -29,7 +29,7 @@ import aiohttp
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = ROOT / ".venv" / "bin"
-WIDTH, HEIGHT = int(os.environ.get("WIDTH", "1600")), int(os.environ.get("HEIGHT", "1000"))
+WIDTH, HEIGHT = int(os.environ.get("WIDTH", "2200")), int(os.environ.get("HEIGHT", "1150"))
 
 
 def free_port() -> int:
