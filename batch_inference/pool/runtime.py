@@ -118,6 +118,9 @@ class WorkerRuntime:
             raise Busy(f"worker {self.name}: all {self.concurrency} slots busy")
         options = self.storage_options(spec)
         task = asyncio.create_task(self._execute(spec, options), name=f"task-{spec.task_id}")
+        # A caller that went away (run stopped) leaves the shielded task to finish alone:
+        # its error is already logged by _execute, so mark it retrieved (no asyncio noise).
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
         self.running[spec.task_id] = (spec, task)
         self.last_activity = time.monotonic()
         return await self._join(task)
