@@ -2,7 +2,7 @@
 
 Runs the demo into a temporary Dagster home, serves it with ``dagster dev`` on loopback,
 drives headless Chromium (Debian's ``chromium``) over the DevTools protocol to dismiss
-the first-visit dialog and expand the asset groups, saves a PNG, and stops both by
+the first-visit dialog and hide the navigation, saves a PNG, and stops both by
 process group. Not part of the test suite::
 
     apt-get install -y chromium
@@ -72,12 +72,6 @@ def wait_http(url: str, timeout: float, data: bytes | None = None) -> bytes:
 
 JS_DISMISS = """(() => { for (const b of document.querySelectorAll('button'))
   if (b.textContent.trim() === 'Skip') { b.click(); return 'dismissed'; } return 'no dialog'; })()"""
-# A collapsed group node on the lineage graph expands on a click of its header.
-JS_EXPAND = """(() => { let n = 0; for (const el of document.querySelectorAll('foreignObject div'))
-  { const t = (el.textContent || '').trim(); if (t.startsWith('batch_inference') && el.children.length < 8) { el.click(); n++; } }
-  return n; })()"""
-
-
 JS_HIDE_NAV = """(() => { let n = 0; for (const b of document.querySelectorAll('button, a, div[role=button]'))
   if (b.textContent.trim() === 'Hide navigation') { b.click(); n++; }
   const jump = document.querySelector('input[placeholder^="Jump to"]');
@@ -115,10 +109,6 @@ async def capture(debug_port: int, url: str, out: Path) -> None:
         await asyncio.sleep(10)
         print("dialog:", await js(JS_DISMISS))
         await asyncio.sleep(2)
-        print("groups expanded:", await js(JS_EXPAND))
-        await asyncio.sleep(3)
-        await call("Page.reload")  # the expanded groups are remembered; a fresh load fits the graph
-        await asyncio.sleep(10)
         print("navigation hidden:", await js(JS_HIDE_NAV))
         await asyncio.sleep(2)
         for _ in range(int(os.environ.get("ZOOM_IN", "0"))):  # enough to show each node's details
