@@ -29,6 +29,12 @@ def shard_list(urls: list[str]) -> dg.MetadataValue:
     return dg.MetadataValue.md("\n".join(f"- `{u}`" for u in shown) + more if shown else "_no shards_")
 
 
+def with_row_count(meta: dict[str, Any], rows: int | None = None) -> dict[str, Any]:
+    """Add Dagster's standard ``dagster/row_count`` (the catalog's row column): ``records`` unless given."""
+    meta["dagster/row_count"] = dg.MetadataValue.int(int(meta["records"].value) if rows is None else rows)
+    return meta
+
+
 def phase_metadata(summary: dict[str, Any]) -> dict[str, Any]:
     """Figures of one fan-out (a round's infer or judge phase, or the tail)."""
     counts = summary.get("counts", {})

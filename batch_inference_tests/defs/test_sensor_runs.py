@@ -70,6 +70,7 @@ def test_multi_round_run_on_the_tiny_model(defs, instance, write_spec, tiny_mode
     assert res["records"] == 40 and res["approved"] == ledger.run["approved"]
     assert res["approved"] + res["exhausted"] == 40 and res["conservation_ok"] is True
     assert "| round 00 -> next_round |" in res["funnel"]
+    assert res["dagster/row_count"] == res["approved"] and approved["dagster/row_count"] == approved["records"]
     assert check_results(instance, RESULTS) == {"conservation": True, "no_duplicate_ids": True, "run_quarantine_empty": True}
     assert check_results(instance, REJECTED) == {"round_conservation": True}
 

@@ -12,7 +12,14 @@ from typing import Any
 import dagster as dg
 
 from batch_inference.defs.keys import APPROVED, CPU_OP_TAGS, FAILED, GPU_OP_TAGS, INFERRED, PENDING, REJECTED, SHARDED
-from batch_inference.defs.metadata import funnel_markdown, location, phase_metadata, round_metadata, shard_list
+from batch_inference.defs.metadata import (
+    funnel_markdown,
+    location,
+    phase_metadata,
+    round_metadata,
+    shard_list,
+    with_row_count,
+)
 from batch_inference.defs.partitions import ROUNDS, parse_round_key, round_label
 from batch_inference.defs.pool.resources import PoolResource
 from batch_inference.defs.specs import load_spec
@@ -58,7 +65,7 @@ def pending(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.M
             "resumed": dg.MetadataValue.bool(bool(summary.get("resumed", False))),
         })
     meta["shard_urls"] = shard_list([f.url for f in shards])
-    return dg.MaterializeResult(metadata=meta)
+    return dg.MaterializeResult(metadata=with_row_count(meta))
 
 
 @dg.asset(
@@ -79,7 +86,7 @@ def inferred(context: dg.AssetExecutionContext, pool: PoolResource, storage: Sto
     meta = {k: v for k, v in phase_metadata(summary).items() if k not in ("approved", "rejected", "approval_rate")}
     meta["shard_urls"] = shard_list([f.url for f in JsonlDir(summary["output_url"], storage_options=spec.storage_options).shards()])
     meta.update(pool.describe(spec))
-    return dg.MaterializeResult(metadata=meta)
+    return dg.MaterializeResult(metadata=with_row_count(meta))
 
 
 @dg.multi_asset(
@@ -112,14 +119,14 @@ def judge(context: dg.AssetExecutionContext, pool: PoolResource, storage: Storag
 
     results_dir = JsonlDir(layout.results, storage_options=spec.storage_options)
     approved_shards = [f.url for f in results_dir.shards() if f.name.startswith(prefix)]
-    yield dg.MaterializeResult(asset_key=APPROVED, metadata={
+    yield dg.MaterializeResult(asset_key=APPROVED, metadata=with_row_count({
         **figures,
         "records": dg.MetadataValue.int(int(summary["counts"].get("approved", 0))),
         "uri": location(layout.results),
         "shard_prefix": dg.MetadataValue.text(prefix),
         "shard_urls": shard_list(approved_shards),
-    })
-    yield dg.MaterializeResult(asset_key=REJECTED, metadata={
+    }))
+    yield dg.MaterializeResult(asset_key=REJECTED, metadata=with_row_count({
         **figures,
         "records": dg.MetadataValue.int(int(summary["counts"].get("rejected", 0))),
         "uri": location(layout.rejected(key.round)),
@@ -129,12 +136,12 @@ def judge(context: dg.AssetExecutionContext, pool: PoolResource, storage: Storag
         "strategy": dg.MetadataValue.text(spec.strategy),
         "funnel": dg.MetadataValue.md(funnel_markdown(ledger.view())),
         **pool.describe(spec),
-    })
+    }))
     quarantined = list(infer_summary.get("quarantined", [])) + list(summary.get("quarantined", []))
-    yield dg.MaterializeResult(asset_key=FAILED, metadata={
+    yield dg.MaterializeResult(asset_key=FAILED, metadata=with_row_count({
         "round": dg.MetadataValue.int(key.round),
         "records": dg.MetadataValue.int(sum(int(q.get("records", 0)) for q in quarantined)),
         "shards": dg.MetadataValue.int(len(quarantined)),
         "uri": location(layout.failed(key.round)),
         "entries": dg.MetadataValue.json(quarantined[:50]),  # the full list is in the ledger
-    })
+    }))

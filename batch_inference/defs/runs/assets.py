@@ -19,7 +19,7 @@ from batch_inference.defs.keys import (
     SOURCE,
     TAIL_RETRY,
 )
-from batch_inference.defs.metadata import funnel_markdown, location, phase_metadata, shard_list
+from batch_inference.defs.metadata import funnel_markdown, location, phase_metadata, shard_list, with_row_count
 from batch_inference.defs.partitions import RUNS
 from batch_inference.defs.pool.resources import PoolResource
 from batch_inference.defs.specs import load_spec
@@ -56,7 +56,7 @@ def sharded(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.M
     summary = summary_dict(run_cpu_step(spec, lambda run: run.shard()))
     shards = JsonlDir(summary["output_url"], storage_options=spec.storage_options).shards()
     wall = float(summary["wall_s"])
-    return dg.MaterializeResult(metadata={
+    return dg.MaterializeResult(metadata=with_row_count({
         "records": dg.MetadataValue.int(int(summary["records"])),
         "shards": dg.MetadataValue.int(int(summary["shards"])),
         "ids_assigned": dg.MetadataValue.int(int(summary["ids_assigned"])),
@@ -67,7 +67,7 @@ def sharded(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.M
         "input": location(summary["input_url"]),
         "uri": location(summary["output_url"]),
         "shard_urls": shard_list([f.url for f in shards]),
-    })
+    }))
 
 
 class TailConfig(dg.Config):
@@ -108,7 +108,7 @@ def tail_retry(context: dg.AssetExecutionContext, config: TailConfig, pool: Pool
         "funnel": dg.MetadataValue.md(funnel_markdown(Ledger(layout, spec.storage_options).view())),
         **pool.describe(spec),
     })
-    return dg.MaterializeResult(metadata=meta)
+    return dg.MaterializeResult(metadata=with_row_count(meta))
 
 
 @dg.asset(
@@ -131,7 +131,7 @@ def results(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.M
     wall = float(summary["wall_s"])
     conservation = summary.get("conservation") or {}
     shards = JsonlDir(layout.results, storage_options=spec.storage_options).shards()
-    return dg.MaterializeResult(metadata={
+    return dg.MaterializeResult(metadata=with_row_count({
         "status": dg.MetadataValue.text(str(summary["status"])),
         "records": dg.MetadataValue.int(records),
         "approved": dg.MetadataValue.int(approved),
@@ -152,4 +152,4 @@ def results(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.M
         "ledger": location(layout.ledger),
         "shard_urls": shard_list([f.url for f in shards]),
         "funnel": dg.MetadataValue.md(funnel_markdown(Ledger(layout, spec.storage_options).view())),
-    })
+    }, rows=approved))
