@@ -131,3 +131,18 @@ def test_a_backlog_larger_than_a_tick_is_handled_oldest_first(monkeypatch):
     assert [r.partition_key for r in first] == ["r0", "r1", "r2"]
     rest = _records_since(instance, first[-1].storage_id)
     assert [r.partition_key for r in rest] == ["r3", "r4"]
+
+
+def test_a_malformed_event_is_skipped_not_wedging_the_sensor():
+    from batch_inference.defs.driver import tick
+    from batch_inference.defs.partitions import ROUND_NUMBERS, RUNS
+    from batch_inference.definitions import build_definitions
+
+    instance = dg.DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions(RUNS.name, ["a", "b"])
+    instance.add_dynamic_partitions(ROUND_NUMBERS.name, ["r00"])
+    instance.report_runless_asset_event(dg.AssetMaterialization(REJECTED, partition="a|r00"))  # no decision
+    instance.report_runless_asset_event(dg.AssetMaterialization(SOURCE, partition="b"))
+    data = tick(build_definitions(), instance, None)
+    assert [r.run_key for r in data.run_requests] == ["b:shard"]
+    assert int(data.cursor) > 0

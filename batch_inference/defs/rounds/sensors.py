@@ -149,7 +149,11 @@ def round_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
             context.log.warning(f"{key.to_user_string()}[{partition}]: its run did not succeed; no follow-up (fix and re-materialise it)")
             continue
         materialization = record.asset_materialization
-        action = follow_up(key, partition, materialization.metadata if materialization else {})
+        try:
+            action = follow_up(key, partition, materialization.metadata if materialization else {})
+        except ValueError as exc:  # a malformed event must not wedge every other run behind it
+            context.log.error(f"{key.to_user_string()}[{partition}]: no follow-up: {exc}")
+            continue
         if action is None or action.run_key in requested:  # e.g. a round re-materialised twice
             continue
         requested.add(action.run_key)
