@@ -6,9 +6,9 @@ therefore lives outside Dagster runs, and this resource only says how to reach i
 pipeline's ``open_runner`` turns that into a ``TaskRunner``:
 
 - ``spec``       use the pool section of each run's own spec (the default)
-- ``local``      the persistent local pool (``batch-inference pool up``): its endpoints
-                 and token come from ``endpoints`` / ``token_env``; started by the
-                 resource if it is not running and ``start_local`` is set
+- ``local``      the persistent local pool (``batch-inference pool up``): connected to at
+                 ``endpoints`` when given, else the local launcher finds the running
+                 pool or starts it, and leaves it running after the step
 - ``endpoints``  any running pool (Kubernetes Service, remote hosts) at ``endpoints``
 - ``inprocess``  the worker code inside the step process: tests and the demo
 """
