@@ -5,12 +5,14 @@ replicas x concurrency tasks can be in flight. A task whose worker dies, times o
 answers 5xx is retried on another worker with exponential backoff, up to ``retries``
 times; "busy"/"shutting down" refusals (429/503) wait and go elsewhere without using a
 retry. A deterministic refusal (400/401/403/409/413/422) or exhausted retries raise
-``TaskFailed`` for the caller to quarantine.
+``TaskFailed`` for the caller to quarantine; 507 (the worker's storage is full) raises
+``OSError(ENOSPC)`` so that the run stops instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import itertools
 import logging
 import random
@@ -156,6 +158,8 @@ class PoolClient:
                 errors.append(f"{endpoint}: HTTP {status}: {message}")
                 if status < 500:  # the spec or its input is wrong: no worker will do better
                     raise TaskFailed(spec, errors)
+                if status == 507:  # the worker's storage is full: stop the run, never quarantine
+                    raise OSError(errno.ENOSPC, f"{endpoint}: {message}")
             failures += 1
             if failures > self.retries:
                 raise TaskFailed(spec, errors)

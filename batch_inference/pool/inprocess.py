@@ -8,21 +8,16 @@ pipeline's and Dagster's fast tests and small local runs use it.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 from typing import Any
 
 from batch_inference.engines import EngineConfig
 from batch_inference.pool.engine_host import BatcherOptions, EngineHost
 from batch_inference.pool.protocol import TaskFailed, TaskResult, TaskSpec
-from batch_inference.pool.runtime import Refused, WorkerRuntime
+from batch_inference.pool.runtime import is_machine_error, Refused, WorkerRuntime
 from batch_inference.pool.tasks import TaskInputError
 
 log = logging.getLogger(__name__)
-
-# Disk full, quota exceeded, read-only filesystem, I/O error: retrying elsewhere or later in
-# this run cannot help and quarantining would blame the data.
-MACHINE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
 
 
 class InProcessPool:
@@ -79,7 +74,7 @@ class InProcessPool:
                 log.warning("task %s attempt %d failed: %s", spec.task_id, attempt + 1, exc)
                 if attempt < self.retries:
                     await asyncio.sleep(self.backoff_s * 2**attempt)
-                elif isinstance(exc, OSError) and exc.errno in MACHINE_ERRNOS:
+                elif is_machine_error(exc):
                     # The machine's fault, not the shard's: never quarantined. The run stops
                     # with this error; once space is freed a re-run resumes.
                     raise OSError(exc.errno, f"{exc.strerror} (task {spec.task_id} writing "

@@ -10,6 +10,7 @@ so the pipeline's fast tests run exactly the code a real worker runs.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import time
@@ -21,6 +22,15 @@ from batch_inference.pool.protocol import TaskResult, TaskSpec
 from batch_inference.pool.tasks import TaskContext, run_task
 
 log = logging.getLogger(__name__)
+
+# Disk full, quota exceeded, read-only filesystem, I/O error: the machine's fault, not the
+# shard's. Retrying cannot help and quarantining would blame the data: the run stops with
+# the error instead (in-process: re-raised; over HTTP: 507), and resumes once it is fixed.
+MACHINE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
+
+
+def is_machine_error(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in MACHINE_ERRNOS
 
 
 class Refused(Exception):

@@ -2,7 +2,7 @@
 
 Routes: ``POST /tasks`` (a TaskSpec; 200 TaskResult | 400 bad spec | 401 no/wrong token |
 403 URL outside the storage roots | 409 task_id reused with another spec | 413 body too
-large | 422 unusable input | 429 busy | 500 task error | 503 shutting down),
+large | 422 unusable input | 429 busy | 500 task error | 503 shutting down | 507 storage full),
 ``GET /health``, ``GET /stats`` (JSON), ``GET /metrics`` (Prometheus text).
 
 Security: binds 127.0.0.1 unless told otherwise; off loopback it refuses to start without
@@ -38,7 +38,7 @@ from batch_inference.judges.rules import BUILTIN_RULES
 from batch_inference.pool.engine_host import BatcherOptions, EngineHost
 from batch_inference.pool.metrics import prometheus_text
 from batch_inference.pool.protocol import TaskSpec
-from batch_inference.pool.runtime import Refused, WorkerRuntime
+from batch_inference.pool.runtime import Refused, WorkerRuntime, is_machine_error
 from batch_inference.pool.tasks import TaskInputError
 from batch_inference.storage import CorruptShardError, MalformedRecordError, is_under, urls
 
@@ -156,6 +156,10 @@ def create_app(runtime: WorkerRuntime, settings: WorkerSettings, *, config_id: s
             return _error(exc.status, str(exc), retryable=exc.retryable)
         except (TaskInputError, MalformedRecordError, CorruptShardError, FileNotFoundError) as exc:
             return _error(422, f"task {spec.task_id}: {type(exc).__name__}: {exc}", retryable=False)
+        except OSError as exc:
+            if is_machine_error(exc):  # disk full, quota, read-only: no worker sharing it does better
+                return _error(507, f"task {spec.task_id}: {type(exc).__name__}: {exc}", retryable=False)
+            return _error(500, f"task {spec.task_id}: {type(exc).__name__}: {exc}", retryable=True)
         except Exception as exc:  # noqa: BLE001 - reported to the client, which retries elsewhere
             return _error(500, f"task {spec.task_id}: {type(exc).__name__}: {exc}", retryable=True)
         return web.Response(body=result.model_dump_json(), content_type="application/json")
