@@ -71,12 +71,12 @@ def _input(tmp_path: Path) -> tuple[Path, list[str]]:
     return src, ids
 
 
-async def _fill_then_grow(tmp_path: Path, out: str, grow: Any) -> str:
+async def _fill_then_grow(tmp_path: Path, out: str, grow: Any, run: Any = run_pipeline) -> str:
     src, ids = _input(tmp_path)
     spec = make_spec(tmp_path, input=str(src), output=out, shard_records=100, chunk_size=50,
                      engine={"kind": "simulated", "simulated": {"approval_rate": 0.7, "latency_a_s": 0.0, "latency_b_s": 0.0}})
     with pytest.raises(OSError) as info:
-        await run_pipeline(spec, retries=0)
+        await run(spec, retries=0)
     message = str(info.value)
     assert "No space left on device" in message and out.split("://")[-1] in message, message
     root = f"{out}/{spec.run}"
@@ -85,7 +85,7 @@ async def _fill_then_grow(tmp_path: Path, out: str, grow: Any) -> str:
     assert not [p for p in fs.find(path) if "/failed/" in p], "a full disk must not quarantine shards"
 
     grow()
-    summary = await run_pipeline(spec)
+    summary = await run(spec)
     assert summary.failed == 0 and summary.conservation["ok"]
     assert_conserved(spec, ids)
     return message
@@ -106,3 +106,22 @@ async def test_quota_exceeded_mid_round_is_a_clear_error_and_resumes(tmp_path: P
     finally:
         QuotaFileSystem.reset(quota_bytes=None)
     print(f"DISK FULL (quota) error: {message}")
+
+
+@pytest.mark.slow
+async def test_disk_full_on_local_worker_processes_stops_the_run_and_resumes(
+    tmp_path: Path, small_disk: Path, local_pool: Any
+) -> None:
+    """The same on real worker processes: they answer 507, the client stops the run (no quarantine)."""
+    engine = {"kind": "simulated", "simulated": {"approval_rate": 0.7, "latency_a_s": 0.0, "latency_b_s": 0.0}}
+    launcher = local_pool(engine_config=engine, replicas=2, concurrency=2, storage_roots=[str(tmp_path)])
+
+    def grow() -> None:
+        subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True, timeout=30)
+
+    async def run(spec: Any, **kw: Any) -> Any:
+        async with launcher.client(retries=2, backoff_s=0.05) as client:
+            return await run_pipeline(spec, runner=client, **kw)
+
+    message = await _fill_then_grow(tmp_path, str(small_disk / "out"), grow, run=run)
+    print(f"DISK FULL (local workers) error: {message}")
