@@ -73,7 +73,7 @@ def make_spec(args: dict[str, Any]) -> Any:
 
 async def child_run(args: dict[str, Any]) -> dict[str, Any]:
     """One whole run in this process; returns its figures."""
-    from batch_inference.pipeline import run_pipeline
+    from batch_inference.pipeline import Ledger, RunLayout, run_pipeline
     from batch_inference.pipeline.runner import open_runner
 
     spec = make_spec(args)
@@ -83,7 +83,10 @@ async def child_run(args: dict[str, Any]) -> dict[str, Any]:
         wall = time.perf_counter() - t0
         stats = pool.stats()  # type: ignore[attr-defined]
     batcher = stats["batcher"] or {}
+    view = Ledger(RunLayout(spec.output, spec.run)).view()
+    decisions = [f"round {d['round']}: {d['kind']} ({d['reason']})" for d in (x.get("decision") for x in view.rounds) if d]
     return {
+        "decisions": decisions,
         "strategy": args["strategy"], "approval": args["approval"], "records": summary.records,
         "status": summary.status, "approved": summary.approved,
         "unfinished": summary.exhausted + summary.max_attempts + summary.failed,
@@ -195,6 +198,10 @@ def write_report(a: argparse.Namespace, rows: list[dict[str, Any]], rss: list[di
             f"{r['avg_fill']:.2f} | {r['approved']:,} | {r['unfinished']:,} | {r['rounds']}{' + tail' if r['tail'] else ''} | "
             f"{'ok' if r['conservation'] else 'FAILED'} |"
         )
+    decided = [r for r in rows if r["strategy"] == "hybrid" and r.get("decisions")]
+    if decided:
+        lines += ["", "Hybrid decisions (from each run's ledger):", ""]
+        lines += [f"- approval {r['approval']}: " + "; ".join(r["decisions"]) for r in decided]
     lines += ["", "Hybrid vs the better single strategy (target: within 5% of its wall time):", ""]
     for rate in sorted({r["approval"] for r in rows}, reverse=True):
         by = {r["strategy"]: r for r in rows if r["approval"] == rate}

@@ -1,24 +1,29 @@
 """The hybrid's crossover: keep re-dispatching rounds while they pay, then hand over.
 
 Decided after each round from that round's own measured figures. Per round ``r`` with
-``P`` records in, ``R`` rejected, wall ``W`` and engine time ``B`` (per worker):
+``P`` records in, ``R`` rejected, wall ``W`` (infer + judge) and engine time ``B`` (per
+worker):
 
 * approval ``a = approved / judged``; shrink ``= 1 - R / P``.
-* per-record cost of an attempt ``c = B / P`` (rounds are engine-bound; the engine's
-  time is what the work costs), and the round's fixed cost ``F = W - B`` (engine idle:
-  dispatch, the final wave, intermediate writes) plus the last recompaction's wall.
-* with ``k`` attempts left per record, one record needs ``E = (1 - (1-a)^k) / a`` more
-  attempts on average (``k`` when ``a == 0``).
-* finishing by rounds costs ``sum_j (F + c * R * (1-a)^j)`` over the rounds still needed
-  (until fewer than one record is expected, at most the rounds left);
-* finishing in place costs ``f * c * R * E + F``: no per-round barriers, but each
-  record-attempt costs ``f`` times a round's (``in_place_cost_factor``: the sample's
-  own loop, its checkpoints and the chunk's straggler tail; calibrated by
-  ``bench/strategies.py`` on this machine's simulated engine).
+* per-record cost of an attempt ``c = B / P`` (the engine's time is what work costs);
+* fixed cost of a round ``F = W - B`` + the last recompaction: the engine idles while a
+  phase ramps up and drains (the latency chain of its slowest records) and while the
+  driver dispatches, writes and repacks. Of it, ``O`` is what in-place retry does not
+  pay per attempt: the recompaction plus each phase's dispatch gaps (phase wall minus
+  its longest task). The rest, the latency chain, in-place pays too: its slowest record
+  still takes one infer -> judge trip per attempt.
+* ``n`` = rounds still needed (until fewer than one record is expected, at most the
+  rounds and attempts left); ``S = sum_{j<n} (1-a)^j`` record-attempts per rejected
+  record by rounds, ``E = (1 - (1-a)^k) / a`` with ``k`` attempts left in place.
+* by rounds: ``n F + c R S``; in place: ``n F - (n - 1) O + f c R E`` where
+  ``f = in_place_cost_factor`` is what one in-place record-attempt costs relative to a
+  round's (per-sample loop, checkpoints, chunk stragglers; ``bench/strategies.py``
+  measures it on this machine).
 
 Switch when ``shrink < min_shrink`` (off by default) or (``compare_cost``) rounds cost
-more than in-place. Large measured per-round overheads (a scheduler, a cold pool, slow
-object storage) therefore move the crossover earlier, as the reference describes.
+more. So per-round overheads that a persistent pool does not remove (a scheduler, slow
+object storage, big recompactions) move the crossover earlier, as the reference says;
+when rounds are cheap, the hybrid keeps to rounds.
 """
 
 from __future__ import annotations
@@ -47,16 +52,22 @@ def choose_crossover(
     rejected: int,
     wall_s: float,
     engine_s: float,
-    fixed_extra_s: float = 0.0,
+    overhead_s: float = 0.0,
+    recompact_s: float = 0.0,
     rounds_left: int,
     attempts_left: int,
 ) -> tuple[bool, str, dict[str, Any]]:
-    """Whether to hand the pending set to in-place retry after ``round``; with the reason and figures."""
+    """Whether to hand the pending set to in-place retry after ``round``; with the reason and figures.
+
+    ``overhead_s`` is the phases' dispatch gaps (part of ``wall_s - engine_s``);
+    ``recompact_s`` the last recompaction's wall (the next round's would be similar).
+    """
     judged = approved + rejected
     approval = approved / judged if judged else 0.0
     shrink = 1 - rejected / records_in if records_in else 1.0
     busy = min(engine_s, wall_s)
-    fixed = wall_s - busy + fixed_extra_s
+    fixed = wall_s - busy + recompact_s
+    avoidable = min(fixed, max(0.0, overhead_s) + recompact_s)
     per_record = busy / records_in if records_in else 0.0
     factor = rule.in_place_cost_factor
     e = expected_attempts(approval, attempts_left)
@@ -64,9 +75,10 @@ def choose_crossover(
         needed = math.ceil(math.log(1 / rejected) / math.log(1 - approval))
     else:
         needed = attempts_left if approval == 0 else 1
-    n_rounds = max(0, min(rounds_left, attempts_left, needed))
-    cost_rounds = sum(fixed + per_record * rejected * (1 - approval) ** j for j in range(n_rounds))
-    cost_in_place = factor * per_record * rejected * e + fixed
+    n = max(0, min(rounds_left, attempts_left, needed))
+    s = sum((1 - approval) ** j for j in range(n))
+    cost_rounds = n * fixed + per_record * rejected * s
+    cost_in_place = n * fixed - max(0, n - 1) * avoidable + factor * per_record * rejected * e
     figures = {
         "round": round,
         "records_in": records_in,
@@ -76,12 +88,13 @@ def choose_crossover(
         "shrink": round_(shrink),
         "min_shrink": rule.min_shrink,
         "wall_s": round_(wall_s),
-        "fixed_s": round_(fixed),
         "engine_s": round_(busy),
+        "fixed_s": round_(fixed),
+        "avoidable_s": round_(avoidable),
         "per_record_s": per_record,
         "in_place_cost_factor": factor,
         "expected_attempts": round_(e),
-        "rounds_projected": n_rounds,
+        "rounds_projected": n,
         "projected_rounds_s": round_(cost_rounds),
         "projected_in_place_s": round_(cost_in_place),
     }

@@ -204,6 +204,7 @@ class PipelineRun:
             counts=counts, tokens_in=sum(int(x["tokens_in"]) for x in recs), tokens_out=sum(int(x["tokens_out"]) for x in recs),
             engine_busy_s=sum(float(x["engine_busy_s"]) for x in recs), wall_s=wall,
             drain_s=(wall - (last_start - t0)) if todo else 0.0,
+            longest_task_s=max((float(done[i]["wall_s"]) for i, _ in todo if i in done), default=0.0),
             avg_fill=sum(float(x["avg_fill"]) * int(x["records_in"]) for x in recs) / n_req,
             cached_tasks=sum(1 for x in recs if x.get("cached")),
             task_retries=int(getattr(runner, "retried", 0)) - retried_before,
@@ -344,7 +345,8 @@ class PipelineRun:
                 self.spec.crossover, round=r, records_in=records_in, approved=approved, rejected=rejected,
                 wall_s=infer.wall_s + judge.wall_s,
                 engine_s=(infer.engine_busy_s + judge.engine_busy_s) / self.spec.pool.replicas,
-                fixed_extra_s=recompact_s, rounds_left=rounds_left, attempts_left=attempts_left,
+                overhead_s=_gap(infer) + _gap(judge), recompact_s=recompact_s,
+                rounds_left=rounds_left, attempts_left=attempts_left,
             )
             figures.update(more)
             if switch or rounds_left <= 0:
@@ -490,6 +492,11 @@ class PipelineRun:
         if exhausted:
             log.warning("run %s: %d record(s) exhausted max_rounds: see %s", self.spec.run, exhausted, self.layout.exhausted)
         return summary
+
+
+def _gap(phase: PhaseSummary) -> float:
+    """Time in a phase when not even its longest task ran: dispatch and bookkeeping (one-wave bound)."""
+    return max(0.0, phase.wall_s - phase.longest_task_s) if phase.shards_run else 0.0
 
 
 async def drive(run: PipelineRun) -> RunSummary:
