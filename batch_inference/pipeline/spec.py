@@ -66,6 +66,7 @@ class PoolSpec(_Strict):
     idle_ttl_s: float | None = Field(600.0, description="local pool shuts down after this long idle")
     storage_roots: list[str] = Field(default_factory=list, description="worker storage roots (default: input and output)")
     storage_profiles_file: str | None = Field(None, description="workers' storage profiles (credentials stay there)")
+    rule_modules: list[str] = Field(default_factory=list, description="modules local workers may import rule judges from")
 
     @model_validator(mode="after")
     def _k8s_needs_endpoints(self) -> PoolSpec:
