@@ -119,11 +119,12 @@ async def test_a_50_mb_single_record_fails_alone(tmp_path: Path) -> None:
     assert "prompt_too_long" in _row(spec, "huge")["reason"]
 
 
-async def test_duplicate_ids_are_reported_and_each_copy_conserved(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["rounds", "in_place"])
+async def test_duplicate_ids_are_reported_and_each_copy_conserved(tmp_path: Path, strategy: str) -> None:
     ids = [f"d{i:03d}" for i in range(100)]
     src = tmp_path / "input.jsonl"
-    src.write_bytes(b"\n".join(_lines(ids) + _lines(ids[:5])) + b"\n")
-    spec = make_spec(tmp_path, input=str(src))
+    src.write_bytes(b"\n".join(_lines(ids[:5]) + _lines(ids)) + b"\n")  # copies in the same shard
+    spec = make_spec(tmp_path, input=str(src), strategy=strategy)
     summary = await run_pipeline(spec)
     shard = orjson.loads((Path(spec.output) / spec.run / "ledger" / "shard.json").read_bytes())
     assert shard["duplicate_ids"] == 5 and set(shard["duplicate_examples"]) == set(ids[:5])
