@@ -35,13 +35,13 @@ def _options(server: S3Server, endpoint: str, **extra: Any) -> dict[str, Any]:
 
 
 def _s3_spec(
-    tmp_path: Path, server: S3Server, bucket: str, proxy: TcpProxy, n: int, **options: Any
+    tmp_path: Path, server: S3Server, bucket: str, proxy: TcpProxy, n: int, strategy: str = "rounds", **options: Any
 ) -> tuple[PipelineSpec, list[str]]:
     ids = [f"s{i:05d}" for i in range(n)]
     with JsonlFile(f"{bucket}/input/data.jsonl", storage_options=server.storage_options).writer_sync() as w:
         w.write_many({"id": rid, "prompt": f"question {rid}"} for rid in ids)
     data = spec_data(
-        tmp_path, input=f"{bucket}/input/data.jsonl", engine=ENGINE, output=f"{bucket}/runs",
+        tmp_path, input=f"{bucket}/input/data.jsonl", engine=ENGINE, output=f"{bucket}/runs", strategy=strategy,
         storage_options=_options(server, proxy.url, **options), max_rounds=1, shard_records=30,
         pool={"concurrency": 2, "retries": 2, "storage_options_ref": "s3", "batcher": {"batch_timeout_s": 0.002}},
     )
@@ -49,10 +49,11 @@ def _s3_spec(
 
 
 def _progress(server: S3Server, bucket: str, spec: PipelineSpec) -> int:
-    """Finished infer shards of round 0, read directly from the server (not via the proxy)."""
+    """Finished shards of the first phase, read directly from the server (not via the proxy)."""
     fs = JsonlFile(f"{bucket}/x", storage_options=server.storage_options).fs
     fs.invalidate_cache()
-    path = f"{bucket[5:]}/runs/{spec.run}/ledger/progress/round-00-infer"
+    step = "tail" if spec.strategy == "in_place" else "round-00-infer"
+    path = f"{bucket[5:]}/runs/{spec.run}/ledger/progress/{step}"
     try:
         return len(fs.ls(path, detail=False))
     except FileNotFoundError:
@@ -68,8 +69,11 @@ async def _wait_progress(server: S3Server, bucket: str, spec: PipelineSpec, run:
 
 
 @pytest.mark.slow
-async def test_s3_unreachable_for_seconds_mid_round_recovers(tmp_path: Path, s3_server: S3Server, s3_bucket: str, proxy: TcpProxy) -> None:
-    spec, ids = _s3_spec(tmp_path, s3_server, s3_bucket, proxy, 120)
+@pytest.mark.parametrize("strategy", ["rounds", "in_place"])
+async def test_s3_unreachable_for_seconds_mid_round_recovers(
+    tmp_path: Path, s3_server: S3Server, s3_bucket: str, proxy: TcpProxy, strategy: str
+) -> None:
+    spec, ids = _s3_spec(tmp_path, s3_server, s3_bucket, proxy, 120, strategy=strategy)
     run = asyncio.create_task(run_pipeline(spec))
     await _wait_progress(s3_server, s3_bucket, spec, run, 1)
     await asyncio.to_thread(proxy.cut)
@@ -81,7 +85,7 @@ async def test_s3_unreachable_for_seconds_mid_round_recovers(tmp_path: Path, s3_
     assert summary.failed == 0 and summary.status in ("converged", "exhausted")
     assert summary.conservation["ok"]
     assert_conserved(spec, ids)
-    print(f"RECOVERY s3 outage 3s: run finished {recovered_s:.1f}s after the cut")
+    print(f"RECOVERY s3 outage 3s ({strategy}): run finished {recovered_s:.1f}s after the cut")
 
 
 @pytest.mark.slow
