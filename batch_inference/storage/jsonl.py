@@ -77,21 +77,14 @@ class JsonlFile:
 
     # reading -------------------------------------------------------------
 
-    def _blocks(self) -> Iterator[tuple[int, list[bytes]]]:
+    def _blocks(self) -> Iterator[tuple[str, int, list[bytes]]]:
         return _io.iter_blocks(self.fs, self.path, self.url, self.compressed)
 
     def iter_records_sync(
         self, *, on_error: OnError = "raise", quarantine: QuarantineSink | None = None
     ) -> Iterator[dict]:
         """Stream records on this thread (CPU passes, scripts)."""
-        _check_sink(on_error, quarantine)
-
-        def on_bad(entry: dict) -> None:
-            if inspect.isawaitable(quarantine(entry)):  # type: ignore[misc]
-                raise TypeError("iter_records_sync needs a synchronous quarantine sink")
-
-        for first, lines in self._blocks():
-            yield from _io.parse_block(lines, first, self.url, on_error, on_bad)
+        return _sync_records(lambda: [self], on_error, quarantine)
 
     def iter_records(
         self, *, on_error: OnError = "raise", quarantine: QuarantineSink | None = None
@@ -128,39 +121,65 @@ class JsonlFile:
         return SyncJsonlWriter(core, self.url)
 
 
+def _shard_blocks(list_shards: Callable[[], list[JsonlFile]]) -> Iterator[tuple[str, int, list[bytes]]]:
+    """(url, first line number, lines) of every shard in order: one stream, so reading ahead
+    crosses shard boundaries. Blocking (lists, reads, decompresses): runs in a thread for
+    the async path."""
+    for shard in list_shards():
+        yield from shard._blocks()
+
+
+def _sync_records(
+    list_shards: Callable[[], list[JsonlFile]], on_error: str, quarantine: QuarantineSink | None
+) -> Iterator[dict]:
+    _check_sink(on_error, quarantine)
+
+    def on_bad(entry: dict) -> None:
+        if inspect.isawaitable(quarantine(entry)):  # type: ignore[misc]
+            raise TypeError("iter_records_sync needs a synchronous quarantine sink")
+
+    return _io.parse_blocks(_shard_blocks(list_shards), on_error, on_bad)  # one generator level per record
+
+
 async def _aiter_records(
     list_shards: Callable[[], list[JsonlFile]], on_error: str, quarantine: QuarantineSink | None
 ) -> AsyncIterator[dict]:
     """The async hot path, shared by JsonlFile and JsonlDir (one generator level per record).
 
-    Listing, read + decompress + line split run in a thread, one ~1 MiB chunk per hop;
-    each line is then parsed as it is yielded (about a microsecond on the loop).
+    Listing, read + decompress + line split run in a thread, one ~1 MiB chunk per hop,
+    and one chunk ahead: the thread reads the next chunk while the loop parses this one.
+    Each line is parsed as it is yielded (about a microsecond on the loop), lazily for the
+    reason given in ``_io.parse_blocks``.
     """
     loads, decode_error = orjson.loads, orjson.JSONDecodeError
-    for shard in await asyncio.to_thread(list_shards):
-        blocks, url = shard._blocks(), shard.url
-        try:
-            while True:
-                item = await asyncio.to_thread(next, blocks, None)
-                if item is None:
-                    break
-                n, lines = item
-                for raw in lines:
-                    try:
-                        rec = loads(raw)
-                    except decode_error as exc:
-                        entry = _io._bad_line(raw, n, url, exc, on_error)
-                        if entry is not None:
-                            await _deliver(entry, quarantine)
-                        n += 1
-                        continue
-                    n += 1
-                    if type(rec) is dict:
-                        yield rec
-                    else:
-                        await _deliver(_io._bad_line(raw, n - 1, url, None, on_error), quarantine)
-        finally:
-            await asyncio.to_thread(blocks.close)
+    blocks = _shard_blocks(list_shards)
+    ahead: asyncio.Future | None = asyncio.ensure_future(asyncio.to_thread(next, blocks, None))
+    try:
+        while (item := await ahead) is not None:  # type: ignore[misc]
+            ahead = asyncio.ensure_future(asyncio.to_thread(next, blocks, None))
+            url, first, lines = item
+            it = iter(lines)
+            for raw in it:
+                try:
+                    rec = loads(raw)
+                except decode_error as exc:
+                    entry = _io._bad_line(raw, first + len(lines) - it.__length_hint__() - 1, url, exc, on_error)
+                    if entry is not None:
+                        await _deliver(entry, quarantine)
+                    continue
+                if type(rec) is dict:
+                    yield rec
+                else:
+                    n = first + len(lines) - it.__length_hint__() - 1
+                    await _deliver(_io._bad_line(raw, n, url, None, on_error), quarantine)
+        ahead = None
+    finally:
+        if ahead is not None:  # stopped early: let the read in flight finish before closing its file
+            try:
+                await ahead
+            except Exception:  # noqa: BLE001 - already leaving; the first error is the one raised
+                pass
+        await asyncio.to_thread(blocks.close)
 
 
 async def _deliver(entry: dict | None, quarantine: QuarantineSink | None) -> None:
@@ -399,15 +418,7 @@ class JsonlDir:
     def iter_records_sync(
         self, *, on_error: OnError = "raise", quarantine: QuarantineSink | None = None
     ) -> Iterator[dict]:
-        _check_sink(on_error, quarantine)
-
-        def on_bad(entry: dict) -> None:
-            if inspect.isawaitable(quarantine(entry)):  # type: ignore[misc]
-                raise TypeError("iter_records_sync needs a synchronous quarantine sink")
-
-        for shard in self.shards():  # one generator level per record: this loop is hot
-            for first, lines in shard._blocks():
-                yield from _io.parse_block(lines, first, shard.url, on_error, on_bad)
+        return _sync_records(self.shards, on_error, quarantine)
 
     def iter_records(
         self, *, on_error: OnError = "raise", quarantine: QuarantineSink | None = None
