@@ -199,3 +199,38 @@ async def test_storage_secrets_never_reach_logs_ledger_or_metadata(tmp_path: Pat
     leaked = [t[:200] for t in texts if any(s in t for s in (AWS_KEY, AWS_SECRET, TOKEN))]
     assert not leaked, leaked
     assert any('"key": "***"' in t or "'key': '***'" in t for t in texts), "the ledger records the spec, redacted"
+
+
+def test_secrets_never_reach_the_dagster_event_log(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """A whole Dagster-driven run with credentials in the spec file and in the storage resource:
+    no event (materialisation metadata, check results, logs) and no ledger object carries them."""
+    import dagster as dg
+    import yaml
+    from dagster._serdes import serialize_value
+
+    from batch_inference.definitions import build_definitions
+    from batch_inference.defs.driver import drive, start_run
+    from batch_inference.defs.pool.resources import PoolResource
+    from batch_inference.defs.runs.jobs import start_run_config
+    from batch_inference.defs.storage.resources import StorageResource
+    from batch_inference_tests.faults.helpers import spec_data
+
+    write_input(tmp_path / "input.jsonl", 60)
+    data = spec_data(tmp_path, run="secrets", storage_options={"key": AWS_KEY, "secret": AWS_SECRET},
+                     judge={"kind": "rule", "callable": "regex", "kwargs": {"pattern": "^APPROVED"}},
+                     engine={"kind": "simulated", "simulated": {"approval_rate": 0.5, "latency_a_s": 0.0, "fail_batch_every": 3}})
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(data))
+    storage = StorageResource(aws_access_key_id=AWS_KEY, aws_secret_access_key=AWS_SECRET, aws_session_token=TOKEN)
+    defs = build_definitions(pool=PoolResource(mode="inprocess"), storage=storage)
+    instance = dg.DagsterInstance.ephemeral()
+    assert start_run(defs, instance, start_run_config(str(spec_path))).success
+    result = drive(defs, instance)
+    assert result.launched and all(r.success for r in result.launched), result.launched
+    events = [serialize_value(e) for run in instance.get_runs() for e in instance.all_logs(run.run_id)]
+    assert any("round_conservation" in e for e in events)
+    assert any("***" in e for e in events), "the spec is recorded in the metadata, redacted"
+    ledger = [p.read_text(errors="replace") for p in (tmp_path / "out" / "secrets" / "ledger").rglob("*.json")]
+    out, err = capfd.readouterr()
+    leaked = [t[:200] for t in [*events, *ledger, out, err] if any(s in t for s in (AWS_KEY, AWS_SECRET, TOKEN))]
+    assert not leaked, leaked
