@@ -6,8 +6,7 @@ pull in aiohttp or an engine.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from batch_inference._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "dispatch_bounded": "batch_inference.pool.dispatch",
@@ -25,16 +24,4 @@ _EXPORTS: dict[str, str] = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'batch_inference.pool' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
