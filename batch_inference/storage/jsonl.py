@@ -1,6 +1,6 @@
 """JsonlFile and JsonlDir: streaming JSONL shards on any fsspec URL.
 
-Reads stream in bounded chunks (zstd decompressed 64 KB of input at a time), one
+Reads stream in bounded chunks (zstd decompressed 256 KB of input at a time), one
 thread hop per chunk, not per record. Writes encode with orjson on the caller's thread,
 then compress and write 1 MiB blocks in a worker thread.
 A file or shard becomes visible only when complete (see ``_io.AtomicFile``).
@@ -9,6 +9,7 @@ A file or shard becomes visible only when complete (see ``_io.AtomicFile``).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import os
 import re
@@ -195,16 +196,18 @@ class _WriterBase:
         self.url = url
         self._buf: list[bytes] = []
         self._buf_bytes = 0
+        self._sent_records = 0  # handed to the core (a block may still be in flight)
+        self._sent_bytes = 0
         self._closed = False
 
     @property
     def records(self) -> int:
-        return self._core.records + len(self._buf)
+        return self._sent_records + len(self._buf)
 
     @property
     def bytes(self) -> int:
         """Uncompressed bytes written so far."""
-        return self._core.bytes + self._core._pending_bytes + self._buf_bytes
+        return self._sent_bytes + self._buf_bytes
 
     @property
     def shards_written(self) -> int:
@@ -242,6 +245,8 @@ class SyncJsonlWriter(_WriterBase):
     def _drain(self) -> None:
         self._check_open()
         buf, nbytes, self._buf, self._buf_bytes = self._buf, self._buf_bytes, [], 0
+        self._sent_records += len(buf)
+        self._sent_bytes += nbytes
         self._core.write_lines(buf, nbytes)
 
     def commit(self) -> None:
@@ -264,13 +269,28 @@ class SyncJsonlWriter(_WriterBase):
             self.abort()
 
 
+def _set_once(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class JsonlWriter(_WriterBase):
     """Async writer: ``async with f.writer() as w: await w.write(rec)``.
 
-    Records are encoded on the loop (a microsecond each); every ~1 MiB the block is
-    compressed and written in a thread. (Overlapping that thread with the producer was
-    measured: no faster under the GIL, so the simpler serial hand-off stays.)
+    Records are encoded on the loop (a microsecond each); every ~1 MiB the block goes to
+    this writer's own thread, which compresses and writes it while the loop encodes the
+    next one. The loop waits until the thread has *started* the block (taken the GIL for
+    its Python part and entered compress/write, which release it): handing it over and
+    encoding on at once was measured slower, the thread then waits up to the 5 ms GIL
+    switch interval just to start. One block in flight at most (bounded memory, blocks
+    land in order); its error is raised by the next block hand-over or the commit. All
+    core work runs on that one thread, so an abort always comes after the block in flight.
     """
+
+    def __init__(self, core: _io.RotatingWriter, url: str) -> None:
+        super().__init__(core, url)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._inflight: concurrent.futures.Future | None = None
 
     async def write(self, rec: dict) -> None:
         line = orjson.dumps(rec, option=_DUMPS_OPT)
@@ -292,22 +312,68 @@ class JsonlWriter(_WriterBase):
                 buf, size = self._buf, 0
         self._buf_bytes = size
 
+    def _submit(self, fn: Callable[..., None], *args: Any) -> concurrent.futures.Future:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jsonl-writer")
+        return self._pool.submit(fn, *args)
+
+    async def _settle(self) -> None:
+        """Wait for the block in flight; raise its error."""
+        fut, self._inflight = self._inflight, None
+        if fut is not None:
+            if not fut.done():
+                await asyncio.wrap_future(fut)
+            fut.result()
+
     async def _drain(self) -> None:
-        """Hand the buffered block to a thread (compress + write) and wait for it."""
+        """Hand the buffered block to the thread; return once it is compressing/writing."""
         self._check_open()
         buf, nbytes, self._buf, self._buf_bytes = self._buf, self._buf_bytes, [], 0
-        if buf:
-            await asyncio.to_thread(self._core.write_lines, buf, nbytes)
+        await self._settle()
+        if not buf:
+            return
+        loop = asyncio.get_running_loop()
+        started = loop.create_future()
+
+        def wake() -> None:  # in the thread: at the start of compress/write, or on an early error
+            try:
+                loop.call_soon_threadsafe(_set_once, started)
+            except RuntimeError:  # the loop is gone (writer abandoned): nobody is waiting
+                pass
+
+        self._sent_records += len(buf)
+        self._sent_bytes += nbytes
+        self._inflight = self._submit(self._core.write_lines, buf, nbytes, wake)
+        self._inflight.add_done_callback(lambda _f: wake())
+        await started
+
+    async def _run(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the writer's thread once the block in flight has landed."""
+        await self._settle()
+        await asyncio.wrap_future(self._submit(fn))
+
+    def _release(self) -> None:
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)  # work already queued (an abort) still runs
+            self._pool = None
 
     async def commit(self) -> None:
         await self._drain()
-        await asyncio.to_thread(self._core.close)
-        self._closed = True
+        await self._run(self._core.close)
+        self._release()
 
     async def abort(self) -> None:
         self._closed = True
         self._buf = []
-        await asyncio.to_thread(self._core.abort)
+        try:
+            try:
+                await self._settle()
+            except Exception:  # noqa: BLE001 - aborting anyway; the first error is the one raised
+                pass
+            await asyncio.wrap_future(self._submit(self._core.abort))
+        finally:
+            self._release()
 
     async def __aenter__(self) -> JsonlWriter:
         return self
@@ -653,8 +719,8 @@ class JsonlDirWriter(_DirWriterBase):
         if exc_type is None:
             try:
                 await w._drain()
-                await asyncio.to_thread(self._s.commit)
-                w._closed = True
+                await w._run(self._s.commit)  # on the writer's thread, after the block in flight
+                w._release()
                 return
             except BaseException:
                 await w.abort()
