@@ -598,8 +598,9 @@ class _DirSession:
         if time.monotonic() - self._last_beat < LOCK_TTL_S / 10:
             return
         self._verify_lock()
-        with self.dir.fs.open(self.lock_path, "wb") as f:
-            f.write(self._lock_body())
+        beat = _io.AtomicFile(self.dir.fs, self.lock_path)  # never seen truncated: a reader must not
+        beat.write(self._lock_body())  # take an empty lock file for a dead writer's
+        beat.commit()
         self._last_beat = time.monotonic()
 
     def _verify_lock(self) -> None:
