@@ -84,7 +84,7 @@ def floor_read(out: Path, zstd: bool) -> int:
     n = 0
     loads = orjson.loads
     for path in sorted(out.iterdir()):
-        with open(path, "rb") as raw:
+        with open(path, "rb", buffering=BUF) as raw:  # the same 1 MiB reads as ours (default: 8 KB)
             f = zstandard.ZstdDecompressor().stream_reader(raw, read_size=BUF) if zstd else raw
             for line in io.BufferedReader(f, BUF) if zstd else f:
                 loads(line)
@@ -98,7 +98,7 @@ async def floor_read_async(out: Path, zstd: bool) -> int:
     async def records():
         loads = orjson.loads
         for path in sorted(out.iterdir()):
-            with open(path, "rb") as raw:
+            with open(path, "rb", buffering=BUF) as raw:
                 f = io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_size=BUF), BUF) if zstd else raw
                 for line in f:
                     yield loads(line)
