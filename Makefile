@@ -21,9 +21,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -ra batch_inference_tests
 
+# The UI over the demo's instance (so `make demo && make dev` shows its runs); Ctrl-C stops it.
+DAGSTER_HOME ?= $(CURDIR)/.demo/dagster_home
 dev: $(STAMP)
-	mkdir -p .dagster_home && cp -n dagster.yaml .dagster_home/dagster.yaml || true
-	DAGSTER_HOME=$(CURDIR)/.dagster_home $(VENV)/bin/dagster dev -h 127.0.0.1 -p 3000 -w workspace.yaml
+	mkdir -p $(DAGSTER_HOME) && cp -n dagster.yaml $(DAGSTER_HOME)/dagster.yaml || true
+	DAGSTER_HOME=$(DAGSTER_HOME) $(VENV)/bin/dagster dev -h 127.0.0.1 -p 3000 -w workspace.yaml
 
 bench: $(STAMP)
 	for b in bench/*.py; do $(PY) $$b || exit 1; done

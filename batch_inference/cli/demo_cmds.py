@@ -140,5 +140,5 @@ def run_demo(root: Path, spec_path: Path, run: str, *, ephemeral: bool, console:
     if failed:
         console.print(f"[red]{len(failed)} Dagster run(s) failed[/]: {[f'{r.job_name}[{r.partition_key}]' for r in failed]}")
     if not ephemeral:
-        console.print(f"browse it: DAGSTER_HOME={home} .venv/bin/dagster dev -h 127.0.0.1 -w workspace.yaml")
+        console.print(f"browse it: make dev  (DAGSTER_HOME={home} dagster dev -h 127.0.0.1 -w workspace.yaml)")
     return view.run or {}
