@@ -6,6 +6,7 @@ thread, one *block* (thousands of records) per hop, never one record per hop.
 
 from __future__ import annotations
 
+import io
 import os
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -29,14 +30,17 @@ Quarantined = dict[str, Any]  # {file, line, reason, raw}
 # ---------------------------------------------------------------- reading
 
 
-def iter_chunks(fs: fsspec.AbstractFileSystem, path: str, url: str, compressed: bool) -> Iterator[bytes]:
-    """Yield the (decompressed) bytes of a file in bounded chunks."""
+def _open(fs: fsspec.AbstractFileSystem, path: str, url: str) -> Any:
     fs.invalidate_cache(path)  # a cached listing may hold the size of a since-rewritten shard
     try:
-        f = fs.open(path, "rb")
+        return fs.open(path, "rb")
     except FileNotFoundError:
         raise FileNotFoundError(f"No such file: {url}") from None
-    with f:
+
+
+def iter_chunks(fs: fsspec.AbstractFileSystem, path: str, url: str, compressed: bool) -> Iterator[bytes]:
+    """Yield the (decompressed) bytes of a file in bounded chunks."""
+    with _open(fs, path, url) as f:
         if not compressed:
             while chunk := f.read(PLAIN_READ_SIZE):
                 yield chunk
@@ -72,6 +76,7 @@ def _bad_line(raw: bytes, n: int, url: str, exc: Exception | None, on_error: str
             reason = f"invalid UTF-8 bytes ({reason})"
     if on_error != "quarantine":
         raise MalformedRecordError(url, n, reason)
+    raw = raw[:-1] if raw.endswith(b"\n") else raw
     return {"file": url, "line": n, "reason": reason, "raw": raw.decode("utf-8", "replace")}
 
 
@@ -102,22 +107,47 @@ def parse_blocks(
                 on_bad(_bad_line(raw, first + len(lines) - it.__length_hint__() - 1, url, None, on_error))  # type: ignore[arg-type]
 
 
+class _ChunkStream(io.RawIOBase):
+    """Decompressed chunks as a raw stream, so a BufferedReader can cut them into lines."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks = chunks
+        self._view = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        while not self._view:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return 0
+            self._view = memoryview(chunk)
+        n = min(len(b), len(self._view))
+        b[:n] = self._view[:n]
+        self._view = self._view[n:]
+        return n
+
+    def close(self) -> None:
+        self._chunks.close()  # type: ignore[attr-defined]  # closes the file under it
+        super().close()
+
+
 def iter_blocks(
     fs: fsspec.AbstractFileSystem, path: str, url: str, compressed: bool
 ) -> Iterator[tuple[str, int, list[bytes]]]:
-    """Yield (url, number of the first line, complete lines) per chunk: the unit one thread hop carries."""
-    tail = b""
-    line_no = 1
-    for chunk in iter_chunks(fs, path, url, compressed):
-        lines = chunk.split(b"\n")
-        if tail:  # the line cut at the previous chunk's end: join it alone, not the whole chunk
-            lines[0] = tail + lines[0]
-        tail = lines.pop()
-        if lines:
+    """Yield (url, number of the first line, ~1 MiB of lines) at a time: the unit one thread hop carries.
+
+    ``readlines(1 MiB)`` on a 1 MiB BufferedReader: C cuts the lines and carries a line
+    cut at a chunk's end over to the next read (measured ~10% faster than bytes.split
+    plus joining the cut line). Lines keep their newline; orjson takes it as whitespace.
+    """
+    raw = _ChunkStream(iter_chunks(fs, path, url, True)) if compressed else _open(fs, path, url)
+    with io.BufferedReader(raw, PLAIN_READ_SIZE) as reader:
+        line_no = 1
+        while lines := reader.readlines(PLAIN_READ_SIZE):
             yield url, line_no, lines
             line_no += len(lines)
-    if tail.strip():
-        yield url, line_no, [tail]
 
 
 def check_on_error(on_error: str) -> None:
