@@ -194,6 +194,7 @@ def main() -> None:
     ap.add_argument("--report", default=str(Path(__file__).parent / "reports" / "jsonl_io.md"))
     args = ap.parse_args()
 
+    load_before = os.getloadavg()
     recs = make_records(args.records)
     raw_mb = sum(len(orjson.dumps(r)) + 1 for r in recs) / 1e6
     has_flyte = flyte_available()
@@ -239,6 +240,7 @@ def main() -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
+    load_after = os.getloadavg()
     rows = [(c, name, op, t) for (c, name, op), t in best.items()]
     peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     floor = {(c, op): t for c, name, op, t in rows if name == "floor"}
@@ -247,7 +249,8 @@ def main() -> None:
         "",
         f"{args.records:,} records, {raw_mb / args.records * 1e6:.0f} B each ({raw_mb:.0f} MB raw), "
         f"{SHARD:,} records per shard, local disk, zstd level {args.level}, best of {args.repeat} interleaved rounds. "
-        f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs (shared). "
+        f"Python {sys.version.split()[0]}, {os.cpu_count()} CPUs (shared; load average "
+        f"{load_before[0]:.2f} at the start, {load_after[0]:.2f} at the end). "
         f"flyteplugins-jsonl: {'measured' if has_flyte else 'not installed'}.",
         "",
         "| case | impl | op | records/s | MB/s | ratio to floor |",
