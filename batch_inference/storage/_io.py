@@ -40,13 +40,9 @@ def _open(fs: fsspec.AbstractFileSystem, path: str, url: str) -> Any:
         raise FileNotFoundError(f"No such file: {url}") from None
 
 
-def iter_chunks(fs: fsspec.AbstractFileSystem, path: str, url: str, compressed: bool) -> Iterator[bytes]:
-    """Yield the (decompressed) bytes of a file in bounded chunks."""
+def zstd_chunks(fs: fsspec.AbstractFileSystem, path: str, url: str) -> Iterator[bytes]:
+    """Yield the decompressed bytes of a zstd file, what ZSTD_READ_SIZE of input makes at a time."""
     with _open(fs, path, url) as f:
-        if not compressed:
-            while chunk := f.read(PLAIN_READ_SIZE):
-                yield chunk
-            return
         dctx = zstandard.ZstdDecompressor()
         dobj = dctx.decompressobj()
         seen = False
@@ -144,7 +140,7 @@ def iter_blocks(
     cut at a chunk's end over to the next read (measured ~10% faster than bytes.split
     plus joining the cut line). Lines keep their newline; orjson takes it as whitespace.
     """
-    raw = _ChunkStream(iter_chunks(fs, path, url, True)) if compressed else _open(fs, path, url)
+    raw = _ChunkStream(zstd_chunks(fs, path, url)) if compressed else _open(fs, path, url)
     with io.BufferedReader(raw, PLAIN_READ_SIZE) as reader:
         line_no = 1
         while lines := reader.readlines(PLAIN_READ_SIZE):

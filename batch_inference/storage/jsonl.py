@@ -123,9 +123,9 @@ class JsonlFile:
 
 
 def _shard_blocks(list_shards: Callable[[], list[JsonlFile]]) -> Iterator[tuple[str, int, list[bytes]]]:
-    """(url, first line number, lines) of every shard in order: one stream, so reading ahead
-    crosses shard boundaries. Blocking (lists, reads, decompresses): runs in a thread for
-    the async path."""
+    """(url, first line number, lines) of every shard in order, as one stream: the async path
+    makes one thread hop per chunk and none of its own per shard. Blocking (lists, reads,
+    decompresses): runs in a thread for the async path."""
     for shard in list_shards():
         yield from shard._blocks()
 
