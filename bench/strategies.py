@@ -180,7 +180,8 @@ def write_report(a: argparse.Namespace, rows: list[dict[str, Any]], rss: list[di
         f"InProcessPool with {a.concurrency} task slots and one TokenBatcher (12,800 tokens, 256 max, 50 ms timeout); "
         f"{a.records:,} records, shards of {a.shard_records:,}, chunks of {a.chunk_size:,}; every strategy gets "
         f"{a.attempts} attempts (max_rounds = max_attempts = {a.attempts}); hybrid uses the default crossover rule "
-        "(switch when the pending set shrank < 50% or projected rounds cost > in-place). Each run is a fresh process.",
+        "(switch when the projected cost of finishing by rounds, from the round's measured figures, exceeds in-place's; "
+        "see docs/pipeline.md). Each run is a fresh process.",
         "",
         "Columns: *model s* = the cost model's time for the run's batches (calls x a + tokens x b: what the",
         "GPU would be busy); *efficiency* = model s / wall; *engine busy s* = measured time inside",
@@ -212,6 +213,26 @@ def write_report(a: argparse.Namespace, rows: list[dict[str, Any]], rss: list[di
         verdict = "meets" if ratio <= 1.05 else "MISSES"
         lines.append(f"- approval {rate}: better single = {best} ({by[best]['wall_s']:.1f}s); hybrid "
                      f"{by['hybrid']['wall_s']:.1f}s = {ratio:.3f}x -> {verdict} the target")
+    ratios = []
+    for rate in sorted({r["approval"] for r in rows}, reverse=True):
+        by = {r["strategy"]: r for r in rows if r["approval"] == rate}
+        if "rounds" in by and "in_place" in by:
+            ratios.append(f"{by['in_place']['wall_s'] / by['rounds']['wall_s']:.2f}x at {rate}")
+    if ratios:
+        lines += [
+            "", "Reading the figures:", "",
+            "- Every strategy does the same engine work (same calls, requests and tokens: seeds are per record and",
+            "  attempt), so wall time differs only by orchestration. In-place / rounds wall: " + ", ".join(ratios) + ".",
+            "- With a persistent pool and recompaction a round costs little beyond its engine time (the measured",
+            "  fixed part is mostly the latency chain that in-place pays too), so rounds win at every rate here and",
+            "  the hybrid's measured rule keeps to rounds. The reference's in-place advantage at low approval comes",
+            "  from per-round overheads (scheduling every task, intermediate writes on slow storage) that this",
+            "  setup does not have; where they are measured, the same rule hands over earlier.",
+            "- In-place's extra cost here is CPU on the driver's 2 shared cores: the retry task runs each record's",
+            "  attempts as separate one-record submissions (token count + submit + judge per record per attempt),",
+            "  and that event-loop work competes with the in-process simulated engine for the GIL (engine busy s",
+            "  exceeds model s). On a GPU worker the engine would not share the interpreter.",
+        ]
     if len(rss) >= 2:
         lo, hi = rss[0], rss[-1]
         ratio = hi["peak_rss_mb"] / lo["peak_rss_mb"]
