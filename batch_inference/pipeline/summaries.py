@@ -68,10 +68,10 @@ class PhaseSummary(_Summary):
     engine_busy_s: float
     wall_s: float
     drain_s: float  # from the last task's start to the phase's end: the final wave
-    longest_task_s: float  # the longest task's wall: wall - this = the driver's dispatch gaps (one wave)
     avg_fill: float
     cached_tasks: int  # tasks the pool replayed by task id
     task_retries: int = 0  # tasks re-sent after a failure (as counted by the runner, e.g. PoolClient.retried)
+    longest_task_s: float = 0.0  # the longest task's wall: wall - this = the driver's dispatch gaps (one wave)
     quarantined: list[dict[str, Any]] = field(default_factory=list)  # {shard, phase, error, records}
 
     @property
