@@ -150,19 +150,6 @@ async def one_shard(spec_file: str) -> None:
         print(json.dumps({"result": result.model_dump(), "engine_loads": pool.host.loads}))
 
 
-def simulator_cpu_ms(batch: int = 190) -> float:
-    """The simulated engine's own CPU per call (it computes outputs, then sleeps the whole cost)."""
-    from batch_inference.engines import SamplingParams, build_engine
-
-    engine = build_engine({"kind": "simulated", "simulated": {"latency_a_s": 0, "latency_b_s": 0}})
-    prompts = ["Answer briefly: " + "word " * 40] * batch
-    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=i) for i in range(batch)]
-    t0 = time.perf_counter()
-    for _ in range(20):
-        engine.generate(prompts, params)
-    return (time.perf_counter() - t0) / 20 * 1e3
-
-
 def tiny_model_load_s(base: Path) -> float:
     """Seconds a fresh process's engine build takes for the tiny transformers model (imports + load)."""
     from batch_inference.engines import make_tiny_model
@@ -177,9 +164,7 @@ def tiny_model_load_s(base: Path) -> float:
 def report(pool: dict, naive: dict, shards: int, records: int, load_start: float) -> str:
     effs = [w["efficiency"] for w in pool["workers"]]
     batches = sum(w["batches"] for w in pool["workers"])
-    sim_ms = simulator_cpu_ms()
     # the same efficiency with the simulator's own per-call CPU taken out of the wall time (an estimate)
-    effs_ex = [w["ideal_s"] / (pool["wall_s"] - w["batches"] * sim_ms / 1e3) for w in pool["workers"]]
     overhead_ms = sum(w["busy_s"] - w["model_s"] for w in pool["workers"]) / max(1, batches) * 1e3
     idle_ms = sum(pool["wall_s"] - w["busy_s"] for w in pool["workers"]) / max(1, batches) * 1e3
     lines = [
@@ -210,12 +195,10 @@ def report(pool: dict, naive: dict, shards: int, records: int, load_start: float
         f"({'meets' if min(effs) >= 0.95 else 'MISSES'} the 0.95 target).",
         "",
         f"Where the rest goes, per batch: {overhead_ms:.1f} ms inside the engine call beyond the cost model "
-        f"(thread hand-off, GIL, and the simulator's own CPU: {sim_ms:.1f} ms per call measured alone, "
-        f"since it computes its outputs and then sleeps the full modelled cost), and {idle_ms:.1f} ms between "
+        "(thread hand-off and the GIL: the simulator's own output building is inside its modelled cost), "
+        f"and {idle_ms:.1f} ms between "
         "calls (event-loop round trip, round start and tail). The batches themselves are as few as the "
-        "budget allows (ideal batches = actual batches when the fill is ~1). Without the simulator's own CPU "
-        f"(estimate: its per-call time above x batches taken out of the wall) the efficiency would be "
-        f"{min(effs_ex):.3f} / {sum(effs_ex) / len(effs_ex):.3f}. The figures move with the machine's load: "
+        "budget allows (ideal batches = actual batches when the fill is ~1). The figures move with the machine's load: "
         "the engine thread and the event loop must get a CPU at every batch boundary.",
         "",
         "## Naive (a fresh process per shard, no cross-task batching, 2 at a time)",
