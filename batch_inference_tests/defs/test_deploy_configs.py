@@ -54,6 +54,14 @@ def test_local_instance_config():
     assert "storage" not in config  # SQLite under $DAGSTER_HOME, Dagster's default
     assert config["run_queue"]["max_concurrent_runs"] >= 1
     assert config["telemetry"]["enabled"] is False
+    # The default launcher neither checks run-worker health nor resumes: monitoring only
+    # fails runs stuck starting; the round sensor recovers dead STARTED runs.
+    from dagster._core.launcher import DefaultRunLauncher, RunLauncher
+
+    assert DefaultRunLauncher.supports_check_run_worker_health is RunLauncher.supports_check_run_worker_health
+    assert DefaultRunLauncher.supports_resume_run is RunLauncher.supports_resume_run  # the base's False
+    assert config["run_monitoring"]["enabled"] is True and config["run_monitoring"]["max_resume_run_attempts"] == 0
+    assert not config.get("run_retries", {}).get("enabled", False)
 
 
 def test_local_instance_loads(tmp_path):
@@ -63,6 +71,9 @@ def test_local_instance_loads(tmp_path):
     (tmp_path / "dagster.yaml").write_text((ROOT / "dagster.yaml").read_text())
     instance = DagsterInstance.get()
     assert type(instance.run_coordinator).__name__ == "QueuedRunCoordinator"
+    assert type(instance.run_launcher).__name__ == "DefaultRunLauncher"
+    assert instance.run_monitoring_enabled and instance.run_monitoring_start_timeout_seconds == 180
+    assert not instance.run_launcher.supports_check_run_worker_health and not instance.run_launcher.supports_resume_run
     assert instance.run_coordinator.get_run_queue_config().max_concurrent_runs == 2  # our setting, not a default
     assert Path(instance.root_directory) == tmp_path
     assert type(instance.run_storage).__name__ == "SqliteRunStorage"
@@ -82,6 +93,11 @@ def test_k8s_instance_config():
     assert logs.__name__ == "S3ComputeLogManager"
     assert config["run_queue"]["tag_concurrency_limits"][0]["key"] == "batch_inference/gpu"
     assert config["telemetry"]["enabled"] is False
+    # K8sRunLauncher checks run-worker health and resumes a run in a new pod.
+    k8s = launcher.__new__(launcher)  # no cluster needed for these two properties
+    assert k8s.supports_check_run_worker_health and k8s.supports_resume_run
+    assert config["run_monitoring"]["enabled"] is True and config["run_monitoring"]["max_resume_run_attempts"] >= 1
+    assert not config.get("run_retries", {}).get("enabled", False)
 
 
 def test_helm_values_match_the_instance_config():
@@ -110,6 +126,8 @@ def test_helm_values_match_the_instance_config():
 
     queued = snake_keys(values["dagsterDaemon"]["runCoordinator"]["config"]["queuedRunCoordinator"])
     assert queued == instance["run_queue"]
+    assert snake_keys(values["dagsterDaemon"]["runMonitoring"]) == instance["run_monitoring"]
+    assert values["dagsterDaemon"]["runRetries"]["enabled"] is False
     assert values["postgresql"]["enabled"] is False and values["telemetry"]["enabled"] is False
     deployment = values["dagster-user-deployments"]["deployments"][0]
     assert deployment["dagsterApiGrpcArgs"] == ["--module-name", "batch_inference.definitions"]

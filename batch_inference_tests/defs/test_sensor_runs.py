@@ -150,6 +150,8 @@ def test_a_failed_round_is_never_advanced(defs, instance, write_spec, monkeypatc
     result = drive(defs, instance)
     assert history(result) == [("shard_job", "broken"), ("round_job", "broken|r00")]
     assert result.launched[1].success is False
+    failed_run = instance.get_run_by_id(result.launched[1].run_id)
+    assert failed_run.tags["batch_inference/recovery"].startswith("not retried: a step failed")  # no retry either
     assert check_results(instance, REJECTED) == {"round_conservation": False}
     assert instance.get_dynamic_partitions(ROUND_NUMBERS.name) == ["r00"]  # r01 never added
     assert not instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=RESULTS, asset_partitions=["broken"]), limit=1).records

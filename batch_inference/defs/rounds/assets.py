@@ -22,6 +22,7 @@ from batch_inference.defs.metadata import (
 )
 from batch_inference.defs.partitions import ROUNDS, parse_round_key, round_label
 from batch_inference.defs.pool.resources import PoolResource
+from batch_inference.defs.recovery import record_worker
 from batch_inference.defs.specs import load_spec
 from batch_inference.defs.steps import run_cpu_step, run_gpu_step, summary_dict
 from batch_inference.defs.storage.resources import StorageResource
@@ -43,6 +44,7 @@ def pending(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.M
     from batch_inference.storage import JsonlDir
 
     key = parse_round_key(context.partition_key)
+    record_worker(context)  # lets the round sensor tell a dead run from a live one
     spec = load_spec(context.instance, key.run, storage)
     layout = RunLayout(spec.output, spec.run)
     url = layout.pending(key.round)
@@ -81,6 +83,7 @@ def inferred(context: dg.AssetExecutionContext, pool: PoolResource, storage: Sto
     from batch_inference.storage import JsonlDir
 
     key = parse_round_key(context.partition_key)
+    record_worker(context)  # lets the round sensor tell a dead run from a live one
     spec = load_spec(context.instance, key.run, storage)
     summary = summary_dict(run_gpu_step(spec, pool, lambda run: run.infer(key.round)))
     meta = {k: v for k, v in phase_metadata(summary).items() if k not in ("approved", "rejected", "approval_rate")}
@@ -108,6 +111,7 @@ def judge(context: dg.AssetExecutionContext, pool: PoolResource, storage: Storag
     from batch_inference.storage import JsonlDir
 
     key = parse_round_key(context.partition_key)
+    record_worker(context)  # lets the round sensor tell a dead run from a live one
     spec = load_spec(context.instance, key.run, storage)
     summary = summary_dict(run_gpu_step(spec, pool, lambda run: run.judge(key.round)))
     decision = summary_dict(PipelineRun(spec).decide(key.round))

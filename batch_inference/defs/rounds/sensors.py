@@ -17,6 +17,10 @@ ticks are all acted on. An event is acted on only once the Dagster run that prod
 it has finished: a run that failed (a blocking check, a step error) gets no follow-up,
 so a wrong round never propagates. Run keys name the step (``<run>|r01``), so a
 re-evaluated tick or a re-materialised round never launches the same step twice.
+
+Before reading events, each tick recovers crashed steps (``defs.recovery``): a run whose
+worker process died is marked failed and its step requested again as
+``<run key>:retry-N`` (bounded); its new materialisation is then followed up as usual.
 """
 
 from collections.abc import Mapping
@@ -28,6 +32,7 @@ import dagster as dg
 from batch_inference.defs.jobs import ASSET_JOBS, results_job, round_job, shard_job, tail_job
 from batch_inference.defs.keys import REJECTED, SHARDED, SOURCE, TAIL_RETRY
 from batch_inference.defs.partitions import ROUND_NUMBERS, RoundKey, parse_round_key
+from batch_inference.defs.recovery import recover
 
 WATCHED = (SOURCE, SHARDED, REJECTED, TAIL_RETRY)
 PAGE = 100
@@ -135,8 +140,8 @@ def round_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
     cursor = int(context.cursor) if context.cursor else 0
     known_labels = set(instance.get_dynamic_partitions(ROUND_NUMBERS.name))
     new_labels: list[str] = []
-    requests: list[dg.RunRequest] = []
-    requested: set[str] = set()
+    requests = recover(context, context.sensor_name or "round_sensor", (job.name for job in ASSET_JOBS), RUN_TAG)
+    requested: set[str] = {r.run_key for r in requests if r.run_key}
     for record in _records_since(instance, cursor):
         run = instance.get_run_by_id(record.run_id) if record.run_id else None  # runless: reported via the API
         if run is not None and not run.is_finished:

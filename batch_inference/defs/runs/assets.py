@@ -22,6 +22,7 @@ from batch_inference.defs.keys import (
 from batch_inference.defs.metadata import funnel_markdown, location, phase_metadata, shard_list, with_row_count
 from batch_inference.defs.partitions import RUNS
 from batch_inference.defs.pool.resources import PoolResource
+from batch_inference.defs.recovery import record_worker
 from batch_inference.defs.specs import load_spec
 from batch_inference.defs.steps import run_cpu_step, run_gpu_step, summary_dict
 from batch_inference.defs.storage.resources import StorageResource
@@ -52,6 +53,7 @@ source_dataset = dg.AssetSpec(
 def sharded(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.MaterializeResult:
     from batch_inference.storage import JsonlDir
 
+    record_worker(context)  # lets the round sensor tell a dead run from a live one
     spec = load_spec(context.instance, context.partition_key, storage)
     summary = summary_dict(run_cpu_step(spec, lambda run: run.shard()))
     shards = JsonlDir(summary["output_url"], storage_options=spec.storage_options).shards()
@@ -92,6 +94,7 @@ def tail_retry(context: dg.AssetExecutionContext, config: TailConfig, pool: Pool
                storage: StorageResource) -> dg.MaterializeResult:
     from batch_inference.pipeline import Ledger, RunLayout
 
+    record_worker(context)  # lets the round sensor tell a dead run from a live one
     spec = load_spec(context.instance, context.partition_key, storage)
     r = config.from_round
     if r > 0:
@@ -124,6 +127,7 @@ def results(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.M
     from batch_inference.pipeline import Ledger, RunLayout
     from batch_inference.storage import JsonlDir
 
+    record_worker(context)  # lets the round sensor tell a dead run from a live one
     spec = load_spec(context.instance, context.partition_key, storage)
     summary = summary_dict(run_cpu_step(spec, lambda run: run.finalize()))
     layout = RunLayout(spec.output, spec.run)
