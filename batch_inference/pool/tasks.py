@@ -278,13 +278,39 @@ class CheckpointBuffer:
             await self.flush()
 
 
+@dataclass
+class _Sample:
+    """One record's in-place progress within its chunk (mirrors its checkpoint state)."""
+
+    record: dict[str, Any]
+    rid: str
+    base: dict[str, Any]
+    prior: int
+    attempt: int
+    result: str | None
+    verdict: Verdict | None = None
+    batch_error: str | None = None
+    row: dict[str, Any] | None = None  # set once the sample is finished
+
+    def final(self, ckpt: CheckpointBuffer, final: dict[str, Any]) -> None:
+        ckpt.add({"id": self.rid, "attempt": self.attempt, "last_result": self.result, "final": final})
+        self.row = {**self.base, **final}
+
+    def error(self, text: str) -> None:
+        """This record's own failure (prompt, engine item, judge): not checkpointed, as before."""
+        self.row = {**self.base, "result": None, "status": "error", "error": text, "attempts": self.prior + self.attempt + 1}
+
+
 async def run_retry(ctx: TaskContext) -> dict[str, int]:
     """In-place retry: each record is re-inferred and re-judged until approved or max_attempts.
 
-    A record's state is checkpointed per attempt, so a task retried after an eviction
-    resumes every record at the attempt it was on: a result already inferred but not
-    yet judged is judged (not re-inferred), one already rejected is re-inferred (never
-    re-judged), and a finished record is written from its checkpoint without any work.
+    A chunk advances in waves: every sample that needs inference is submitted in one
+    ``generate`` call (one token-count hop, one ``submit_many``), then every sample with
+    a result is judged in one call, so the per-sample cost equals a round's. A record's
+    state is checkpointed per attempt, so a task retried after an eviction resumes every
+    record at the attempt it was on: a result already inferred but not yet judged is
+    judged (not re-inferred), one already rejected is re-inferred (never re-judged), and
+    a finished record is written from its checkpoint without any work.
     """
     spec = ctx.spec
     assert spec.infer is not None and spec.judge is not None
@@ -295,55 +321,79 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
     states = await store.load()
     counts = {"approved": 0, "max_attempts": 0, "error": 0}
 
-    async def process_one(record: dict[str, Any], ckpt: CheckpointBuffer) -> dict[str, Any]:
+    def start(record: dict[str, Any]) -> _Sample:
         rid = str(record["id"])
-        base = _clean(record)
-        prior = _prior_attempts(record)
         state = states.pop(rid, None) or {}
+        sample = _Sample(record, rid, _clean(record), _prior_attempts(record),
+                         int(state.get("attempt", 0)), state.get("last_result"))
         if state.get("final"):
-            return {**base, **state["final"]}
-        attempt = int(state.get("attempt", 0))
-        result: str | None = state.get("last_result")
-        verdict: Verdict | None = None
-        batch_error: str | None = None
+            sample.row = {**sample.base, **state["final"]}
+        return sample
+
+    async def infer_wave(wave: list[_Sample], ckpt: CheckpointBuffer) -> None:
+        prompts = [_render(template, s.record) for s in wave]
         try:
-            while attempt < spec.max_attempts:
-                if result is None:
-                    prompt = _render(template, record)
-                    if isinstance(prompt, BaseException):
-                        raise prompt
-                    (done,) = await ctx.generate([prompt], [params_for(record, prior + attempt)])
-                    if isinstance(done, BaseException):
-                        # The engine raised for the whole batch: not this record's fault.
-                        # It costs this attempt (bounded by max_attempts), never the record.
-                        batch_error = _error_text(done)
-                        attempt += 1
-                        ckpt.add({"id": rid, "attempt": attempt, "last_result": None})
-                        continue
-                    if done.error is not None:
-                        return {**base, "result": None, "status": "error", "error": done.error, "attempts": prior + attempt + 1}
-                    result = done.text
-                    ckpt.add({"id": rid, "attempt": attempt, "last_result": result})
-                (verdict,) = await judging.verdicts([record], [result])
-                if verdict.approved:
-                    final = {"result": result, "status": "approved", "error": None,
-                             "attempts": prior + attempt + 1, "verdict": verdict.to_dict()}
-                    ckpt.add({"id": rid, "attempt": attempt, "last_result": result, "final": final})
-                    return {**base, **final}
+            done = await ctx.generate(prompts, [params_for(s.record, s.prior + s.attempt) for s in wave])
+        except Exception as exc:  # e.g. the tokenizer failed for the wave: each sample's own error
+            for s in wave:
+                s.error(_error_text(exc))
+            return
+        for s, prompt, res in zip(wave, prompts, done):
+            if isinstance(prompt, BaseException):
+                s.error(_error_text(prompt))
+            elif isinstance(res, BaseException):
+                # The engine raised for the whole batch: not this record's fault.
+                # It costs this attempt (bounded by max_attempts), never the record.
+                s.batch_error = _error_text(res)
+                s.attempt += 1
+                ckpt.add({"id": s.rid, "attempt": s.attempt, "last_result": None})
+            elif res.error is not None:
+                s.row = {**s.base, "result": None, "status": "error", "error": res.error, "attempts": s.prior + s.attempt + 1}
+            else:
+                s.result = res.text
+                ckpt.add({"id": s.rid, "attempt": s.attempt, "last_result": s.result})
+
+    async def judge_wave(wave: list[_Sample], ckpt: CheckpointBuffer) -> None:
+        try:
+            verdicts = await judging.verdicts([s.record for s in wave], [s.result for s in wave])  # type: ignore[misc]
+        except Exception as exc:
+            for s in wave:
+                s.error(_error_text(exc))
+            return
+        for s, verdict in zip(wave, verdicts):
+            s.verdict = verdict
+            if verdict.approved:
+                s.final(ckpt, {"result": s.result, "status": "approved", "error": None,
+                               "attempts": s.prior + s.attempt + 1, "verdict": verdict.to_dict()})
+            else:
                 # Clear the result: on resume this attempt is re-inferred, never re-judged.
-                result = None
-                attempt += 1
-                ckpt.add({"id": rid, "attempt": attempt, "last_result": None})
-            final = {"result": None, "status": "max_attempts", "error": None, "attempts": prior + spec.max_attempts,
-                     "verdict": verdict.to_dict() if verdict else None, **({"last_error": batch_error} if batch_error else {})}
-            ckpt.add({"id": rid, "attempt": attempt, "last_result": None, "final": final})
-            return {**base, **final}
-        except Exception as exc:  # this record's own path: prompt, engine batch, judge
-            return {**base, "result": None, "status": "error", "error": _error_text(exc), "attempts": prior + attempt + 1}
+                s.result = None
+                s.attempt += 1
+                ckpt.add({"id": s.rid, "attempt": s.attempt, "last_result": None})
+
+    async def process(chunk: list[dict[str, Any]], ckpt: CheckpointBuffer) -> list[dict[str, Any]]:
+        samples = [start(r) for r in chunk]
+        while True:
+            for s in samples:
+                if s.row is None and s.attempt >= spec.max_attempts:
+                    s.result = None
+                    s.final(ckpt, {"result": None, "status": "max_attempts", "error": None,
+                                   "attempts": s.prior + spec.max_attempts,
+                                   "verdict": s.verdict.to_dict() if s.verdict else None,
+                                   **({"last_error": s.batch_error} if s.batch_error else {})})
+            live = [s for s in samples if s.row is None]
+            if not live:
+                return [s.row for s in samples]  # type: ignore[misc]
+            to_infer = [s for s in live if s.result is None]
+            if to_infer:
+                await infer_wave(to_infer, ckpt)
+            to_judge = [s for s in live if s.row is None and s.result is not None]
+            if to_judge:
+                await judge_wave(to_judge, ckpt)
 
     async with ctx.file(spec.outputs["output"]).writer() as out, CheckpointBuffer(store, ctx.checkpoint_interval_s) as ckpt:
         async for chunk in ctx.chunks():
-            rows = await asyncio.gather(*(process_one(r, ckpt) for r in chunk))
+            rows = await process(chunk, ckpt)
             await ckpt.flush()
             for row in rows:
                 counts[row["status"]] += 1
