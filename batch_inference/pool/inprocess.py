@@ -58,7 +58,13 @@ class InProcessPool:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.host.close()
+        # A caller that went away (Ctrl-C cancels the run, not the shielded tasks) leaves
+        # its task running: abandon it (nothing is committed) before the batcher stops,
+        # or it fails submitting to a stopped batcher and logs a traceback.
+        try:
+            await self.runtime.drain(grace_s=0)
+        finally:
+            await self.host.close()
 
     async def run_task(self, spec: TaskSpec) -> TaskResult:
         errors: list[str] = []

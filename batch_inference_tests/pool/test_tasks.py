@@ -187,3 +187,20 @@ async def test_storage_profiles_are_the_workers_own(tmp_path: Path, inprocess_po
         assert (await pool.run_task(spec)).counts == {"ok": 2, "error": 0}
         with pytest.raises(TaskFailed, match="unknown storage profile 'other'"):
             await pool.run_task(spec.model_copy(update={"task_id": "q", "storage_options_ref": "other"}))
+
+
+async def test_exit_after_a_cancelled_caller_abandons_its_task_before_closing(tmp_path: Path, inprocess_pool, caplog) -> None:
+    # Ctrl-C cancels the run, not the shielded task: leaving the pool must abandon it
+    # before the batcher stops, or it fails submitting to a stopped batcher (a traceback).
+    write_shard(tmp_path / "a.jsonl", 400)
+    slow = {**SIM_ENGINE, "simulated": {"latency_a_s": 0.05, "latency_b_s": 0.0}}
+    async with inprocess_pool(slow, concurrency=1, batcher={"max_batch_size": 4}) as pool:
+        caller = asyncio.create_task(pool.run_task(infer_spec("long", tmp_path / "a.jsonl", tmp_path / "a-out.jsonl", chunk_size=8)))
+        await asyncio.sleep(0.2)
+        caller.cancel()
+        await asyncio.gather(caller, return_exceptions=True)
+        runtime = pool.runtime
+        (_, task), = runtime.running.values()
+    assert task.cancelled() and runtime.counters["abandoned"] == 1 and runtime.counters["failed"] == 0
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    assert not (tmp_path / "a-out.jsonl").exists()
