@@ -104,7 +104,13 @@ def choose_crossover(
         return True, f"pending set shrank {shrink:.1%} < {rule.min_shrink:.0%}", figures
     if rule.compare_cost and cost_rounds > cost_in_place:
         return True, f"projected rounds {cost_rounds:.2f}s > in-place {cost_in_place:.2f}s", figures
-    return False, f"rounds still pay: shrank {shrink:.1%}, projected rounds {cost_rounds:.2f}s <= in-place {cost_in_place:.2f}s", figures
+    # say which rule kept the rounds going: only the rules that are on decided
+    kept = [f"shrank {shrink:.1%} >= {rule.min_shrink:.0%}"] if rule.min_shrink > 0 else []
+    if rule.compare_cost:
+        kept.append(f"projected rounds {cost_rounds:.2f}s <= in-place {cost_in_place:.2f}s")
+    else:
+        kept.append(f"cost comparison off (projected rounds {cost_rounds:.2f}s, in-place {cost_in_place:.2f}s)")
+    return False, "rounds go on: " + "; ".join(kept), figures
 
 
 def round_(x: float) -> float:

@@ -430,9 +430,8 @@ class PipelineRun:
         """Write exhausted rows if the rounds hit their cap, check conservation, record the run."""
         return await asyncio.to_thread(self._finalize)
 
-    def _finalize(self) -> RunSummary:
-        t0 = time.perf_counter()
-        shard = ShardSummary.from_dict(self._require("shard", "run shard() first"))
+    def _recorded(self) -> tuple[int, list[PhaseSummary], list[Decision], PhaseSummary | None]:
+        """What the ledger holds: rounds inferred, their phases (+ the tail's), decisions, the tail."""
         phases: list[PhaseSummary] = []
         decisions: list[Decision] = []
         r = 0
@@ -447,6 +446,31 @@ class PipelineRun:
         tail = PhaseSummary.from_dict(tail_data) if tail_data else None
         if tail:
             phases.append(tail)
+        return r, phases, decisions, tail
+
+    def terminal_sources(self) -> list[IdSource]:
+        """The id sets conservation is checked over: the input and every terminal state.
+
+        ``finalize`` checks these; Dagster's whole-run checks re-check the same list
+        over the run's storage (blocking I/O: call it off the event loop).
+        """
+        r, phases, _, _ = self._recorded()
+        sources = [
+            IdSource("input", (self.layout.sharded,)),
+            IdSource("approved", (self.layout.results,)),
+            IdSource("exhausted", (self.layout.exhausted,)),
+            IdSource("unfinished", (self.layout.tail_unfinished,), status_field=True),
+            IdSource("failed", tuple(self.layout.failed_records(i) for i in range(r))),
+        ]
+        quarantined = [q for p in phases for q in p.quarantined]
+        if quarantined:
+            sources.append(IdSource("failed", tuple(q["shard"] for q in quarantined), is_dir=False))
+        return sources
+
+    def _finalize(self) -> RunSummary:
+        t0 = time.perf_counter()
+        shard = ShardSummary.from_dict(self._require("shard", "run shard() first"))
+        _, phases, decisions, tail = self._recorded()
         last = decisions[-1] if decisions else None
         if self.spec.strategy == "in_place" or (last and last.kind == "tail"):
             if tail is None:
@@ -459,17 +483,7 @@ class PipelineRun:
                 [self.layout.rejected(last.round)], self.layout.exhausted, round=last.round, storage_options=self.storage_options,
                 failed_dst=self.layout.failed_records(last.round),
             )
-        sources = [
-            IdSource("input", (self.layout.sharded,)),
-            IdSource("approved", (self.layout.results,)),
-            IdSource("exhausted", (self.layout.exhausted,)),
-            IdSource("unfinished", (self.layout.tail_unfinished,), status_field=True),
-            IdSource("failed", tuple(self.layout.failed_records(i) for i in range(r))),
-        ]
-        quarantined = [q for p in phases for q in p.quarantined]
-        if quarantined:
-            sources.append(IdSource("failed", tuple(q["shard"] for q in quarantined), is_dir=False))
-        report = check_conservation(sources, input_records=shard.records, storage_options=self.storage_options)
+        report = check_conservation(self.terminal_sources(), input_records=shard.records, storage_options=self.storage_options)
         t = report["terminal"]
         status = "quarantined" if t["failed"] else "exhausted" if t["exhausted"] or t["max_attempts"] else "converged"
         summary = RunSummary(

@@ -27,9 +27,12 @@ def test_rule_switches_on_shrink_and_on_cost() -> None:
     # pending shrank 20% < 50%: switch
     switch, reason, figures = choose_crossover(CrossoverRule(min_shrink=0.5, compare_cost=False), approved=200, rejected=800, **common)
     assert switch and "shrank 20.0%" in reason and figures["shrink"] == 0.2
-    # shrank 90%, cost comparison off: keep going
-    switch, _, _ = choose_crossover(CrossoverRule(min_shrink=0.5, compare_cost=False), approved=900, rejected=100, **common)
-    assert not switch
+    # shrank 90%, cost comparison off: keep going, and the reason names the rule that decided
+    # (not "rounds <= in-place": with this overhead in-place is projected cheaper)
+    switch, reason, figures = choose_crossover(CrossoverRule(min_shrink=0.5, compare_cost=False), approved=900, rejected=100,
+                                               overhead_s=0.6, recompact_s=0.2, **common)
+    assert not switch and figures["projected_rounds_s"] > figures["projected_in_place_s"]
+    assert "shrank 90.0% >= 50%" in reason and "cost comparison off" in reason and "<=" not in reason
     # shrank 90%; the fixed second is all latency chain (in-place pays it too): rounds go on
     switch, _, figures = choose_crossover(CrossoverRule(), approved=900, rejected=100, **common)
     assert not switch and figures["rounds_projected"] == 2 and figures["avoidable_s"] == 0

@@ -86,6 +86,11 @@ async def test_a_permanently_failing_shard_is_quarantined_and_the_round_complete
     # the other nine shards of the round went through both phases
     assert ledger(spec, "round-00-judge")["records_in"] == 500
     assert runner.calls["failed"] == 1  # quarantined, never requeued in later rounds
+    # the id sources finalize checked, as Dagster's whole-run checks get them
+    sources = PipelineRun(spec).terminal_sources()
+    assert [s.state for s in sources] == ["input", "approved", "exhausted", "unfinished", "failed", "failed"]
+    assert sources[-1].urls == (entry["shard"],) and not sources[-1].is_dir
+    assert len(sources[-2].urls) == summary.rounds
 
 
 async def test_resumed_run_does_not_redo_finished_shards(make_spec) -> None:

@@ -35,23 +35,15 @@ def _quarantined(view: Any) -> list[dict[str, Any]]:
     ],
 )
 def run_checks(context: dg.AssetCheckExecutionContext, storage: StorageResource) -> Iterator[dg.AssetCheckResult]:
-    from batch_inference.pipeline import Ledger, RunLayout
-    from batch_inference.pipeline.ledger import IdSource, check_conservation
+    from batch_inference.pipeline import PipelineRun
+    from batch_inference.pipeline.ledger import check_conservation
 
     run = context.op_execution_context.partition_key
     spec = load_spec(context.instance, run, storage)
-    layout = RunLayout(spec.output, spec.run)
-    view = Ledger(layout, spec.storage_options).view()
+    pipeline_run = PipelineRun(spec)
+    view = pipeline_run.ledger.view()
     quarantined = _quarantined(view)
-    sources = [
-        IdSource("input", (layout.sharded,)),
-        IdSource("approved", (layout.results,)),
-        IdSource("exhausted", (layout.exhausted,)),
-        IdSource("unfinished", (layout.tail_unfinished,), status_field=True),
-        IdSource("failed", tuple(layout.failed_records(entry["round"]) for entry in view.rounds)),
-    ]
-    if quarantined:
-        sources.append(IdSource("failed", tuple(q["shard"] for q in quarantined), is_dir=False))
+    sources = pipeline_run.terminal_sources()
     input_records = int((view.shard or {}).get("records", 0))
     report = check_conservation(sources, input_records=input_records, storage_options=spec.storage_options)
     terminal = {f"terminal.{k}": dg.MetadataValue.int(v) for k, v in report["terminal"].items()}
