@@ -10,16 +10,21 @@ import asyncio
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from batch_inference.pipeline.spec import PipelineSpec
 from batch_inference.pool.protocol import TaskRunner
 
 
 @asynccontextmanager
-async def open_runner(spec: PipelineSpec) -> AsyncIterator[TaskRunner]:
+async def open_runner(spec: PipelineSpec, *, k8s_api: Any = None) -> AsyncIterator[TaskRunner]:
     """``async with open_runner(spec) as runner``: the runner ``spec.pool`` describes.
 
-    * ``endpoints`` given (always for ``k8s``): a client to that running pool.
+    * ``endpoints`` given: a client to that running pool (for ``k8s`` too: an override).
+    * ``launcher: k8s``: ``K8sLauncher`` discovers the ready pods of the deployed pool
+      ``k8s_name`` in ``namespace`` (one endpoint per worker, so least-loaded choice and
+      retry-elsewhere work), waiting up to ``ready_timeout_s`` for ``replicas`` of them.
+      ``k8s_api`` is a CoreV1Api-like object (default: in-cluster config or kubeconfig).
     * ``launcher: inprocess``: the worker's task code in this process (tests, small runs).
     * ``launcher: local``: ``LocalLauncher`` brings the pool up, reusing a running one of
       the same name and configuration, and restarts dead workers on demand; the pool is
@@ -33,6 +38,17 @@ async def open_runner(spec: PipelineSpec) -> AsyncIterator[TaskRunner]:
 
         async with PoolClient(pool.endpoints, concurrency=pool.concurrency, retries=pool.retries,
                               timeout_s=pool.timeout_s, token=token) as client:
+            yield client
+        return
+    if pool.launcher == "k8s":
+        from batch_inference.pool import K8sLauncher
+
+        # discovery only: nothing is rendered or applied, so no image is needed
+        launcher = K8sLauncher(spec.engine, image="", name=pool.k8s_name, namespace=pool.namespace,
+                               concurrency=pool.concurrency, token=token, apps_api=k8s_api, core_api=k8s_api)
+        await asyncio.to_thread(launcher.wait_ready, replicas=pool.replicas, wait_s=pool.ready_timeout_s)
+        client = await asyncio.to_thread(launcher.client, retries=pool.retries, timeout_s=pool.timeout_s)
+        async with client:
             yield client
         return
     if pool.launcher == "inprocess":

@@ -67,11 +67,16 @@ class PoolSpec(_Strict):
     storage_roots: list[str] = Field(default_factory=list, description="worker storage roots (default: input and output)")
     storage_profiles_file: str | None = Field(None, description="workers' storage profiles (credentials stay there)")
     rule_modules: list[str] = Field(default_factory=list, description="modules local workers may import rule judges from")
+    # k8s launcher: the ready pods of a deployed pool are discovered (deploy/k8s/, `pool up`)
+    k8s_name: str = Field("batch-inference-worker", description="k8s: the workers' Deployment/Service name")
+    namespace: str = Field("default", description="k8s: the workers' namespace")
+    ready_timeout_s: float = Field(900.0, gt=0, description="k8s: wait this long for `replicas` ready workers")
 
     @model_validator(mode="after")
-    def _k8s_needs_endpoints(self) -> PoolSpec:
-        if self.launcher == "k8s" and not self.endpoints:
-            raise ValueError("launcher 'k8s' needs 'endpoints' (the worker Service URL; deploy with deploy/k8s/)")
+    def _k8s_needs_a_token(self) -> PoolSpec:
+        if self.launcher == "k8s" and not self.endpoints and not self.token_env:
+            raise ValueError("launcher 'k8s' needs 'token_env' (the env var holding the workers' token, "
+                             "e.g. from the Secret <k8s_name>-token): workers off loopback require it")
         return self
 
 
