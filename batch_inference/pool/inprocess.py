@@ -48,6 +48,7 @@ class InProcessPool:
         )
         self.retries = retries
         self.backoff_s = backoff_s
+        self.retried = 0  # tasks re-run after a failure: the ledger's task_retries, as PoolClient counts them
 
     @property
     def limit(self) -> int:
@@ -79,6 +80,7 @@ class InProcessPool:
                 errors.append(f"{type(exc).__name__}: {exc}")
                 log.warning("task %s attempt %d failed: %s", spec.task_id, attempt + 1, exc)
                 if attempt < self.retries:
+                    self.retried += 1
                     await asyncio.sleep(self.backoff_s * 2**attempt)
                 elif is_machine_error(exc):
                     # The machine's fault, not the shard's: never quarantined. The run stops
@@ -88,4 +90,4 @@ class InProcessPool:
         raise TaskFailed(spec, errors)
 
     def stats(self) -> dict[str, Any]:
-        return self.runtime.stats()
+        return {**self.runtime.stats(), "retried": self.retried}

@@ -204,3 +204,24 @@ async def test_exit_after_a_cancelled_caller_abandons_its_task_before_closing(tm
     assert task.cancelled() and runtime.counters["abandoned"] == 1 and runtime.counters["failed"] == 0
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
     assert not (tmp_path / "a-out.jsonl").exists()
+
+
+async def test_retried_tasks_are_counted_as_pool_client_counts_them(tmp_path: Path, inprocess_pool) -> None:
+    # the input appears only after the first try failed (a storage blip): one retry, then success
+    src = tmp_path / "late.jsonl"
+    async with inprocess_pool(retries=2, backoff_s=0.05) as pool:
+        runtime = pool.runtime
+
+        async def appear_after_first_failure() -> None:
+            while runtime.counters["failed"] < 1:
+                await asyncio.sleep(0.005)
+            write_shard(src, 5)
+
+        appear = asyncio.create_task(appear_after_first_failure())
+        result = await pool.run_task(infer_spec("late", src, tmp_path / "late-out.jsonl"))
+        await appear
+        assert result.counts == {"ok": 5, "error": 0}
+        assert pool.retried == 1 and pool.stats()["retried"] == 1
+        with pytest.raises(TaskFailed):  # exhausted retries count too
+            await pool.run_task(infer_spec("never", tmp_path / "missing.jsonl", tmp_path / "never-out.jsonl"))
+        assert pool.retried == 3
