@@ -145,8 +145,9 @@ def recover(context: dg.SensorEvaluationContext, sensor_name: str, jobs: Iterabl
         run = record.dagster_run
         if run.job_name not in jobs or RECOVERY_TAG in run.tags or RUN_KEY_TAG not in run.tags:
             continue
-        if _newer_run(instance, run, record.create_timestamp.timestamp()) is not None:
-            continue  # re-executed or already retried
+        if (newer := _newer_run(instance, run, record.create_timestamp.timestamp())) is not None:
+            instance.add_run_tags(run.run_id, {RECOVERY_TAG: f"superseded by run {newer}"})  # re-executed or retried
+            continue
         if _has_step_failure(instance, run.run_id):
             instance.add_run_tags(run.run_id, {RECOVERY_TAG: "not retried: a step failed (fix it and re-execute)"})
             continue
