@@ -79,7 +79,10 @@ def run_workers(instance: dg.DagsterInstance, run: dg.DagsterRun) -> list[Worker
     if host != socket.gethostname():
         return None
     pid, _, born = rest.partition(" ")
-    workers = [Worker(int(pid), float(born))]
+    try:
+        workers = [Worker(int(pid), float(born))]
+    except ValueError:  # not written by record_worker: cannot judge
+        return None
     for entry in instance.all_logs(run.run_id, of_type=dg.DagsterEventType.ENGINE_EVENT):
         data = entry.dagster_event.engine_event_data if entry.dagster_event else None
         value = data.metadata.get("pid") if data is not None else None
@@ -123,27 +126,27 @@ def _retry_request(run: dg.DagsterRun, attempt: int, why: str, run_tag: str) -> 
                          partition_key=run.tags.get(PARTITION_TAG), run_config=dict(run.run_config), tags=tags)
 
 
-def recover(context: dg.SensorEvaluationContext, sensor_name: str, jobs: Iterable[str],
-            run_tag: str) -> list[dg.RunRequest]:
-    """Mark this tick's dead runs failed; the retries due for failed steps (see the module doc)."""
-    instance, jobs = context.instance, set(jobs)
-    ours = dg.RunsFilter(tags={SENSOR_TAG: sensor_name})
-
-    started = dg.RunsFilter(tags=ours.tags, statuses=[dg.DagsterRunStatus.STARTED])
-    for record in instance.get_run_records(started):
+def fail_dead_runs(context: dg.SensorEvaluationContext, runs: dg.RunsFilter, job_names: set[str]) -> None:
+    """Mark FAILURE every STARTED run in ``runs`` whose processes are all gone (step 1)."""
+    instance = context.instance
+    for record in instance.get_run_records(runs):
         run = record.dagster_run
-        if run.job_name not in jobs or (why := dead_reason(instance, run)) is None:
+        if run.job_name not in job_names or (why := dead_reason(instance, run)) is None:
             continue
         fresh = instance.get_run_by_id(run.run_id)  # its processes are gone: nothing can write after this
         if fresh is not None and fresh.status == dg.DagsterRunStatus.STARTED:
             context.log.warning(f"run {run.run_id} ({run.job_name}[{run.tags.get(PARTITION_TAG)}]): {why}; marking it failed")
             instance.report_run_failed(fresh, f"batch_inference round sensor: {why}")
 
+
+def retries_due(context: dg.SensorEvaluationContext, runs: dg.RunsFilter, job_names: set[str],
+                run_tag: str) -> list[dg.RunRequest]:
+    """A retry request for each FAILURE run in ``runs`` that failed for want of a worker (step 2)."""
+    instance = context.instance
     requests: list[dg.RunRequest] = []
-    failed = dg.RunsFilter(tags=ours.tags, statuses=[dg.DagsterRunStatus.FAILURE])
-    for record in instance.get_run_records(failed, limit=FAILED_RUNS_SCANNED):
+    for record in instance.get_run_records(runs, limit=FAILED_RUNS_SCANNED):
         run = record.dagster_run
-        if run.job_name not in jobs or RECOVERY_TAG in run.tags or RUN_KEY_TAG not in run.tags:
+        if run.job_name not in job_names or RECOVERY_TAG in run.tags or RUN_KEY_TAG not in run.tags:
             continue
         if (newer := _newer_run(instance, run, record.create_timestamp.timestamp())) is not None:
             instance.add_run_tags(run.run_id, {RECOVERY_TAG: f"superseded by run {newer}"})  # re-executed or retried
@@ -164,3 +167,11 @@ def recover(context: dg.SensorEvaluationContext, sensor_name: str, jobs: Iterabl
         context.log.warning(f"retrying {run.job_name}[{request.partition_key}] as {request.run_key}: {why}")
         requests.append(request)
     return requests
+
+
+def recover(context: dg.SensorEvaluationContext, sensor_name: str, jobs: Iterable[str],
+            run_tag: str) -> list[dg.RunRequest]:
+    """Mark this tick's dead runs failed, then the retries due (see the module doc)."""
+    ours, job_names = {SENSOR_TAG: sensor_name}, set(jobs)
+    fail_dead_runs(context, dg.RunsFilter(tags=ours, statuses=[dg.DagsterRunStatus.STARTED]), job_names)
+    return retries_due(context, dg.RunsFilter(tags=ours, statuses=[dg.DagsterRunStatus.FAILURE]), job_names, run_tag)

@@ -171,6 +171,7 @@ def test_a_started_run_is_judged_dead_only_when_every_process_is_gone() -> None:
     elsewhere = _run(instance, dg.DagsterRunStatus.STARTED, "z|r00", **{WORKER_TAG: f"not-{socket.gethostname()} {pid} {born:.3f}"})
     assert dead_reason(instance, elsewhere) is None
     assert dead_reason(instance, _run(instance, dg.DagsterRunStatus.STARTED, "w|r00")) is None
+    assert dead_reason(instance, _run(instance, dg.DagsterRunStatus.STARTED, "v|r00", **{WORKER_TAG: f"{socket.gethostname()} ?"})) is None
 
     requests = _recover(instance)
     assert [r.run_key for r in requests] == ["x|r00:retry-1"]  # one retry for the step, not two
