@@ -16,7 +16,8 @@ so the sensor would wait for it forever. Every tick the sensor therefore:
 2. **retries infrastructure failures**: a FAILURE run of a sensor-requested step with
    no step failure (its worker died: found above, or by run monitoring, or it never
    started) is requested again as ``<run key>:retry-N`` with the same job, partition
-   and config; the steps are idempotent and resume. Never when a newer run of the same
+   and config, once none of its recorded processes is alive (an orphaned step process
+   may outlive its run worker); the steps are idempotent and resume. Never when a newer run of the same
    step exists (a person re-executed it, or the retry is already launched), never after
    a step failure (a failed blocking check must stop the run), and at most
    ``MAX_ATTEMPTS`` times per step, after which the run is tagged and logged as stuck.
@@ -154,6 +155,8 @@ def retries_due(context: dg.SensorEvaluationContext, runs: dg.RunsFilter, job_na
         if _has_step_failure(instance, run.run_id):
             instance.add_run_tags(run.run_id, {RECOVERY_TAG: "not retried: a step failed (fix it and re-execute)"})
             continue
+        if (workers := run_workers(instance, run)) and any(w.is_alive() for w in workers):
+            continue  # failed, yet a step process of it still runs (its run worker died first): wait for it
         attempt = int(run.tags.get(ATTEMPT_TAG, "0")) + 1
         if attempt > MAX_ATTEMPTS:
             stuck = f"stuck: its worker died {attempt} times in a row; re-execute it by hand once the cause is fixed"

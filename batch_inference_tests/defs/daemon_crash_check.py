@@ -7,7 +7,10 @@ round sensor took to re-request the step and to finish the run, then the run's
 conservation proof. Too slow for the suite (each Dagster run launch costs seconds here);
 the suite's proof is ``test_crash_recovery.py``, through the same sensor code.
 
-    .venv/bin/python -m batch_inference_tests.defs.daemon_crash_check [WORKDIR]
+    .venv/bin/python -m batch_inference_tests.defs.daemon_crash_check [--worker-only] [WORKDIR]
+
+``--worker-only`` kills the run worker alone: its running step process, orphaned, goes
+on to finish its step, and the retry must wait until it has exited.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def run_worker(step_pid: int) -> psutil.Process:
     return proc
 
 
-def main(work: Path) -> None:
+def main(work: Path, worker_only: bool) -> None:
     shutil.rmtree(work, ignore_errors=True)
     home = work / "home"
     home.mkdir(parents=True)
@@ -68,7 +71,7 @@ def main(work: Path) -> None:
         dev = subprocess.Popen([str(DAGSTER), "dev", "-h", "127.0.0.1", "-p", str(port), "-w", "workspace.yaml"], cwd=ROOT, env=env,
                                stdout=log, stderr=subprocess.STDOUT, preexec_fn=default_signals, start_new_session=True)
         try:
-            drive_and_kill(port, work)
+            drive_and_kill(port, work, worker_only)
         finally:
             os.killpg(dev.pid, signal.SIGTERM)
             try:
@@ -78,7 +81,7 @@ def main(work: Path) -> None:
                 dev.wait()
 
 
-def drive_and_kill(port: int, work: Path) -> None:
+def drive_and_kill(port: int, work: Path, worker_only: bool) -> None:
     def runs(job: str) -> list[dict[str, Any]]:
         found = graphql(port, RUNS, {"filter": {"pipelineName": job}})["runsOrError"]["results"]
         return [{**r, "tags": {t["key"]: t["value"] for t in r["tags"]}} for r in found]
@@ -94,11 +97,16 @@ def drive_and_kill(port: int, work: Path) -> None:
     wait(lambda: len(list(progress.glob("*.json"))) >= 2, 240, "round 0 progress")
     (round0,) = runs("round_job")
     worker = run_worker(int(round0["tags"]["batch_inference/worker"].split()[1]))
-    victims = [worker, *worker.children(recursive=True)]
+    orphans = worker.children(recursive=True)
+    victims = [worker] if worker_only else [worker, *orphans]
     for proc in victims:
         proc.send_signal(signal.SIGKILL)
     killed = time.monotonic()
-    print(f"killed round 0's run worker and its step processes {[p.pid for p in victims]} with 2/8 infer shards done")
+    print(f"killed round 0's run worker{'' if worker_only else ' and its step processes'} {[p.pid for p in victims]}"
+          f" with 2/8 infer shards done")
+    if worker_only:
+        wait(lambda: not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in orphans), 120, "the orphans to exit")
+        print(f"its orphaned step processes {[p.pid for p in orphans]} exited {time.monotonic() - killed:.1f}s after the kill")
     wait(lambda: step_run("daemon|r00:retry-1", "STARTED") or step_run("daemon|r00:retry-1"), 120, "the retry")
     print(f"retry daemon|r00:retry-1 running {time.monotonic() - killed:.1f}s after the kill")
     wait(lambda: step_run("daemon|r00:retry-1"), 120, "the retry to succeed")
@@ -115,4 +123,5 @@ def drive_and_kill(port: int, work: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="daemon-crash-")))
+    args = [a for a in sys.argv[1:] if a != "--worker-only"]
+    main(Path(args[0]) if args else Path(tempfile.mkdtemp(prefix="daemon-crash-")), "--worker-only" in sys.argv)

@@ -189,6 +189,11 @@ def test_retries_are_bounded_and_skip_step_failures_and_re_executed_runs() -> No
     instance = dg.DagsterInstance.ephemeral()
     second = _run(instance, dg.DagsterRunStatus.FAILURE, **{ATTEMPT_TAG: "1", RUN_KEY_TAG: "x|r00:retry-1"})
     assert [(r.run_key, r.tags[ATTEMPT_TAG]) for r in _recover(instance)] == [("x|r00:retry-2", "2")]
+    # failed (its run worker died) while one of its step processes still runs: wait for it
+    me = psutil.Process()
+    orphan = _run(instance, dg.DagsterRunStatus.FAILURE, "y|r00", **{WORKER_TAG: f"{socket.gethostname()} {me.pid} {me.create_time():.3f}"})
+    assert [r.run_key for r in _recover(instance)] == ["x|r00:retry-2"]
+    assert RECOVERY_TAG not in instance.get_run_by_id(orphan.run_id).tags
     retried = _run(instance, dg.DagsterRunStatus.SUCCESS, **{RUN_KEY_TAG: "x|r00:retry-2"})  # the retry ran
     assert _recover(instance) == []
     assert instance.get_run_by_id(second.run_id).tags[RECOVERY_TAG] == f"superseded by run {retried.run_id}"
