@@ -14,13 +14,14 @@ so the sensor would wait for it forever. Every tick the sensor therefore:
    other hosts or with no record yet are left alone (Kubernetes: run monitoring). A
    dead run is marked FAILURE, with the reason, which frees its run-queue slot.
 2. **retries infrastructure failures**: a FAILURE run of a sensor-requested step with
-   no step failure (its worker died: found above, or by run monitoring, or it never
-   started) is requested again as ``<run key>:retry-N`` with the same job, partition
-   and config, once none of its recorded processes is alive (an orphaned step process
-   may outlive its run worker); the steps are idempotent and resume. Never when a newer run of the same
-   step exists (a person re-executed it, or the retry is already launched), never after
-   a step failure (a failed blocking check must stop the run), and at most
-   ``MAX_ATTEMPTS`` times per step, after which the run is tagged and logged as stuck.
+   no step failure (its worker died: found above, or by the code server when its run
+   process exits, or by run monitoring, or it never started) is requested again as
+   ``<run key>:retry-N`` with the same job, partition and config, once none of its
+   recorded processes is alive (an orphaned step process may outlive its run worker);
+   the steps are idempotent and resume. Never when a newer run of the same step exists
+   (a person re-executed it, or the retry is already launched), never after a step
+   failure (a failed blocking check must stop the run), and at most ``MAX_ATTEMPTS``
+   times per step, after which the run is tagged and logged as stuck.
 
 Stateless between ticks: run keys and "a newer run exists" make it idempotent.
 """
