@@ -45,7 +45,7 @@ class CrossoverRule(_Strict):
     min_shrink: float = Field(0.0, ge=0.0, le=1.0)
     compare_cost: bool = True
     min_rounds: int = Field(1, ge=1)
-    in_place_cost_factor: float = Field(1.7, gt=0, description="in-place cost of a record-attempt relative to a round's")
+    in_place_cost_factor: float = Field(1.0, gt=0, description="in-place cost of a record-attempt relative to a round's")
 
 
 class PoolSpec(_Strict):

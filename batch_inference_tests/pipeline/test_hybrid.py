@@ -39,14 +39,18 @@ def test_rule_switches_on_shrink_and_on_cost() -> None:
     # ... but when most of it is per-round overhead (dispatch gaps, recompaction), hand over
     switch, reason, figures = choose_crossover(CrossoverRule(), approved=900, rejected=100, overhead_s=0.6, recompact_s=0.2, **common)
     assert switch and figures["projected_rounds_s"] > figures["projected_in_place_s"] and "projected rounds" in reason
-    # low approval: the per-record work dominates and a round's record-attempt is cheaper
-    switch, _, figures = choose_crossover(CrossoverRule(), approved=200, rejected=800, overhead_s=1.0, **common)
+    # low approval, where an in-place record-attempt costs more than a round's (f = 1.7):
+    # the per-record work dominates and rounds go on
+    dear = CrossoverRule(in_place_cost_factor=1.7)
+    switch, _, figures = choose_crossover(dear, approved=200, rejected=800, overhead_s=1.0, **common)
     assert not switch and figures["rounds_projected"] == 4
     # ... unless the rounds carry a large measured overhead (a scheduler, slow storage)
     slow = {**common, "engine_s": 5.0}
-    assert choose_crossover(CrossoverRule(), approved=200, rejected=800, overhead_s=4.0, **slow)[0]
-    assert not choose_crossover(CrossoverRule(), approved=200, rejected=800, **slow)[0]
-    # a factor calibrated for a cheaper in-place loop hands over too
+    assert choose_crossover(dear, approved=200, rejected=800, overhead_s=4.0, **slow)[0]
+    assert not choose_crossover(dear, approved=200, rejected=800, **slow)[0]
+    # with in-place's record-attempt about a round's (the default), the same overhead hands over
+    assert choose_crossover(CrossoverRule(), approved=200, rejected=800, overhead_s=1.0, **common)[0]
+    # a factor calibrated for a cheaper in-place loop hands over even without measured overhead
     assert choose_crossover(CrossoverRule(in_place_cost_factor=0.8), approved=200, rejected=800, **common)[0]
     # min_rounds holds the rule back
     switch, reason, _ = choose_crossover(CrossoverRule(min_shrink=0.5, min_rounds=2), approved=200, rejected=800, **common)
