@@ -4,13 +4,15 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# Every transitive dependency pinned to what CI tested (empty to resolve afresh).
+CONSTRAINTS ?= .ci/constraints.txt
 
-.PHONY: demo test dev bench clean
+.PHONY: install demo test dev bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,s3,k8s,dev]'
+	$(PY) -m pip install -q -e '.[cpu,s3,k8s,dev]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	touch $(STAMP)
 
 install: $(STAMP)
