@@ -116,13 +116,14 @@ async def test_timeout_is_measured_from_the_batchs_first_dequeued_record() -> No
     async with make(rec, target_batch_cost=1_000, batch_timeout_s=0.4) as b:
         t0 = loop.time()
         first = await b.submit(1)
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.3)
         second = await b.submit(2)
         await asyncio.gather(first, second)
     assert rec.batches == [[1, 2]]
     elapsed = rec.times[0] - t0
-    # dispatched 0.4 s after the first record, not 0.4 s after the second (0.6 s)
-    assert 0.38 <= elapsed < 0.58
+    # dispatched 0.4 s after the first record, not 0.4 s after the second (>= 0.7 s);
+    # the margin between the two absorbs a loaded CI machine's scheduling delays
+    assert 0.38 <= elapsed < 0.68
 
 
 async def test_partial_batch_dispatches_on_timeout_while_running() -> None:
