@@ -8,7 +8,6 @@ human action; the others pin the rules that keep recovery exact and bounded.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from batch_inference.defs.recovery import (
     recover,
 )
 from batch_inference.pipeline import PipelineSpec
-from batch_inference_tests.faults.helpers import assert_conserved, spec_data, write_input
+from batch_inference_tests.faults.helpers import assert_conserved, progress_files, sigkill_after_progress, spec_data, write_input
 
 DRIVER = """
 import sys
@@ -53,9 +52,6 @@ assert start_run(defs, instance, start_run_config(sys.argv[2]), log_level="WARNI
 drive(defs, instance, log_level="WARNING")
 """
 
-
-def _done(folder: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_mtime_ns for p in folder.glob("*.json")} if folder.exists() else {}
 
 
 @pytest.mark.slow
@@ -79,28 +75,15 @@ def test_a_round_run_sigkilled_mid_round_is_retried_by_the_sensor(tmp_path: Path
     home = tmp_path / "dagster-home"
     home.mkdir()
 
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(home), str(spec_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while len(_done(progress)) < 2:  # mid-round: 2 of round 0's 8 infer shards done
-            assert proc.poll() is None, f"the run ended before it could be killed: {proc.stdout.read().decode()[-3000:]}"  # type: ignore[union-attr]
-            assert time.monotonic() < deadline, "no round-0 progress within 60 s"
-            time.sleep(0.01)
-        os.kill(proc.pid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        proc.wait(timeout=10)
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-    done_before = _done(progress)
+    # mid-round: 2 of round 0's 8 infer shards done
+    pid, killed_at = sigkill_after_progress([sys.executable, "-c", DRIVER, str(home), str(spec_path)], progress, 2, timeout_s=60)
+    done_before = progress_files(progress, "*.json")
     assert 2 <= len(done_before) < 8, "killed mid-round"
 
     instance = dg.DagsterInstance.local_temp(tempdir=str(home))
     (killed,) = [r for r in instance.get_runs() if r.job_name == "round_job"]
     assert killed.status == dg.DagsterRunStatus.STARTED  # what Dagster alone leaves behind
-    assert killed.tags[WORKER_TAG].split()[:2] == [socket.gethostname(), str(proc.pid)]
+    assert killed.tags[WORKER_TAG].split()[:2] == [socket.gethostname(), str(pid)]
 
     # No human action: the daemon's stand-in ticks the real sensor until it stops.
     defs = build_definitions(pool=PoolResource(mode="inprocess"), storage=StorageResource())
@@ -113,11 +96,11 @@ def test_a_round_run_sigkilled_mid_round_is_retried_by_the_sensor(tmp_path: Path
     dead = instance.get_run_by_id(killed.run_id)
     assert dead is not None and dead.status == dg.DagsterRunStatus.FAILURE
     failure = instance.all_logs(killed.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)[-1].dagster_event
-    assert failure is not None and f"pids [{proc.pid}]" in (failure.message or "")
+    assert failure is not None and f"pids [{pid}]" in (failure.message or "")
     retry = instance.get_run_by_id(result.launched[0].run_id)
     assert retry is not None and retry.tags[ATTEMPT_TAG] == "1" and "worker is gone" in retry.tags["batch_inference/reason"]
 
-    after = _done(progress)
+    after = progress_files(progress, "*.json")
     assert {k: after[k] for k in done_before} == done_before, "finished shards were recomputed"
     run = orjson.loads((root / "ledger" / "run.json").read_bytes())
     assert run["conservation"]["ok"]

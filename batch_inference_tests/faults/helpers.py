@@ -115,3 +115,34 @@ def assert_conserved(spec: PipelineSpec, input_ids: list[str]) -> Counter[str]:
     assert not extra, f"{len(extra)} unknown id(s) in the output, e.g. {extra[:5]}"
     assert len(found) == len(set(input_ids))
     return Counter(s[0] for s in found.values())
+
+
+def progress_files(folder: Path, pattern: str = "*") -> dict[str, int]:
+    """Visible files of ``folder`` (name -> mtime_ns): which shards are done, and whether they were rewritten."""
+    return {p.name: p.stat().st_mtime_ns for p in folder.glob(pattern) if not p.name.startswith(".")} if folder.exists() else {}
+
+
+def sigkill_after_progress(argv: list[str], progress: Path, shards: int, *, timeout_s: float) -> tuple[int, float]:
+    """Start ``argv`` in its own session, SIGKILL it once ``shards`` progress records exist
+    under ``progress`` (mid-step); return its pid and the monotonic time of the kill."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while len(progress_files(progress, "*.json")) < shards:
+            assert proc.poll() is None, f"it ended before it could be killed: {proc.stdout.read().decode()[-3000:]}"  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, f"no progress under {progress} within {timeout_s:.0f} s"
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    return proc.pid, killed_at

@@ -7,8 +7,6 @@ duplicated; the shard that was in flight must not be visible half-written.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,13 +17,10 @@ import pytest
 import yaml
 
 from batch_inference.pipeline import PipelineSpec
-from batch_inference_tests.faults.helpers import assert_conserved, spec_data, write_input
+from batch_inference_tests.faults.helpers import assert_conserved, progress_files, sigkill_after_progress, spec_data, write_input
 
 CLI = [sys.executable, "-m", "batch_inference.cli.main"]
 
-
-def _snapshot(folder: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_mtime_ns for p in folder.glob("*") if not p.name.startswith(".")} if folder.exists() else {}
 
 
 @pytest.mark.slow
@@ -43,22 +38,9 @@ def test_driver_sigkilled_mid_round_resumes_without_recompute(tmp_path: Path) ->
     progress = root / "ledger" / "progress" / "round-00-infer"
     inferred = root / "round-00" / "inferred"
 
-    proc = subprocess.Popen([*CLI, "run", str(spec_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while len(_snapshot(progress)) < 3:  # mid-round: some of round 0's 8 infer shards done
-            assert proc.poll() is None, f"the run ended before it could be killed: {proc.stdout.read().decode()[-2000:]}"  # type: ignore[union-attr]
-            assert time.monotonic() < deadline, "no infer progress within 60 s"
-            time.sleep(0.01)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    done_before = _snapshot(progress)
-    outputs_before = {k: v for k, v in _snapshot(inferred).items()}
+    sigkill_after_progress([*CLI, "run", str(spec_path)], progress, 3, timeout_s=60)  # some of round 0's 8 infer shards done
+    done_before = progress_files(progress)
+    outputs_before = {k: v for k, v in progress_files(inferred).items()}
     assert 3 <= len(done_before) < 8, "killed mid-round"
     assert not (root / "ledger" / "round-00-infer.json").exists()
     # nothing half-written is visible: every visible inferred shard is complete and readable
@@ -71,9 +53,9 @@ def test_driver_sigkilled_mid_round_resumes_without_recompute(tmp_path: Path) ->
     assert rerun.returncode in (0, 3), rerun.stdout.decode()[-3000:] + rerun.stderr.decode()[-3000:]
 
     # finished shards were not recomputed: their progress records and outputs are untouched
-    after = _snapshot(progress)
+    after = progress_files(progress)
     assert {k: after[k] for k in done_before} == done_before
-    outputs_after = _snapshot(inferred)
+    outputs_after = progress_files(inferred)
     for name in (n.replace(".json", ".jsonl.zst") for n in done_before):
         assert outputs_after[name] == outputs_before[name], f"{name} was recomputed"
     infer = orjson.loads((root / "ledger" / "round-00-infer.json").read_bytes())
@@ -126,21 +108,8 @@ def test_dagster_run_sigkilled_mid_round_reexecutes_without_recompute(tmp_path: 
     home = tmp_path / "dagster-home"
     home.mkdir()
 
-    proc = subprocess.Popen([sys.executable, "-c", DAGSTER_DRIVER, str(home), str(spec_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while len(_snapshot(progress)) < 2:
-            assert proc.poll() is None, f"the run ended before it could be killed: {proc.stdout.read().decode()[-3000:]}"  # type: ignore[union-attr]
-            assert time.monotonic() < deadline, "no round-0 progress within 120 s"
-            time.sleep(0.01)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-    done_before = _snapshot(progress)
+    sigkill_after_progress([sys.executable, "-c", DAGSTER_DRIVER, str(home), str(spec_path)], progress, 2, timeout_s=120)
+    done_before = progress_files(progress)
     assert 2 <= len(done_before) < 8
 
     instance = dg.DagsterInstance.local_temp(tempdir=str(home))
@@ -157,7 +126,7 @@ def test_dagster_run_sigkilled_mid_round_reexecutes_without_recompute(tmp_path: 
     drive(defs, instance, log_level="WARNING")  # the sensor carries on from the re-executed round
     recover_s = time.monotonic() - t0
 
-    after = _snapshot(progress)
+    after = progress_files(progress)
     assert {k: after[k] for k in done_before} == done_before, "finished shards were recomputed"
     run = orjson.loads((root / "ledger" / "run.json").read_bytes())
     assert run["conservation"]["ok"]
