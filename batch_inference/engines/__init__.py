@@ -6,7 +6,15 @@ that needs them is built (``build_engine``) or ``make_tiny_model`` runs.
 
 from __future__ import annotations
 
-from batch_inference.engines.base import Completion, Engine, SamplingParams
+from batch_inference.engines.base import (
+    Completion,
+    Engine,
+    EngineDeadError,
+    EngineOccupancy,
+    SamplingParams,
+    StreamingEngine,
+    is_streaming,
+)
 from batch_inference.engines.config import EngineConfig, SimulatedOptions, VllmOptions
 from batch_inference.engines.factory import build_engine
 from batch_inference.engines.tiny_model import make_tiny_model  # imports torch only when called
@@ -15,10 +23,14 @@ from batch_inference.engines.tiny_model import make_tiny_model  # imports torch 
 __all__ = [
     "Completion",
     "Engine",
+    "EngineDeadError",
+    "EngineOccupancy",
     "EngineConfig",
     "SamplingParams",
     "SimulatedOptions",
+    "StreamingEngine",
     "VllmOptions",
     "build_engine",
+    "is_streaming",
     "make_tiny_model",
 ]

@@ -1,8 +1,19 @@
-"""The engine protocol: what every engine takes and returns.
+"""The engine protocols: what every engine takes and returns.
 
-Engines are blocking and batch-oriented; callers run ``generate`` with
-``asyncio.to_thread``. One bad item never fails its neighbours: it comes back as a
-``Completion`` with ``finish_reason="error"`` and ``error`` set.
+Two shapes, one result type:
+
+- ``Engine``: blocking and batch-oriented (transformers' ``generate``, the linear
+  simulated model). Callers run ``generate`` off the event loop; the worker keeps it
+  busy with a ``TokenBatcher``.
+- ``StreamingEngine``: continuous batching (vLLM's own scheduler). Requests flow in one
+  at a time as they arrive and each completion resolves on its own, so no batch waits
+  for its longest decode. The worker keeps it full by admission control (at most
+  ``capacity()`` requests in flight; producers beyond that suspend, which is the
+  backpressure that reaches ``dispatch_bounded``).
+
+In both, one bad item never fails its neighbours: it comes back as a ``Completion``
+with ``finish_reason="error"`` and ``error`` set. A dead engine is not an item's fault:
+it raises ``EngineDeadError`` and the worker reports itself unhealthy.
 """
 
 from __future__ import annotations
@@ -70,6 +81,66 @@ class Engine(Protocol):
     def generate(self, prompts: list[str], params: SamplingParams | list[SamplingParams]) -> list[Completion]: ...
 
     def close(self) -> None: ...
+
+
+class EngineDeadError(RuntimeError):
+    """The engine itself is gone (its core process died, CUDA failed): no request can run.
+
+    Never turned into per-record errors; the worker goes unhealthy so its tasks are
+    retried on another worker and the launcher replaces it.
+    """
+
+
+@dataclass(frozen=True)
+class EngineOccupancy:
+    """The engine's own view of how full it is (``None`` where the engine cannot say).
+
+    This, with output tokens/s, answers "is the GPU full?"; the batcher's busy/wall
+    and fill only say whether the engine was being *called*.
+    """
+
+    running: int = 0  # sequences the engine is decoding now
+    waiting: int = 0  # admitted requests the engine's scheduler has not started
+    max_num_seqs: int | None = None  # the engine's own cap on concurrent sequences
+    kv_cache_usage: float | None = None  # 0..1 of the KV cache in use
+
+
+@runtime_checkable
+class StreamingEngine(Protocol):
+    """A continuous-batching engine, driven from the worker's event loop.
+
+    ``complete`` is one request: it returns when that request finishes, whatever else is
+    in flight, never raises for the request's own fault (overlong, empty, bad params
+    come back as ``Completion.failed``), raises ``EngineDeadError`` when the engine is
+    gone, and when cancelled aborts the request inside the engine (nothing keeps
+    decoding for a caller that left). Per-request seeds give the same text whatever else
+    is in flight.
+    """
+
+    name: str
+    max_model_len: int
+    simulated: bool
+
+    def count_tokens(self, prompts: list[str]) -> list[int]: ...
+
+    async def start(self) -> None:
+        """Bind to the running event loop (called once, on the worker's loop)."""
+        ...
+
+    async def complete(self, prompt: str, params: SamplingParams) -> Completion: ...
+
+    def capacity(self) -> int:
+        """How many requests to keep in flight so the engine's scheduler is never starved."""
+        ...
+
+    def occupancy(self) -> EngineOccupancy: ...
+
+    async def aclose(self) -> None: ...
+
+
+def is_streaming(engine: object) -> bool:
+    """True for engines the worker should stream into rather than batch for."""
+    return isinstance(engine, StreamingEngine)
 
 
 def expand_params(prompts: Sequence[str], params: SamplingParams | Sequence[SamplingParams]) -> list[SamplingParams]:
