@@ -50,7 +50,7 @@ def test_bad_spec_and_unknown_run(tmp_path: Path) -> None:
 def test_ctrl_c_stops_cleanly_and_rerun_resumes(tmp_path: Path) -> None:
     data = spec_dict(
         tmp_path, records=2000, approval=0.5, max_rounds=2, pool={"concurrency": 2},
-        engine={"kind": "simulated", "simulated": {"approval_rate": 0.5, "latency_a_s": 0.01, "latency_b_s": 0.0}},
+        engine={"kind": "simulated", "simulated": {"approval_rate": 0.5, "latency_a_s": 0.01, "latency_b_s": 0.0001}},
     )
     spec_path = tmp_path / "spec.yaml"
     spec_path.write_text(yaml.safe_dump(data))
