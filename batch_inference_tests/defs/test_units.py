@@ -146,3 +146,59 @@ def test_a_malformed_event_is_skipped_not_wedging_the_sensor():
     data = tick(build_definitions(), instance, None)
     assert [r.run_key for r in data.run_requests] == ["b:shard"]
     assert int(data.cursor) > 0
+
+
+def _materialized_by_run(instance: dg.DagsterInstance, key: dg.AssetKey, partition: str, run_id: str) -> None:
+    """A materialisation recorded as produced by the Dagster run ``run_id``."""
+    from dagster._core.events import DagsterEvent, DagsterEventType, StepMaterializationData
+
+    event = DagsterEvent(event_type_value=DagsterEventType.ASSET_MATERIALIZATION.value, job_name="round_job",
+                         event_specific_data=StepMaterializationData(dg.AssetMaterialization(key, partition=partition)))
+    instance.report_dagster_event(event, run_id=run_id)
+
+
+def test_a_running_step_of_one_pipeline_does_not_stall_another():
+    """Pipeline a's sharded event comes from a run still going; b's next step is requested
+    anyway, a's once its run succeeds, and no event is handled twice over the ticks."""
+    from types import SimpleNamespace
+
+    from batch_inference.defs.driver import tick
+    from batch_inference.defs.partitions import ROUND_NUMBERS, RUNS
+    from batch_inference.definitions import build_definitions
+
+    defs = build_definitions()
+    instance = dg.DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions(RUNS.name, ["a", "b"])
+    runs = {"run-a": SimpleNamespace(is_finished=False, status=dg.DagsterRunStatus.STARTED),
+            "run-b": SimpleNamespace(is_finished=True, status=dg.DagsterRunStatus.SUCCESS)}
+    instance.get_run_by_id = runs.get  # type: ignore[method-assign]
+    _materialized_by_run(instance, SHARDED, "a", "run-a")
+    _materialized_by_run(instance, SHARDED, "b", "run-b")
+
+    first = tick(defs, instance, None)
+    assert [r.run_key for r in first.run_requests] == ["b|r00"]
+    second = tick(defs, instance, first.cursor)  # a still running: nothing new, b not re-handled
+    assert second.run_requests == []
+    runs["run-a"] = SimpleNamespace(is_finished=True, status=dg.DagsterRunStatus.SUCCESS)
+    third = tick(defs, instance, second.cursor)
+    assert [r.run_key for r in third.run_requests] == ["a|r00"]
+    assert tick(defs, instance, third.cursor).run_requests == []
+    assert instance.get_dynamic_partitions(ROUND_NUMBERS.name) == ["r00"]
+    assert third.cursor.isdigit()  # everything handled: back to a plain storage id
+
+
+def test_sensor_cursor_keeps_handled_ids_above_the_first_waiting_event():
+    from batch_inference.defs.rounds.sensors import SensorCursor
+
+    cursor = SensorCursor(after=4)
+    cursor.handled |= {5, 7}
+    cursor.advance([5, 6, 7], complete=True)  # 6 waits
+    assert (cursor.after, cursor.handled) == (5, {7})
+    again = SensorCursor.parse(str(cursor))
+    assert (again.after, again.handled) == (5, {7})
+    again.handled.add(6)
+    partial = SensorCursor(again.after, set(again.handled))
+    partial.advance([6], complete=False)  # a full window ending at 6: 7 is past what was read
+    assert (partial.after, partial.handled) == (6, {7})
+    again.advance([6], complete=True)  # 7 was skipped this tick as already handled
+    assert str(again) == "7" and again.handled == set()

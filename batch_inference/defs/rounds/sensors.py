@@ -15,7 +15,10 @@ A plain ``@sensor`` with the last storage id as its cursor, not an ``@asset_sens
 every event since the cursor is read (paginated), so several rounds landing between two
 ticks are all acted on. An event is acted on only once the Dagster run that produced
 it has finished: a run that failed (a blocking check, a step error) gets no follow-up,
-so a wrong round never propagates. Run keys name the step (``<run>|r01``), so a
+so a wrong round never propagates. Waiting is per pipeline run: an event whose Dagster
+run is still going defers only the later events of the same pipeline run, never another
+pipeline's; the cursor (``SensorCursor``) keeps the storage id below which every event
+was handled plus the ids above it already handled, so no event is lost or handled twice. Run keys name the step (``<run>|r01``), so a
 re-evaluated tick or a re-materialised round never launches the same step twice.
 
 Before reading events, each tick recovers crashed steps (``defs.recovery``): a run whose
@@ -23,7 +26,8 @@ worker process died is marked failed and its step requested again as
 ``<run key>:retry-N`` (bounded); its new materialisation is then followed up as usual.
 """
 
-from collections.abc import Mapping
+import json
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,8 +108,54 @@ def follow_up(asset_key: dg.AssetKey, partition_key: str, metadata: Mapping[str,
     return None
 
 
-def _records_since(instance: dg.DagsterInstance, after: int) -> list[dg.EventLogRecord]:
-    """The oldest watched materialisations with storage id > ``after`` (at most one tick's worth).
+@dataclass
+class SensorCursor:
+    """Every event with storage id <= ``after`` is handled, and so are those in ``handled``.
+
+    Serialised as the plain id while nothing above it is handled (the common case, and the
+    format of earlier cursors), else as JSON ``{"after": N, "handled": [...]}``.
+    """
+
+    after: int = 0
+    handled: set[int] = field(default_factory=set)
+
+    @classmethod
+    def parse(cls, text: str | None) -> "SensorCursor":
+        if not text:
+            return cls()
+        if text.lstrip().startswith("{"):
+            data = json.loads(text)
+            return cls(int(data["after"]), {int(i) for i in data.get("handled", [])})
+        return cls(int(text))
+
+    def advance(self, seen: Iterable[int], *, complete: bool) -> None:
+        """Move ``after`` up over the handled prefix of ``seen`` (the ids this tick fetched).
+
+        Every unhandled event older than the newest fetched one was fetched, so handled ids
+        up to it are stepped over too; all of them when the fetch was ``complete`` (nothing
+        unhandled lies beyond it).
+        """
+        seen = set(seen)
+        limit = None if complete or not seen else max(seen)
+        for storage_id in sorted(seen | {i for i in self.handled if limit is None or i <= limit}):
+            if storage_id not in self.handled:
+                break
+            self.after = storage_id
+        self.handled = {i for i in self.handled if i > self.after}
+
+    def __str__(self) -> str:
+        if not self.handled:
+            return str(self.after)
+        return json.dumps({"after": self.after, "handled": sorted(self.handled)})
+
+
+def pipeline_of(partition_key: str) -> str:
+    """The pipeline run a watched event belongs to (round keys read ``<run>|rNN``)."""
+    return partition_key.rpartition("|")[0] or partition_key
+
+
+def _records_since(instance: dg.DagsterInstance, after: int, skip: frozenset[int] | set[int] = frozenset()) -> list[dg.EventLogRecord]:
+    """The oldest watched materialisations with storage id > ``after`` not in ``skip`` (one tick's worth).
 
     Each key contributes at most ``MAX_EVENTS_PER_TICK`` of its oldest events; of the
     merge, the oldest ``MAX_EVENTS_PER_TICK`` are returned. Every event of any key not
@@ -119,8 +169,9 @@ def _records_since(instance: dg.DagsterInstance, after: int) -> list[dg.EventLog
             page = instance.fetch_materializations(
                 dg.AssetRecordsFilter(asset_key=key, after_storage_id=after), limit=PAGE, cursor=cursor, ascending=True
             )
-            records.extend(page.records)
-            fetched += len(page.records)
+            fresh = [r for r in page.records if r.storage_id not in skip]
+            records.extend(fresh)
+            fetched += len(fresh)
             if not page.has_more:
                 break
             cursor = page.cursor
@@ -137,17 +188,24 @@ def _records_since(instance: dg.DagsterInstance, after: int) -> list[dg.EventLog
 )
 def round_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
     instance = context.instance
-    cursor = int(context.cursor) if context.cursor else 0
+    cursor = SensorCursor.parse(context.cursor)
     known_labels = set(instance.get_dynamic_partitions(ROUND_NUMBERS.name))
     new_labels: list[str] = []
     requests = recover(context, context.sensor_name or "round_sensor", (job.name for job in ASSET_JOBS), RUN_TAG)
     requested: set[str] = {r.run_key for r in requests if r.run_key}
-    for record in _records_since(instance, cursor):
+    waiting: set[str] = set()  # pipeline runs with an event whose Dagster run has not finished
+    records = _records_since(instance, cursor.after, cursor.handled)
+    for record in records:
+        key, partition = record.asset_key, record.partition_key
+        pipeline = pipeline_of(partition) if partition is not None else None
+        if pipeline in waiting:
+            continue  # keep one pipeline's events in order: after the one it waits on
         run = instance.get_run_by_id(record.run_id) if record.run_id else None  # runless: reported via the API
         if run is not None and not run.is_finished:
-            break  # its checks may still fail: decide on a later tick
-        cursor = record.storage_id
-        key, partition = record.asset_key, record.partition_key
+            if pipeline is not None:
+                waiting.add(pipeline)  # its checks may still fail: decide on a later tick
+                continue
+        cursor.handled.add(record.storage_id)
         if partition is None:
             continue
         if record.run_id and (run is None or run.status != dg.DagsterRunStatus.SUCCESS):
@@ -167,6 +225,7 @@ def round_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
             new_labels.append(action.new_round_label)
         context.log.info(f"{key.to_user_string()}[{partition}] -> {action.job_name}[{action.partition_key}]: {action.reason}")
         requests.append(action.run_request())
+    cursor.advance((r.storage_id for r in records), complete=len(records) < MAX_EVENTS_PER_TICK)
     return dg.SensorResult(
         run_requests=requests,
         dynamic_partitions_requests=[ROUND_NUMBERS.build_add_request(new_labels)] if new_labels else [],
