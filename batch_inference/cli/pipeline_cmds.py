@@ -3,7 +3,9 @@
 ``run`` drives a whole pipeline with a progress bar per phase; Ctrl-C stops it cleanly
 (finished shards are recorded, half-written ones are never visible) and running the same
 command again resumes. Exit status: 0 converged, 3 exhausted (max_rounds/max_attempts
-hit: worth investigating, not a success), 4 shards quarantined, 1 on error.
+hit: worth investigating, not a success), 4 shards quarantined (a task exhausted its
+retries), 5 records failed (only records with a permanent error, e.g. a prompt too long;
+no shard quarantined), 1 on error.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 import click
 import orjson
 
-EXIT = {"converged": 0, "exhausted": 3, "quarantined": 4}
+EXIT = {"converged": 0, "exhausted": 3, "quarantined": 4, "records_failed": 5}
 
 
 @click.command("run")

@@ -181,7 +181,7 @@ class PipelineRun:
             index, shard = item
             await asyncio.to_thread(self._discard_outputs, make_task(index, shard))
             entry = {"shard": shard.url, "phase": phase, "error": str(exc), "records": await sizes(item),
-                     "task_id": self._task_id(r, phase, index), "round": r}
+                     "task_id": exc.spec.task_id, "round": r}
             # Never requeued: a deterministic failure would loop until max_rounds.
             log.error("run %s: quarantined %s shard %s: %s", self.spec.run, phase, shard.url, exc)
             async with self._file(failed_entry(index)).writer() as w:
@@ -208,6 +208,7 @@ class PipelineRun:
             avg_fill=sum(float(x["avg_fill"]) * int(x["records_in"]) for x in recs) / n_req,
             cached_tasks=sum(1 for x in recs if x.get("cached")),
             task_retries=int(getattr(runner, "retried", 0)) - retried_before,
+            workers=len({str(x["worker"]) for x in recs}),
             quarantined=sorted(quarantined, key=lambda q: q["shard"]),
         )
 
@@ -344,7 +345,7 @@ class PipelineRun:
             switch, reason, more = choose_crossover(
                 self.spec.crossover, round=r, records_in=records_in, approved=approved, rejected=rejected,
                 wall_s=infer.wall_s + judge.wall_s,
-                engine_s=(infer.engine_busy_s + judge.engine_busy_s) / self.spec.pool.replicas,
+                engine_s=_per_worker(infer, self.spec.pool.replicas) + _per_worker(judge, self.spec.pool.replicas),
                 overhead_s=_gap(infer) + _gap(judge), recompact_s=recompact_s,
                 rounds_left=rounds_left, attempts_left=attempts_left,
             )
@@ -485,11 +486,13 @@ class PipelineRun:
             )
         report = check_conservation(self.terminal_sources(), input_records=shard.records, storage_options=self.storage_options)
         t = report["terminal"]
-        status = "quarantined" if t["failed"] else "exhausted" if t["exhausted"] or t["max_attempts"] else "converged"
+        quarantined = sum(p.records_quarantined for p in phases)
+        status = ("quarantined" if quarantined else "exhausted" if t["exhausted"] or t["max_attempts"]
+                  else "records_failed" if t["failed"] else "converged")
         summary = RunSummary(
             run=self.spec.run, url=self.layout.root, strategy=self.spec.strategy, status=status,  # type: ignore[arg-type]
             records=shard.records, approved=t["approved"], exhausted=t["exhausted"], max_attempts=t["max_attempts"],
-            failed=t["failed"], rounds=len([p for p in phases if p.phase == "infer"]), tail=tail is not None,
+            failed=t["failed"], quarantined=quarantined, rounds=len([p for p in phases if p.phase == "infer"]), tail=tail is not None,
             results_url=self.layout.results, conservation=report,
             tokens_in=sum(p.tokens_in for p in phases), tokens_out=sum(p.tokens_out for p in phases),
             engine_busy_s=sum(p.engine_busy_s for p in phases),
@@ -506,6 +509,12 @@ class PipelineRun:
         if exhausted:
             log.warning("run %s: %d record(s) exhausted max_rounds: see %s", self.spec.run, exhausted, self.layout.exhausted)
         return summary
+
+
+def _per_worker(phase: PhaseSummary, fallback: int) -> float:
+    """Engine time per worker that ran the phase (endpoints and k8s discovery need not match
+    ``pool.replicas``); ``fallback`` only for ledgers written before workers were recorded."""
+    return phase.engine_busy_s / max(1, phase.workers or fallback)
 
 
 def _gap(phase: PhaseSummary) -> float:

@@ -10,7 +10,9 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 DecisionKind = Literal["next_round", "tail", "done", "exhausted"]
-RunStatus = Literal["converged", "exhausted", "quarantined"]
+# quarantined: a shard task exhausted its retries (infrastructure); exhausted: max_rounds or
+# max_attempts hit; records_failed: only records with a permanent error (bad input) failed.
+RunStatus = Literal["converged", "exhausted", "quarantined", "records_failed"]
 
 
 class _Summary:
@@ -73,6 +75,7 @@ class PhaseSummary(_Summary):
     task_retries: int = 0  # tasks re-sent after a failure (as counted by the runner, e.g. PoolClient.retried)
     longest_task_s: float = 0.0  # the longest task's wall: wall - this = the driver's dispatch gaps (one wave)
     quarantined: list[dict[str, Any]] = field(default_factory=list)  # {shard, phase, error, records}
+    workers: int = 0  # distinct workers that ran its tasks (0: recorded before this was)
 
     @property
     def records_quarantined(self) -> int:
@@ -124,3 +127,4 @@ class RunSummary(_Summary):
     tokens_out: int
     engine_busy_s: float
     wall_s: float
+    quarantined: int = 0  # of ``failed``: records of shards quarantined (the rest: record errors)

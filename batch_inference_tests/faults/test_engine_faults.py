@@ -47,6 +47,8 @@ async def test_record_that_always_fails_ends_failed_with_its_reason(tmp_path: Pa
     assert counts == {"approved": 199, "failed": 1}, counts
     assert terminal_states(spec)["poison"] == ["failed"]
     assert summary.failed == 1 and summary.conservation["ok"]
+    # one record failed, no shard was quarantined: the status says which (exit 5, not 4)
+    assert summary.status == "records_failed" and summary.quarantined == 0
     row = _failed_row(spec, "poison")
     assert "simulated_error" in str(row), row
     if strategy != "in_place":  # round 0's batches mixed shards; only the poison row erred

@@ -110,3 +110,37 @@ def _rows(spec, d: str) -> list[dict]:
 
     path = Path(spec.output) / spec.run / d
     return list(JsonlDir(str(path)).iter_records_sync()) if path.exists() else []
+
+
+class _TwoWorkers:
+    """A runner whose tasks come back from two workers (as from two ``endpoints``)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.n = inner, 0
+
+    @property
+    def limit(self) -> int:
+        return self.inner.limit
+
+    async def run_task(self, spec):
+        result = await self.inner.run_task(spec)
+        self.n += 1
+        return result.model_copy(update={"worker": f"w{self.n % 2}"})
+
+
+async def test_crossover_divides_engine_time_by_the_workers_that_ran_the_round(make_spec) -> None:
+    """pool.replicas says 3, but two workers (endpoints) ran the round: engine s / 2."""
+    from batch_inference.pipeline.crossover import round_
+    from batch_inference.pipeline.runner import open_runner
+    from batch_inference.pipeline.summaries import PhaseSummary
+
+    spec = make_spec(strategy="hybrid", approval=0.5, pool={"replicas": 3})
+    async with open_runner(spec) as pool:
+        run = PipelineRun(spec, _TwoWorkers(pool))
+        await run.shard()
+        infer, judge = await run.infer(0), await run.judge(0)
+    assert infer.workers == judge.workers == 2
+    assert PhaseSummary.from_dict(ledger(spec, "round-00-infer")).workers == 2
+    decision = run.decide(0)
+    busy = (infer.engine_busy_s + judge.engine_busy_s) / 2
+    assert decision.figures["engine_s"] == round_(min(busy, infer.wall_s + judge.wall_s))

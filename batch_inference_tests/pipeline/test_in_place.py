@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import orjson
 import yaml
 
 from batch_inference.pipeline import PipelineSpec, run_pipeline
@@ -116,3 +117,17 @@ def test_in_place_resumes_each_sample_at_its_attempt_after_sigkill(tmp_path: Pat
     assert {k: (v["status"], v["attempts"]) for k, v in got.items()} == {k: (v["status"], v["attempts"]) for k, v in want.items()}
     # ... with less engine work after the kill: finished attempts were not redone.
     assert summary.tokens_in < clean_summary.tokens_in
+
+
+async def test_a_quarantined_tail_shard_names_its_real_task_id(make_spec) -> None:
+    """The tail's tasks are ``<run>/rNN/retry/i``: its quarantine entry says so (not ``tail``)."""
+    from batch_inference.pipeline.runner import open_runner
+    from batch_inference_tests.pipeline.helpers import FailingShardRunner
+
+    spec = make_spec(strategy="in_place", approval=0.9, max_attempts=3)
+    async with open_runner(spec) as pool:
+        runner = FailingShardRunner(pool, shard_name="sharded/part-00002.jsonl.zst", kind="retry")
+        summary = await run_pipeline(spec, runner=runner)
+    (entry,) = [q for q in orjson.loads((Path(spec.output) / spec.run / "ledger" / "tail.json").read_bytes())["quarantined"]]
+    assert entry["task_id"] == f"{spec.run}/r00/retry/00002"
+    assert summary.status == "quarantined" and summary.quarantined == summary.failed == 100
