@@ -7,13 +7,17 @@ that needs them is built (``build_engine``) or ``make_tiny_model`` runs.
 from __future__ import annotations
 
 from batch_inference.engines.base import (
+    ChatPrompt,
     Completion,
     Engine,
     EngineDeadError,
     EngineOccupancy,
+    Prompt,
+    ResponseFormat,
     SamplingParams,
     StreamingEngine,
     is_streaming,
+    supports_structured_output,
 )
 from batch_inference.engines.config import EngineConfig, SimulatedOptions, VllmOptions
 from batch_inference.engines.factory import build_engine
@@ -21,11 +25,14 @@ from batch_inference.engines.tiny_model import make_tiny_model  # imports torch 
 
 
 __all__ = [
+    "ChatPrompt",
     "Completion",
     "Engine",
     "EngineDeadError",
     "EngineOccupancy",
     "EngineConfig",
+    "Prompt",
+    "ResponseFormat",
     "SamplingParams",
     "SimulatedOptions",
     "StreamingEngine",
@@ -33,4 +40,5 @@ __all__ = [
     "build_engine",
     "is_streaming",
     "make_tiny_model",
+    "supports_structured_output",
 ]

@@ -28,6 +28,38 @@ FinishReason = Literal["stop", "length", "error"]
 
 
 @dataclass(frozen=True)
+class ChatPrompt:
+    """Chat messages (OpenAI roles) that the engine renders with its model's own chat template.
+
+    Rendering happens in the engine, where the tokenizer is (``engines.chat.encode_prompt``:
+    ``apply_chat_template(..., add_generation_prompt=True)``), so the tokens the model sees
+    are exactly the template's. Frozen and hashable, like ``SamplingParams``.
+    """
+
+    messages: tuple[tuple[str, str], ...]  # (role, content), already validated
+
+    def as_dicts(self) -> list[dict[str, str]]:
+        return [{"role": role, "content": content} for role, content in self.messages]
+
+
+# What engines take per request: raw text (tokenised as is, special tokens added) or chat.
+Prompt = str | ChatPrompt
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """Constrained decoding: any JSON object, or JSON matching ``schema`` (canonical JSON text).
+
+    Only engines with ``structured_output = True`` (vLLM's structured outputs) may run a
+    request that carries one; the pool fails such a request on any other engine rather
+    than run it unconstrained (``supports_structured_output``).
+    """
+
+    kind: Literal["json_object", "json_schema"]
+    schema: str | None = None
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings; frozen and hashable so engines can group by them."""
 
@@ -37,6 +69,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] | None = None
     min_tokens: int = 0
+    response_format: ResponseFormat | None = None
 
     def __post_init__(self) -> None:
         if self.stop is not None and not isinstance(self.stop, tuple):
@@ -76,9 +109,9 @@ class Engine(Protocol):
     max_model_len: int
     simulated: bool
 
-    def count_tokens(self, prompts: list[str]) -> list[int]: ...
+    def count_tokens(self, prompts: list[Prompt]) -> list[int]: ...
 
-    def generate(self, prompts: list[str], params: SamplingParams | list[SamplingParams]) -> list[Completion]: ...
+    def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams]) -> list[Completion]: ...
 
     def close(self) -> None: ...
 
@@ -121,13 +154,13 @@ class StreamingEngine(Protocol):
     max_model_len: int
     simulated: bool
 
-    def count_tokens(self, prompts: list[str]) -> list[int]: ...
+    def count_tokens(self, prompts: list[Prompt]) -> list[int]: ...
 
     async def start(self) -> None:
         """Bind to the running event loop (called once, on the worker's loop)."""
         ...
 
-    async def complete(self, prompt: str, params: SamplingParams) -> Completion: ...
+    async def complete(self, prompt: Prompt, params: SamplingParams) -> Completion: ...
 
     def capacity(self) -> int:
         """How many requests to keep in flight so the engine's scheduler is never starved."""
@@ -143,7 +176,20 @@ def is_streaming(engine: object) -> bool:
     return isinstance(engine, StreamingEngine)
 
 
-def expand_params(prompts: Sequence[str], params: SamplingParams | Sequence[SamplingParams]) -> list[SamplingParams]:
+def supports_structured_output(engine: object) -> bool:
+    """True for engines that constrain decoding to a ``ResponseFormat`` (class attribute
+    ``structured_output``; absent means no). Not a protocol member, so engines that
+    cannot constrain need not say so."""
+    return bool(getattr(engine, "structured_output", False))
+
+
+def unconstrained_error(engine_name: str) -> str:
+    """The per-item error for a constrained request on an engine that cannot constrain."""
+    return (f"unsupported_response_format: engine {engine_name} cannot constrain generation "
+            "(vLLM's structured outputs can); the request was not run unconstrained")
+
+
+def expand_params(prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams]) -> list[SamplingParams]:
     """One SamplingParams per prompt (a single one is shared)."""
     if isinstance(params, SamplingParams):
         return [params] * len(prompts)

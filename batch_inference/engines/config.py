@@ -32,6 +32,10 @@ class VllmOptions(BaseModel):
     extra: dict[str, Any] = Field(default_factory=dict)
 
 
+# Engine kinds whose engines set ``structured_output = True``.
+STRUCTURED_OUTPUT_KINDS = frozenset({"vllm"})
+
+
 class EngineConfig(BaseModel):
     """Which engine to build and how. ``build_engine(EngineConfig(...))`` is the one factory."""
 
@@ -46,6 +50,12 @@ class EngineConfig(BaseModel):
     seed: int = Field(0, description="engine-level seed (vLLM; simulated output salt)")
     simulated: SimulatedOptions = Field(default_factory=SimulatedOptions)
     vllm: VllmOptions = Field(default_factory=VllmOptions)
+
+    @property
+    def structured_output(self) -> bool:
+        """Whether this engine kind constrains decoding to a response format (vLLM's
+        structured outputs); known before the engine is built, so a spec can be refused."""
+        return self.kind in STRUCTURED_OUTPUT_KINDS
 
     @model_validator(mode="after")
     def _needs_model(self) -> EngineConfig:

@@ -6,7 +6,8 @@ the sum of prompt + output tokens, or ``n x max(prompt + output)`` in padded mod
 Outputs are deterministic pseudo-random words from hash(prompt, seed); the first word
 is APPROVED with probability ``approval_rate`` (else REJECTED), so as an LLM judge it
 approves at that rate, and attempts with different seeds are independent.
-Token counting is a cheap documented rule: ``max(1, ceil(len(text) / 4))``.
+Token counting is a cheap documented rule: ``max(1, ceil(len(text) / 4))``; chat prompts
+count (and hash) as their plain-text view (``engines.chat.prompt_text``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import random
 import threading
 import time
 
-from batch_inference.engines.base import Completion, SamplingParams, expand_params, too_long_error, truncate_at_stop
+from batch_inference.engines.base import Completion, Prompt, SamplingParams, expand_params, too_long_error, truncate_at_stop
+from batch_inference.engines.chat import prompt_text
 from batch_inference.engines.config import EngineConfig, SimulatedOptions
 
 _WORDS = (
@@ -53,8 +55,8 @@ class SimulatedEngine:
     def from_config(cls, cfg: EngineConfig) -> SimulatedEngine:
         return cls(cfg.simulated, max_model_len=cfg.max_model_len or 4096, seed=cfg.seed)
 
-    def count_tokens(self, prompts: list[str]) -> list[int]:
-        return [simulated_token_count(p) for p in prompts]
+    def count_tokens(self, prompts: list[Prompt]) -> list[int]:
+        return [simulated_token_count(prompt_text(p)) for p in prompts]
 
     def cost_s(self, prompt_tokens: list[int], output_tokens: list[int]) -> float:
         """Seconds one batch takes under the cost model."""
@@ -64,7 +66,7 @@ class SimulatedEngine:
         batch_tokens = len(totals) * max(totals) if self.options.padded else sum(totals)
         return self.options.latency_a_s + self.options.latency_b_s * batch_tokens
 
-    def generate(self, prompts: list[str], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+    def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
         per_item = expand_params(prompts, params)
         with self._lock:
             self.calls += 1
@@ -72,7 +74,7 @@ class SimulatedEngine:
         if self.options.fail_batch_every and call % self.options.fail_batch_every == 0:
             raise SimulatedBatchError(f"simulated batch failure (call {call}, every {self.options.fail_batch_every})")
         started = time.perf_counter()
-        out = [self._one(prompt, p) for prompt, p in zip(prompts, per_item)]
+        out = [self._one(prompt_text(prompt), p) for prompt, p in zip(prompts, per_item)]
         ran = [c for c in out if c.error is None]
         cost = self.cost_s([c.prompt_tokens for c in ran], [c.completion_tokens for c in ran])
         with self._lock:

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from batch_inference.engines.base import (
     Completion,
+    Prompt,
     SamplingParams,
     combine_seeds,
     expand_params,
@@ -25,6 +26,7 @@ from batch_inference.engines.base import (
     too_long_error,
     truncate_at_stop,
 )
+from batch_inference.engines.chat import encode_prompts
 from batch_inference.engines.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -67,20 +69,22 @@ class TransformersEngine:
         assert cfg.model is not None  # EngineConfig guarantees it
         return cls(cfg.model, device=cfg.device, dtype=cfg.dtype, num_threads=cfg.num_threads, max_model_len=cfg.max_model_len)
 
-    def _encode(self, prompts: list[str]) -> list[list[int]]:
-        return self.tokenizer(prompts, add_special_tokens=True)["input_ids"]
+    def _encode(self, prompts: list[Prompt]) -> list[list[int]]:
+        return encode_prompts(self.tokenizer, prompts)
 
-    def count_tokens(self, prompts: list[str]) -> list[int]:
-        """Exact: the same tokenisation ``generate`` feeds the model."""
-        return [len(ids) for ids in self._encode(prompts)]
+    def count_tokens(self, prompts: list[Prompt]) -> list[int]:
+        """Exact: the same tokenisation ``generate`` feeds the model (0 for a prompt it cannot
+        encode; ``generate`` gives that prompt its error)."""
+        return [0 if isinstance(ids, Exception) else len(ids) for ids in self._encode_each(prompts)]
 
-    def generate(self, prompts: list[str], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+    def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
         per_item = expand_params(prompts, params)
         out: list[Completion | None] = [None] * len(prompts)
         encoded: dict[int, list[int]] = {}
         for i, ids in enumerate(self._encode_each(prompts)):
-            if isinstance(ids, Exception):  # a prompt the tokenizer rejects fails alone
-                out[i] = Completion.failed(f"tokenizer_error: {type(ids).__name__}: {ids}")
+            if isinstance(ids, Exception):  # a prompt the tokenizer (or chat template) rejects fails alone
+                text = str(ids)
+                out[i] = Completion.failed(text if text.startswith("chat_template_error:") else f"tokenizer_error: {type(ids).__name__}: {ids}")
             elif err := too_long_error(len(ids), per_item[i].max_tokens, self.max_model_len):
                 out[i] = Completion.failed(err, prompt_tokens=len(ids))
             elif not ids:
@@ -98,7 +102,7 @@ class TransformersEngine:
                 out[i] = completion
         return [c for c in out if c is not None]
 
-    def _encode_each(self, prompts: list[str]) -> list[list[int] | Exception]:
+    def _encode_each(self, prompts: list[Prompt]) -> list[list[int] | Exception]:
         """Token ids per prompt; one batched call, per prompt only if that call fails."""
         try:
             return list(self._encode(prompts))
@@ -150,7 +154,7 @@ class TransformersEngine:
         tokens = new_ids[: n if hit_eos else len(new_ids)]
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         text, stopped = truncate_at_stop(text, p.stop)
-        completion_tokens = len(self._encode([text])[0]) if stopped else len(tokens)
+        completion_tokens = len(self.tokenizer([text], add_special_tokens=True)["input_ids"][0]) if stopped else len(tokens)
         reason = "stop" if hit_eos or stopped else "length"
         return Completion(text=text, prompt_tokens=len(prompt), completion_tokens=completion_tokens, finish_reason=reason)
 

@@ -5,7 +5,10 @@ with the engine's tokenizer, overlong prompts become per-item ``prompt_too_long`
 *before* the call (one overlong prompt otherwise aborts the whole ``LLM.generate``),
 and every request gets its own ``vllm.SamplingParams`` (vLLM seeds per request, so a
 record's sample does not depend on its batch). Temperature is always passed explicitly
-(vLLM's default is 1.0). The pure helpers below are unit-tested without vLLM.
+(vLLM's default is 1.0). Chat prompts are rendered with the model's chat template
+(``engines.chat``), the same tokens as vLLM's own chat path; a ``ResponseFormat`` becomes
+vLLM's structured outputs (``StructuredOutputsParams``), so the reply is constrained, not
+checked afterwards. The pure helpers below are unit-tested without vLLM.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from batch_inference.engines.base import Completion, SamplingParams, expand_params, too_long_error
+from batch_inference.engines.base import ChatPrompt, Completion, Prompt, SamplingParams, expand_params, too_long_error
+from batch_inference.engines.chat import ChatTemplateError, encode_chat
 from batch_inference.engines.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -30,7 +34,30 @@ def vllm_sampling_kwargs(p: SamplingParams) -> dict[str, Any]:
     }
     if p.stop:
         kwargs["stop"] = list(p.stop)
+    if p.response_format is not None:
+        kwargs["structured_outputs"] = structured_outputs_kwargs(p)
     return kwargs
+
+
+def structured_outputs_kwargs(p: SamplingParams) -> dict[str, Any]:
+    """``vllm.sampling_params.StructuredOutputsParams`` keyword arguments for a ResponseFormat."""
+    fmt = p.response_format
+    assert fmt is not None
+    if fmt.kind == "json_schema":
+        return {"json": fmt.schema}
+    return {"json_object": True}
+
+
+def vllm_sampling_params(p: SamplingParams) -> Any:
+    """A ``vllm.SamplingParams`` (structured outputs included) for our SamplingParams."""
+    from vllm import SamplingParams as VllmSamplingParams
+
+    kwargs = vllm_sampling_kwargs(p)
+    if "structured_outputs" in kwargs:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
+    return VllmSamplingParams(**kwargs)
 
 
 def split_runnable(
@@ -62,6 +89,7 @@ class VllmEngine:
     """Blocking offline vLLM; one ``LLM`` per worker process."""
 
     simulated = False
+    structured_output = True  # vLLM's structured outputs constrain decoding
 
     def __init__(self, cfg: EngineConfig) -> None:
         from vllm import LLM  # optional extra: imported only when this engine is built
@@ -85,14 +113,21 @@ class VllmEngine:
     def from_config(cls, cfg: EngineConfig) -> VllmEngine:
         return cls(cfg)
 
-    def _encode(self, prompt: str) -> list[int]:
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, ChatPrompt):
+            return encode_chat(self.tokenizer, prompt)
         return list(self.tokenizer.encode(prompt))
 
-    def count_tokens(self, prompts: list[str]) -> list[int]:
-        return [len(self._encode(p)) for p in prompts]
+    def count_tokens(self, prompts: list[Prompt]) -> list[int]:
+        counts = []
+        for p in prompts:
+            try:
+                counts.append(len(self._encode(p)))
+            except Exception:  # generate gives this prompt its error
+                counts.append(0)
+        return counts
 
-    def generate(self, prompts: list[str], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
-        from vllm import SamplingParams as VllmSamplingParams
+    def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
         from vllm.inputs import TokensPrompt
 
         per_item = expand_params(prompts, params)
@@ -101,6 +136,9 @@ class VllmEngine:
         for i, prompt in enumerate(prompts):
             try:
                 token_ids.append(self._encode(prompt))
+            except ChatTemplateError as exc:  # fails alone
+                token_ids.append([])
+                tokenizer_errors[i] = Completion.failed(str(exc))
             except Exception as exc:  # fails alone
                 token_ids.append([])
                 tokenizer_errors[i] = Completion.failed(f"tokenizer_error: {type(exc).__name__}: {exc}")
@@ -110,7 +148,7 @@ class VllmEngine:
         results: dict[int, Completion] = dict(errors)
         if runnable:
             requests = [TokensPrompt(prompt_token_ids=token_ids[i]) for i in runnable]
-            sampling = [VllmSamplingParams(**vllm_sampling_kwargs(per_item[i])) for i in runnable]
+            sampling = [vllm_sampling_params(per_item[i]) for i in runnable]
             try:
                 outputs = self._llm.generate(requests, sampling_params=sampling, use_tqdm=False)
                 for i, output in zip(runnable, outputs):

@@ -11,7 +11,9 @@ import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from batch_inference.engines.base import Completion, Engine, SamplingParams
+import orjson
+
+from batch_inference.engines.base import ChatPrompt, Completion, Engine, Prompt, ResponseFormat, SamplingParams
 from batch_inference.judges.templates import MissingFieldError, PromptTemplate
 from batch_inference.judges.verdicts import Verdict
 
@@ -20,6 +22,15 @@ _KEYWORD = re.compile(r"\b(not\s+)?(approved?|rejected?)\b", re.IGNORECASE)
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 
 UNPARSEABLE = "unparseable_verdict"
+
+# The machine-readable verdict a ``parse: json`` judge is constrained to (structured output).
+VERDICT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"approved": {"type": "boolean"}, "reason": {"type": "string"}, "score": {"type": "number"}},
+    "required": ["approved", "reason"],
+    "additionalProperties": False,
+}
+VERDICT_FORMAT = ResponseFormat("json_schema", orjson.dumps(VERDICT_SCHEMA, option=orjson.OPT_SORT_KEYS).decode())
 
 
 def parse_keyword(text: str) -> Verdict:
@@ -41,6 +52,20 @@ def parse_score(text: str, threshold: float) -> Verdict:
     return Verdict(approved, f"score {score:g} {'>=' if approved else '<'} threshold {threshold:g}", score=score)
 
 
+def parse_json_verdict(text: str) -> Verdict:
+    """``{"approved": bool, "reason": str, "score"?: number}``; anything else is unparseable."""
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return Verdict(False, UNPARSEABLE)
+    if not isinstance(value, dict) or not isinstance(value.get("approved"), bool):
+        return Verdict(False, UNPARSEABLE)
+    score = value.get("score")
+    reason = value.get("reason")
+    return Verdict(value["approved"], str(reason) if reason else ("judge_approved" if value["approved"] else "judge_rejected"),
+                   score=float(score) if isinstance(score, (int, float)) and not isinstance(score, bool) else None)
+
+
 class LLMJudge:
     """Renders judge prompts (``{result}`` is the inference result) and parses verdicts."""
 
@@ -51,17 +76,28 @@ class LLMJudge:
         parse: Literal["keyword", "score"] = "keyword",
         threshold: float = 0.5,
         sampling: SamplingParams | None = None,
+        chat: bool = False,
+        system: str | None = None,
     ) -> None:
         self.template = PromptTemplate(template)
+        self.chat = chat
+        self.system = system
         self.parse_mode = parse
         self.threshold = threshold
         self.sampling = sampling or SamplingParams(max_tokens=16, temperature=0.0)
 
-    def prompt(self, record: dict[str, Any], result: str) -> str:
-        """Raises MissingFieldError for a record the template cannot fill."""
-        return self.template.render({**record, "result": result})
+    def prompt(self, record: dict[str, Any], result: str) -> Prompt:
+        """Text, or a chat prompt (one user turn) for ``chat`` judges. Raises MissingFieldError
+        for a record the template cannot fill."""
+        text = self.template.render({**record, "result": result})
+        if not self.chat:
+            return text
+        turns = ((("system", self.system),) if self.system is not None else ()) + (("user", text),)
+        return ChatPrompt(turns)
 
     def parse(self, text: str) -> Verdict:
+        if self.parse_mode == "json":
+            return parse_json_verdict(text)
         return parse_keyword(text) if self.parse_mode == "keyword" else parse_score(text, self.threshold)
 
     def verdict(self, completion: Completion) -> Verdict:

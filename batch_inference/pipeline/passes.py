@@ -20,7 +20,8 @@ ATTEMPT_FIELDS = ("result", "error", "finish_reason", "usage", "rejection", "ver
 # Per-item error tags that fail the same record the same way on every attempt (see
 # ARCHITECTURE "engines"): such a record ends ``failed`` with its reason at once instead of
 # burning every remaining round. Batch-level exceptions and engine_error stay retryable.
-PERMANENT_ERRORS = ("prompt_too_long:", "empty_prompt:", "missing_field", "tokenizer_error:", "simulated_error:")
+PERMANENT_ERRORS = ("prompt_too_long:", "empty_prompt:", "missing_field", "tokenizer_error:", "simulated_error:",
+                    "bad_messages:", "bad_sampling:", "bad_request:", "chat_template_error:", "unsupported_response_format:")
 
 
 def permanent_error(rec: dict[str, Any]) -> str | None:

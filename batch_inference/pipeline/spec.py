@@ -99,6 +99,17 @@ class PipelineSpec(_Strict):
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
 
     @model_validator(mode="after")
+    def _check_structured_output(self) -> PipelineSpec:
+        """Constrained output only where the engine constrains: never a run labelled constrained that is not."""
+        wants = [key for key, on in (("infer.response_format", self.infer.constrained),
+                                     ("judge.parse", self.judge.kind == "llm" and self.judge.parse == "json")) if on]
+        if wants and not self.engine.structured_output:
+            raise ValueError(f"{' and '.join(wants)}: engine kind {self.engine.kind!r} cannot constrain generation "
+                             "to a JSON schema (vLLM's structured outputs can: engine.kind vllm); "
+                             "remove it, or check results with a json_valid rule judge instead")
+        return self
+
+    @model_validator(mode="after")
     def _check_model_path(self) -> PipelineSpec:
         model = self.engine.model
         if self.engine.kind in ("transformers", "vllm") and model and "://" not in model and not Path(model).expanduser().is_dir():

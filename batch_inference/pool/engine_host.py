@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from batch_inference.batching import TokenBatcher
-from batch_inference.engines import Completion, Engine, EngineConfig, SamplingParams, build_engine
+from batch_inference.engines import Completion, Engine, EngineConfig, Prompt, SamplingParams, build_engine
 
 
 class BatcherOptions(BaseModel):
@@ -44,7 +44,7 @@ class GenRequest:
     batch's engine time) and ``fill`` (its batch's cost / budget) for task accounting.
     """
 
-    prompt: str
+    prompt: Prompt  # text or chat messages; the engine renders chat with its chat template
     params: SamplingParams
     prompt_tokens: int
     engine_s: float = 0.0
@@ -110,7 +110,7 @@ class EngineHost:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def count_tokens(self, prompts: list[str]) -> list[int]:
+    async def count_tokens(self, prompts: list[Prompt]) -> list[int]:
         """Exact prompt token counts (one tokenizer call per chunk, off the event loop)."""
         if not prompts:
             return []

@@ -7,12 +7,12 @@ in a request. The same types are used in-process (``InProcessPool``) and over HT
 
 from __future__ import annotations
 
-import hashlib
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from batch_inference.judges import JudgeConfig
+from batch_inference.prompting import InferConfig, SamplingConfig, derive_seed  # re-exported: the wire carries them
 
 TaskKind = Literal["infer", "judge", "retry"]
 
@@ -23,43 +23,8 @@ OUTPUT_KEYS: dict[str, frozenset[str]] = {
     "retry": frozenset({"output", "checkpoint"}),
 }
 
-_SEED_MODULUS = 2**31 - 1  # fits every engine's seed type (torch, numpy, vLLM)
-
-
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class SamplingConfig(_Wire):
-    """Sampling on the wire; mirrors ``engines.SamplingParams`` field for field.
-
-    ``seed`` is the run's *base* seed: each record gets ``derive_seed(seed, id, attempt)``
-    so a retry samples differently but repeatably.
-    """
-
-    max_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: tuple[str, ...] | None = None
-    min_tokens: int = Field(0, ge=0)
-
-    def to_params(self, *, seed: int | None = None) -> Any:
-        """The engine's ``SamplingParams`` for one record (``seed`` overrides the base)."""
-        from batch_inference.engines import SamplingParams
-
-        data = self.model_dump()
-        if data["stop"] is not None:
-            data["stop"] = list(data["stop"])
-        data["seed"] = self.seed if seed is None else seed
-        return SamplingParams(**data)
-
-
-class InferConfig(_Wire):
-    """How to turn a record into a prompt and sample it."""
-
-    template: str = Field(min_length=1)
-    sampling: SamplingConfig = SamplingConfig()
 
 
 class TaskSpec(_Wire):
@@ -134,8 +99,4 @@ class TaskRunner(Protocol):
         ...
 
 
-def derive_seed(base: int | None, record_id: str, attempt: int) -> int:
-    """A per-record, per-attempt seed: stable across runs, processes and batch mixes."""
-    key = f"{0 if base is None else base}\x1f{record_id}\x1f{attempt}".encode()
-    digest = hashlib.blake2b(key, digest_size=8).digest()
-    return int.from_bytes(digest, "big") % _SEED_MODULUS
+__all__ = ["OUTPUT_KEYS", "InferConfig", "SamplingConfig", "TaskFailed", "TaskKind", "TaskResult", "TaskRunner", "TaskSpec", "derive_seed"]

@@ -12,13 +12,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-from batch_inference.engines import Completion, SamplingParams
-from batch_inference.judges import JudgeConfig, LLMJudge, PromptTemplate, Verdict, build_judge
+from batch_inference.engines import Completion, supports_structured_output
+from batch_inference.engines.base import unconstrained_error
+from batch_inference.judges import JudgeConfig, LLMJudge, Verdict, build_judge
 from batch_inference.pool.engine_host import EngineHost, GenRequest
-from batch_inference.pool.protocol import SamplingConfig, TaskSpec, derive_seed
+from batch_inference.pool.protocol import TaskSpec
+from batch_inference.prompting import Request, RequestBuilder, RequestError
 from batch_inference.storage import CheckpointStore, JsonlFile
 
 log = logging.getLogger(__name__)
@@ -84,15 +86,26 @@ class TaskContext:
         if chunk:
             yield chunk
 
-    async def generate(self, prompts: Sequence[str | BaseException], params: Sequence[SamplingParams]) -> list[Completion | BaseException]:
-        """Run prompts through the shared batcher; an exception in stays an exception out."""
-        live = [i for i, p in enumerate(prompts) if isinstance(p, str)]
-        tokens = await self.host.count_tokens([prompts[i] for i in live])  # type: ignore[misc]
-        requests = [GenRequest(prompts[i], params[i], n) for i, n in zip(live, tokens)]  # type: ignore[arg-type]
-        futures = await self.host.submit(requests)
+    async def generate(self, requests: Sequence[Request | BaseException]) -> list[Completion | BaseException]:
+        """Run requests through the shared batcher; an exception in stays an exception out.
+
+        A constrained request (``response_format``) on an engine that cannot constrain
+        fails here with that reason: it is never run unconstrained.
+        """
+        out: list[Completion | BaseException] = list(requests)  # type: ignore[arg-type]
+        constrained_ok = supports_structured_output(self.host.engine)
+        live: list[int] = []
+        for i, r in enumerate(requests):
+            if isinstance(r, Request):
+                if r.params.response_format is not None and not constrained_ok:
+                    out[i] = Completion.failed(unconstrained_error(getattr(self.host.engine, "name", "?")))
+                else:
+                    live.append(i)
+        tokens = await self.host.count_tokens([requests[i].prompt for i in live])  # type: ignore[union-attr]
+        gen = [GenRequest(requests[i].prompt, requests[i].params, n) for i, n in zip(live, tokens)]  # type: ignore[union-attr]
+        futures = await self.host.submit(gen)
         done = await asyncio.gather(*futures, return_exceptions=True)
-        out: list[Completion | BaseException] = list(prompts)  # type: ignore[arg-type]
-        for i, request, result in zip(live, requests, done):
+        for i, request, result in zip(live, gen, done):
             if isinstance(result, Completion):
                 self.meter.add(request, result)
             out[i] = result
@@ -105,7 +118,9 @@ def _clean(record: dict[str, Any]) -> dict[str, Any]:
 
 def _error_text(exc: BaseException) -> str:
     text = str(exc)
-    return text if text.startswith(("missing_field", "prompt_too_long")) else f"{type(exc).__name__}: {text}"
+    if isinstance(exc, RequestError) or text.startswith(("missing_field", "prompt_too_long")):
+        return text
+    return f"{type(exc).__name__}: {text}"
 
 
 def _prior_attempts(record: dict[str, Any]) -> int:
@@ -113,22 +128,12 @@ def _prior_attempts(record: dict[str, Any]) -> int:
     return value if isinstance(value, int) and value >= 0 else 0
 
 
-def _render(template: PromptTemplate, record: dict[str, Any]) -> str | BaseException:
+def _request(builder: RequestBuilder, record: dict[str, Any], attempt: int) -> Request | BaseException:
+    """The record's request for this attempt, or the reason it has none (its error)."""
     try:
-        return template.render(record)
-    except KeyError as exc:  # MissingFieldError names the field and the record id
+        return builder.build(record, attempt)
+    except (KeyError, RequestError) as exc:  # MissingFieldError / RequestError name the record
         return exc
-
-
-class _Seeder:
-    """Per-record SamplingParams: the task's base params with ``derive_seed(seed, id, attempt)``."""
-
-    def __init__(self, sampling: SamplingConfig) -> None:
-        self.base_seed = sampling.seed
-        self.base = sampling.to_params()
-
-    def __call__(self, record: dict[str, Any], attempt: int) -> SamplingParams:
-        return replace(self.base, seed=derive_seed(self.base_seed, str(record["id"]), attempt))
 
 
 # --------------------------------------------------------------------------- infer
@@ -138,14 +143,12 @@ async def run_infer(ctx: TaskContext) -> dict[str, int]:
     """One output row per input record: ``result`` or ``error``, usage, attempts + 1."""
     spec = ctx.spec
     assert spec.infer is not None
-    template = PromptTemplate(spec.infer.template)
-    params_for = _Seeder(spec.infer.sampling)
+    builder = RequestBuilder(spec.infer)
     counts = {"ok": 0, "error": 0}
     async with ctx.file(spec.outputs["output"]).writer() as out:
         async for chunk in ctx.chunks():
-            prompts = [_render(template, r) for r in chunk]
             prior = [_prior_attempts(r) for r in chunk]
-            results = await ctx.generate(prompts, [params_for(r, n) for r, n in zip(chunk, prior)])
+            results = await ctx.generate([_request(builder, r, n) for r, n in zip(chunk, prior)])
             rows = []
             for record, n, res in zip(chunk, prior, results):
                 row = {**_clean(record), "attempts": n + 1}
@@ -176,13 +179,13 @@ class Judging:
     async def verdicts(self, records: Sequence[dict[str, Any]], results: Sequence[str]) -> list[Verdict]:
         if isinstance(self.judge, LLMJudge):
             judge = self.judge
-            prompts: list[str | BaseException] = []
+            requests: list[Request | BaseException] = []
             for record, result in zip(records, results):
                 try:
-                    prompts.append(judge.prompt(record, result))
+                    requests.append(Request(judge.prompt(record, result), judge.sampling))
                 except KeyError as exc:
-                    prompts.append(exc)
-            done = await self.ctx.generate(prompts, [judge.sampling] * len(prompts))
+                    requests.append(exc)
+            done = await self.ctx.generate(requests)
             return [judge.verdict(c) if isinstance(c, Completion) else Verdict(False, _judge_error(c)) for c in done]
         return await asyncio.to_thread(self._rules, list(records), list(results))
 
@@ -314,8 +317,7 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
     """
     spec = ctx.spec
     assert spec.infer is not None and spec.judge is not None
-    template = PromptTemplate(spec.infer.template)
-    params_for = _Seeder(spec.infer.sampling)
+    builder = RequestBuilder(spec.infer)
     judging = Judging(ctx, spec.judge)
     store = CheckpointStore(spec.outputs["checkpoint"], storage_options=ctx.storage_options)
     states = await store.load()
@@ -331,9 +333,9 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
         return sample
 
     async def infer_wave(wave: list[_Sample], ckpt: CheckpointBuffer) -> None:
-        prompts = [_render(template, s.record) for s in wave]
+        prompts = [_request(builder, s.record, s.prior + s.attempt) for s in wave]
         try:
-            done = await ctx.generate(prompts, [params_for(s.record, s.prior + s.attempt) for s in wave])
+            done = await ctx.generate(prompts)
         except Exception as exc:  # e.g. the tokenizer failed for the wave: each sample's own error
             for s in wave:
                 s.error(_error_text(exc))

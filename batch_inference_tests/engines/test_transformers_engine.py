@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -102,3 +103,33 @@ def test_combine_seeds() -> None:
     assert combine_seeds([None, None]) is None
     assert combine_seeds([1, 2]) == combine_seeds([1, 2]) != combine_seeds([2, 1])
     assert 0 <= combine_seeds([2**64, -5, None]) < 2**63
+
+
+def test_chat_prompts_are_exactly_the_chat_template_tokens(tiny_engine) -> None:
+    from batch_inference.engines import ChatPrompt
+
+    chat = ChatPrompt((("system", "be brief"), ("user", "What is the capital of France?")))
+    want = tiny_engine.tokenizer.apply_chat_template(chat.as_dicts(), add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert tiny_engine._encode([chat]) == [want] and tiny_engine.count_tokens([chat, "hi"])[0] == len(want)
+    out = tiny_engine.generate([chat, "plain text"], SamplingParams(max_tokens=4, min_tokens=4))
+    assert out[0].error is None and out[0].prompt_tokens == len(want) and out[0].completion_tokens == 4
+    assert out[1].error is None
+
+
+def test_chat_prompt_on_a_model_without_a_chat_template_fails_alone(tiny_model_dir, tmp_path) -> None:
+    import shutil
+
+    from batch_inference.engines import ChatPrompt, build_engine
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model_dir, bare)
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((bare / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(cfg))
+    engine = build_engine({"kind": "transformers", "model": str(bare), "device": "cpu"})
+    chat = ChatPrompt((("user", "hi"),))
+    assert engine.count_tokens([chat, "hi"])[0] == 0
+    out = engine.generate([chat, "hi"], SamplingParams(max_tokens=2))
+    assert out[0].error.startswith("chat_template_error: the model's tokenizer has no chat template") and out[1].error is None
+    engine.close()

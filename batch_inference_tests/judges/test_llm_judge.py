@@ -69,3 +69,16 @@ def test_judge_with_simulated_engine_rate_and_missing_field() -> None:
     assert len(verdicts) == 1001
     assert sum(v.approved for v in verdicts[:1000]) / 1000 == pytest.approx(0.25, abs=0.05)
     assert not verdicts[-1].approved and "missing_field" in verdicts[-1].reason and "nope" in verdicts[-1].reason
+
+
+def test_json_verdict_judge_is_constrained_and_parsed() -> None:
+    from batch_inference.engines import ChatPrompt
+    from batch_inference.judges import JudgeConfig, build_judge
+    from batch_inference.judges.llm import VERDICT_FORMAT, parse_json_verdict
+
+    judge = build_judge(JudgeConfig(kind="llm", template="Judge: {result}", parse="json", chat=True, system="strict"))
+    assert judge.sampling.response_format == VERDICT_FORMAT
+    assert judge.prompt({"id": "a"}, "42") == ChatPrompt((("system", "strict"), ("user", "Judge: 42")))
+    assert judge.parse('{"approved": true, "reason": "correct", "score": 0.9}') == Verdict(True, "correct", score=0.9)
+    assert parse_json_verdict('{"approved": "yes"}') == Verdict(False, "unparseable_verdict")
+    assert parse_json_verdict("APPROVED") == Verdict(False, "unparseable_verdict")

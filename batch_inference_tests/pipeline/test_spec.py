@@ -95,3 +95,15 @@ def test_layout_separates_runs(tmp_path: Path) -> None:
     assert a.approved_shard(1, 3).endswith("/a/results/round-01-part-00003.jsonl.zst")
     with pytest.raises(ValueError):
         RunLayout(str(tmp_path), "x/y")
+
+
+def test_structured_output_is_refused_on_an_engine_that_cannot_constrain(tmp_path) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    base = {"run": "r", "input": "in.jsonl", "output": str(tmp_path), "engine": {"kind": "simulated"},
+            "judge": {"kind": "rule", "callable": "json_valid"}}
+    with pytest.raises(SpecError, match="infer.response_format: engine kind 'simulated' cannot constrain generation"):
+        PipelineSpec.parse({**base, "infer": {"template": "{q}", "response_format": fmt}})
+    with pytest.raises(SpecError, match="judge.parse: engine kind 'simulated' cannot constrain"):
+        PipelineSpec.parse({**base, "infer": {"template": "{q}"}, "judge": {"kind": "llm", "template": "{result}", "parse": "json"}})
+    spec = PipelineSpec.parse({**base, "infer": {"template": "{q}", "response_format": {"type": "text"}}})
+    assert not spec.infer.constrained

@@ -1,0 +1,60 @@
+"""Prompts to token ids with a Hugging Face tokenizer: text as is, chat through the model's template.
+
+One helper for every engine that holds a tokenizer (transformers, vLLM blocking and
+streaming), so a chat record becomes exactly the tokens ``apply_chat_template`` gives
+(with ``add_generation_prompt=True``): the template already carries the model's special
+tokens, so none are added on top (vLLM's own chat path does the same).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from batch_inference.engines.base import ChatPrompt, Prompt
+
+
+class ChatTemplateError(ValueError):
+    """The model cannot render chat messages (no chat template, or the template raised)."""
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_chat(tokenizer: Any, prompt: ChatPrompt) -> list[int]:
+    """Token ids of ``prompt`` rendered by the tokenizer's chat template (generation prompt added)."""
+    if not has_chat_template(tokenizer):
+        raise ChatTemplateError("chat_template_error: the model's tokenizer has no chat template "
+                                "(chat messages need one; use a text `template` instead)")
+    try:
+        ids = tokenizer.apply_chat_template(prompt.as_dicts(), add_generation_prompt=True, tokenize=True)
+    except Exception as exc:  # a template that raises for these messages fails this prompt only
+        raise ChatTemplateError(f"chat_template_error: {type(exc).__name__}: {exc}") from exc
+    if isinstance(ids, Mapping):  # newer transformers return a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]:
+    """Token ids per prompt: text in one batched call (special tokens added), chats one by one.
+
+    Raises for the whole list; engines that must fail one prompt alone call it per prompt.
+    """
+    out: list[list[int] | None] = [None] * len(prompts)
+    texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+    if texts:
+        for i, ids in zip(texts, tokenizer([prompts[i] for i in texts], add_special_tokens=True)["input_ids"]):
+            out[i] = list(ids)
+    for i, p in enumerate(prompts):
+        if isinstance(p, ChatPrompt):
+            out[i] = encode_chat(tokenizer, p)
+    return out  # type: ignore[return-value]
+
+
+def prompt_text(prompt: Prompt) -> str:
+    """A plain-text view of a prompt (engines without a tokenizer, logs): chat turns as
+    ``role: content`` lines ending in ``assistant: ``."""
+    if isinstance(prompt, str):
+        return prompt
+    return "".join(f"{role}: {content}\n" for role, content in prompt.messages) + "assistant: "

@@ -1,0 +1,192 @@
+"""Record -> request: the one place a record's prompt, sampling and response format are decided.
+
+A ``Request`` is what an engine runs: a ``Prompt`` (text, or chat messages the engine
+renders with its model's chat template) and the ``SamplingParams`` for this attempt. A
+record that cannot become one raises ``RequestError`` (or the template's
+``MissingFieldError``) naming the record; the task writes that as the record's error, and
+``RequestError.kind`` says which (``bad_messages``, ``bad_sampling``, ``bad_request``).
+All three are permanent: retrying the same record cannot fix it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pydantic import ValidationError
+
+from batch_inference.engines.base import ChatPrompt, Prompt, ResponseFormat, SamplingParams
+from batch_inference.judges.templates import PromptTemplate
+from batch_inference.prompting.config import InferConfig, ResponseFormatConfig
+
+ROLES = ("system", "developer", "user", "assistant")
+SAMPLING_KEYS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "min_tokens", "n")
+REQUEST_ERROR_KINDS = ("bad_messages", "bad_sampling", "bad_request")
+
+_SEED_MODULUS = 2**31 - 1  # fits every engine's seed type (torch, numpy, vLLM)
+
+
+def derive_seed(base: int | None, record_id: str, attempt: int) -> int:
+    """A per-record, per-attempt seed: stable across runs, processes and batch mixes."""
+    key = f"{0 if base is None else base}\x1f{record_id}\x1f{attempt}".encode()
+    digest = hashlib.blake2b(key, digest_size=8).digest()
+    return int.from_bytes(digest, "big") % _SEED_MODULUS
+
+
+class RequestError(ValueError):
+    """A record that cannot become a request; ``str()`` is ``"<kind>: record '<id>': <why>"``."""
+
+    def __init__(self, kind: str, record_id: Any, why: str) -> None:
+        self.kind = kind
+        self.record_id = record_id
+        self.why = why
+        super().__init__(f"{kind}: record {record_id!r}: {why}")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One engine request: the prompt and this attempt's sampling."""
+
+    prompt: Prompt
+    params: SamplingParams
+
+
+def _content(value: Any, record_id: Any, where: str) -> str:
+    """Message content: a string, or OpenAI text parts (``[{type: text, text}]``) joined."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for j, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RequestError("bad_messages", record_id, f"{where}.content[{j}]: only text parts are supported, got {kind!r}")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise RequestError("bad_messages", record_id, f"{where}.content must be a string or a list of text parts, got {type(value).__name__}")
+
+
+def parse_messages(value: Any, record_id: Any, *, system: str | None = None) -> ChatPrompt:
+    """OpenAI-style ``[{role, content}, ...]`` as a ChatPrompt (``developer`` counts as ``system``).
+
+    ``system`` is prepended when the messages have no system turn of their own.
+    """
+    if not isinstance(value, list) or not value:
+        got = "an empty list" if value == [] else type(value).__name__
+        raise RequestError("bad_messages", record_id, f"'messages' must be a non-empty list of {{role, content}}, got {got}")
+    turns: list[tuple[str, str]] = []
+    for i, msg in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise RequestError("bad_messages", record_id, f"{where} must be an object, got {type(msg).__name__}")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise RequestError("bad_messages", record_id, f"{where}.role {role!r} is not one of {', '.join(ROLES)}")
+        if "content" not in msg or msg["content"] is None:
+            raise RequestError("bad_messages", record_id, f"{where} has no content")
+        extra = sorted(set(msg) - {"role", "content", "name"})
+        if extra:
+            raise RequestError("bad_messages", record_id, f"{where}: unsupported message keys {extra} (tool calls are not supported)")
+        turns.append(("system" if role == "developer" else role, _content(msg["content"], record_id, where)))
+    if system is not None and turns[0][0] != "system":
+        turns.insert(0, ("system", system))
+    return ChatPrompt(tuple(turns))
+
+
+class RequestBuilder:
+    """Builds each record's ``Request`` from an ``InferConfig`` (templates parsed once)."""
+
+    def __init__(self, config: InferConfig) -> None:
+        self.config = config
+        self.template = PromptTemplate(config.template) if config.template is not None else None
+        self.turns = [(m.role, PromptTemplate(m.content)) for m in config.messages or ()]
+        self.base = config.sampling.to_params()
+        self.base_seed = config.sampling.seed
+        self.response_format = config.response_format.to_format() if config.response_format else None
+
+    @property
+    def chat(self) -> bool | None:
+        """True when every prompt is chat, False when every prompt is text, None when records decide."""
+        return {"template": False, "messages": True, "record": None}[self.config.source]
+
+    def prompt(self, record: dict[str, Any]) -> Prompt:
+        """The record's prompt; raises ``MissingFieldError`` or ``RequestError``."""
+        rid = record.get("id")
+        if self.template is not None:
+            return self.template.render(record)
+        if self.turns:
+            messages = [{"role": role, "content": t.render(record)} for role, t in self.turns]
+            return parse_messages(messages, rid, system=self.config.system)
+        if "messages" in record:
+            return parse_messages(record["messages"], rid, system=self.config.system)
+        if isinstance(record.get("prompt"), str):
+            return record["prompt"]
+        raise RequestError("bad_request", rid, "has neither 'messages' (chat) nor a string 'prompt', and infer has no template")
+
+    def params(self, record: dict[str, Any], attempt: int) -> SamplingParams:
+        """This attempt's sampling: the spec's, the record's overrides within limits, a derived seed."""
+        rid = record.get("id")
+        params, base_seed = self.base, self.base_seed
+        overrides = record.get(self.config.sampling_field) if self.config.sampling_field else None
+        if overrides is not None:
+            params, base_seed = self._override(overrides, rid)
+        fmt = self._response_format(record.get("response_format"), rid) if "response_format" in record else self.response_format
+        return replace(params, seed=derive_seed(base_seed, str(rid), attempt), response_format=fmt)
+
+    def build(self, record: dict[str, Any], attempt: int) -> Request:
+        return Request(self.prompt(record), self.params(record, attempt))
+
+    # -- per-record overrides -----------------------------------------------------------
+
+    def _override(self, value: Any, rid: Any) -> tuple[SamplingParams, int | None]:
+        field = self.config.sampling_field
+        limits = self.config.limits
+        if not isinstance(value, dict):
+            raise RequestError("bad_sampling", rid, f"{field!r} must be an object, got {type(value).__name__}")
+        unknown = sorted(set(value) - set(SAMPLING_KEYS))
+        if unknown:
+            raise RequestError("bad_sampling", rid, f"{field}: unsupported keys {unknown} (supported: {', '.join(SAMPLING_KEYS)})")
+        v = dict(value)
+        n = v.pop("n", 1)
+        if n != 1:
+            raise RequestError("bad_sampling", rid, f"{field}.n is {n!r}: one completion per request is supported (n = 1)")
+        if "max_completion_tokens" in v:
+            if "max_tokens" in v and v["max_tokens"] != v["max_completion_tokens"]:
+                raise RequestError("bad_sampling", rid, f"{field}: max_tokens and max_completion_tokens disagree")
+            v["max_tokens"] = v.pop("max_completion_tokens")
+        checks = {
+            "max_tokens": lambda x: isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= limits.max_tokens,
+            "min_tokens": lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0,
+            "temperature": lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= limits.temperature,
+            "top_p": lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x <= 1,
+            "seed": lambda x: x is None or (isinstance(x, int) and not isinstance(x, bool)),
+            "stop": lambda x: x is None or isinstance(x, str) or (isinstance(x, list) and all(isinstance(s, str) for s in x)),
+        }
+        bounds = {"max_tokens": f"an integer in [1, limits.max_tokens {limits.max_tokens}]",
+                  "min_tokens": "an integer >= 0",
+                  "temperature": f"a number in [0, limits.temperature {limits.temperature:g}]",
+                  "top_p": "a number in (0, 1]", "seed": "an integer", "stop": "a string or a list of strings"}
+        for key, ok in checks.items():
+            if key in v and not ok(v[key]):
+                raise RequestError("bad_sampling", rid, f"{field}.{key} is {v[key]!r}: must be {bounds[key]}")
+        stop = v.get("stop", self.base.stop)
+        stop = [stop] if isinstance(stop, str) else stop
+        if stop is not None and len(stop) > limits.stop:
+            raise RequestError("bad_sampling", rid, f"{field}.stop has {len(stop)} strings > limits.stop {limits.stop}")
+        seed = v.pop("seed", self.base_seed)
+        updates = {k: (tuple(stop) if k == "stop" and stop is not None else v[k]) for k in v}
+        try:
+            return replace(self.base, **updates), seed
+        except ValueError as exc:  # e.g. min_tokens > max_tokens
+            raise RequestError("bad_sampling", rid, f"{field}: {exc}") from None
+
+    def _response_format(self, value: Any, rid: Any) -> ResponseFormat | None:
+        if value is None:
+            return self.response_format
+        try:
+            return ResponseFormatConfig.model_validate(value).to_format()
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(x) for x in first["loc"])
+            raise RequestError("bad_request", rid, f"response_format{'.' + where if where else ''}: {first['msg']}") from None
