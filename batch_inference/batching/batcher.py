@@ -461,10 +461,11 @@ class DynamicBatcher(Generic[T, R]):
                 for item in batch:
                     if not item[2].done():
                         item[2].set_exception(exc)
-            except BaseException:  # cancelled mid-call: leave no future hanging
-                for item in batch:
-                    item[2].cancel()
-                raise
+            except BaseException as exc:
+                end = clock()
+                failed = n
+                if self._fatal(exc, batch):
+                    raise
             else:
                 for item, result in zip(batch, results):
                     try:
@@ -479,6 +480,32 @@ class DynamicBatcher(Generic[T, R]):
                         item[2].set_exception(RuntimeError(f"process_fn returned unraisable {result!r}"))
                         failed += 1
             stats.record_batch(start, end, n, cost, failed)
+
+    def _fatal(self, exc: BaseException, batch: list[Any]) -> bool:
+        """Resolve a batch whose ``process_fn`` raised a ``BaseException``; True to stop the loop.
+
+        The processor itself being cancelled (``stop()`` cancelled) cancels the batch.
+        ``KeyboardInterrupt`` / ``SystemExit`` fail loudly: every unresolved future gets
+        the error, submissions are refused, the loop ends (``stop()`` raises). Anything
+        else (a Rust panic from a tokenizer is a ``BaseException``, so is a stray
+        ``CancelledError`` from inside the model call) fails only this batch, as an
+        ``Exception`` would, and the batcher keeps serving.
+        """
+        task = asyncio.current_task()
+        if isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling():
+            for item in batch:
+                item[2].cancel()
+            return True
+        error = RuntimeError(f"{type(self).__name__}: process_fn raised {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        for item in batch:
+            if not item[2].done():
+                item[2].set_exception(error)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            self._accepting = False
+            self._fail_unresolved(error)
+            return True
+        return False
 
 
 class TokenBatcher(DynamicBatcher[T, R]):

@@ -44,7 +44,7 @@ class _FailedSink:
         if reason is None:
             return False
         if self._w is None:
-            self._w = self._stack.enter_context(JsonlDir(self.dst, storage_options=self.storage_options).writer_sync())  # type: ignore[arg-type]
+            self._w = self._stack.enter_context(JsonlDir(self.dst, storage_options=self.storage_options).writer_sync(compression="zstd"))  # type: ignore[arg-type]
         self._w.write({**rec, "status": "failed", "reason": reason, "failed_round": round})
         self.records += 1
         return True
@@ -97,7 +97,7 @@ def recompact(
     source = JsonlDir(src, storage_options=storage_options)
     shards = source.shards() if source.exists_sync() else []
     out = JsonlDir(dst, storage_options=storage_options)
-    with _FailedSink(failed_dst, storage_options) as failed, out.writer_sync(max_records_per_shard=records_per_shard) as w:
+    with _FailedSink(failed_dst, storage_options) as failed, out.writer_sync(max_records_per_shard=records_per_shard, compression="zstd") as w:
         for shard in shards:
             for rec in shard.iter_records_sync():
                 if failed.take(rec, round):
@@ -117,7 +117,7 @@ def write_exhausted(
     """Write the records still rejected at the round cap as ``status: exhausted``
     (those with a permanent error to ``failed_dst`` as ``failed``)."""
     out = JsonlDir(dst, storage_options=storage_options)
-    with _FailedSink(failed_dst, storage_options) as failed, out.writer_sync() as w:
+    with _FailedSink(failed_dst, storage_options) as failed, out.writer_sync(compression="zstd") as w:
         for url in src_dirs:
             d = JsonlDir(url, storage_options=storage_options)
             if not d.exists_sync():

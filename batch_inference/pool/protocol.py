@@ -75,6 +75,7 @@ class TaskResult(_Wire):
     engine_busy_s: float = 0.0
     avg_fill: float = 0.0
     cached: bool = False
+    warnings: list[str] = []  # e.g. checkpoint flushes that failed and were retried
 
 
 class TaskFailed(Exception):

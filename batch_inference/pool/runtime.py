@@ -165,7 +165,10 @@ class WorkerRuntime:
             task_id=spec.task_id, kind=spec.kind, worker=self.name, counts=counts,
             records_in=m.records_in, tokens_in=m.tokens_in, tokens_out=m.tokens_out,
             wall_s=time.perf_counter() - t0, engine_busy_s=m.engine_s, avg_fill=m.avg_fill,
+            warnings=ctx.warnings,
         )
+        for warning in ctx.warnings:
+            log.warning("task %s: %s", spec.task_id, warning)
         self.counters["completed"] += 1
         self.counters["records"] += m.records_in
         self.counters["tokens_in"] += m.tokens_in

@@ -67,6 +67,7 @@ class TaskContext:
     storage_options: dict[str, Any] | None = None
     checkpoint_interval_s: float = 5.0
     meter: TaskMeter = field(default_factory=TaskMeter)
+    warnings: list[str] = field(default_factory=list)  # reported in TaskResult.warnings
 
     def file(self, url: str) -> JsonlFile:
         return JsonlFile(url, storage_options=self.storage_options)
@@ -240,7 +241,9 @@ class CheckpointBuffer:
     """Per-attempt states, appended to the CheckpointStore as one segment per flush.
 
     Flushed at the end of every chunk and every ``interval_s`` in between (so an eviction
-    mid-chunk loses at most that much progress) -- never one write per sample.
+    mid-chunk loses at most that much progress) -- never one write per sample. A failed
+    periodic flush is logged and keeps its states for the next one; the ticker goes on,
+    and ``failure_note()`` reports the failures for the task's result.
     """
 
     def __init__(self, store: CheckpointStore, interval_s: float) -> None:
@@ -248,6 +251,8 @@ class CheckpointBuffer:
         self.interval_s = interval_s
         self.pending: list[dict[str, Any]] = []
         self.segments = 0
+        self.failures = 0
+        self.last_error: str | None = None
         self._lock = asyncio.Lock()
         self._ticker: asyncio.Task[None] | None = None
 
@@ -259,7 +264,11 @@ class CheckpointBuffer:
             if not self.pending:
                 return
             states, self.pending = self.pending, []
-            await self.store.append(states)
+            try:
+                await self.store.append(states)
+            except BaseException:
+                self.pending = states + self.pending  # nothing lost: the next flush retries them
+                raise
             self.segments += 1
 
     async def __aenter__(self) -> CheckpointBuffer:
@@ -272,13 +281,29 @@ class CheckpointBuffer:
             await asyncio.gather(self._ticker, return_exceptions=True)
         try:
             await self.flush()  # also on failure or abandonment: keep the progress made
-        except Exception:
+        except Exception as exc:
+            self._failed(exc)
             log.exception("final checkpoint flush failed for %s", self.store)
 
     async def _tick(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            await self.flush()
+            try:
+                await self.flush()
+            except Exception as exc:  # e.g. storage briefly down: keep ticking, say so
+                self._failed(exc)
+                log.warning("periodic checkpoint flush failed for %s (%d so far): %s", self.store.url, self.failures, exc)
+
+    def _failed(self, exc: BaseException) -> None:
+        self.failures += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+
+    def failure_note(self) -> str | None:
+        """What the task reports when any flush failed (None when none did)."""
+        if not self.failures:
+            return None
+        still = f"; {len(self.pending)} state(s) never written" if self.pending else "; all states written later"
+        return f"checkpoint flush failed {self.failures} time(s) ({self.last_error}){still}"
 
 
 @dataclass
@@ -393,13 +418,18 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
             if to_judge:
                 await judge_wave(to_judge, ckpt)
 
-    async with ctx.file(spec.outputs["output"]).writer() as out, CheckpointBuffer(store, ctx.checkpoint_interval_s) as ckpt:
-        async for chunk in ctx.chunks():
-            rows = await process(chunk, ckpt)
-            await ckpt.flush()
-            for row in rows:
-                counts[row["status"]] += 1
-            await out.write_many(rows)
+    ckpt = CheckpointBuffer(store, ctx.checkpoint_interval_s)
+    try:
+        async with ctx.file(spec.outputs["output"]).writer() as out, ckpt:
+            async for chunk in ctx.chunks():
+                rows = await process(chunk, ckpt)
+                await ckpt.flush()
+                for row in rows:
+                    counts[row["status"]] += 1
+                await out.write_many(rows)
+    finally:
+        if note := ckpt.failure_note():
+            ctx.warnings.append(note)
     return counts
 
 

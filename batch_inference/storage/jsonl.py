@@ -512,11 +512,15 @@ class JsonlDir:
         *,
         max_records_per_shard: int | None = None,
         max_bytes_per_shard: int = DEFAULT_MAX_BYTES,
-        compression: Compression = "zstd",
+        compression: Compression = None,
         prefix: str = "part",
         zstd_level: int = _io.DEFAULT_ZSTD_LEVEL,
     ) -> JsonlDirWriter:
         """Async writer that rotates shards at whichever limit comes first.
+
+        Shards are plain ``part-NNNNN.jsonl`` by default, as the reference design's
+        ``JsonlDir`` writes them; ``compression="zstd"`` writes ``.jsonl.zst`` (what the
+        pipeline uses for every directory it writes).
 
         The directory is rewritten whole: on entry the previous shards and manifest are
         removed; each shard commits atomically as it fills; a clean exit writes the
@@ -530,7 +534,7 @@ class JsonlDir:
         *,
         max_records_per_shard: int | None = None,
         max_bytes_per_shard: int = DEFAULT_MAX_BYTES,
-        compression: Compression = "zstd",
+        compression: Compression = None,
         prefix: str = "part",
         zstd_level: int = _io.DEFAULT_ZSTD_LEVEL,
     ) -> SyncJsonlDirWriter:

@@ -413,3 +413,58 @@ async def test_cancelled_stop_leaves_no_future_hanging() -> None:
         await asyncio.wait_for(b.stop(), 0.1)
     assert all(f.cancelled() for f in futures)
     assert not b.is_running
+
+
+class _Panic(BaseException):
+    """Like pyo3's PanicException (a Rust panic in a tokenizer): not an ``Exception``."""
+
+
+@pytest.mark.parametrize("raised", [_Panic("tokenizer panicked"), asyncio.CancelledError("from inside the model call")])
+async def test_a_base_exception_from_the_model_fails_its_batch_and_the_batcher_keeps_serving(raised) -> None:
+    calls = 0
+
+    async def model(batch: list[int]) -> list[int]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise raised
+        return [x * 2 for x in batch]
+
+    async with DynamicBatcher(model, target_batch_cost=4, max_batch_size=4, batch_timeout_s=0.01) as b:
+        first = await b.submit_many([1, 2, 3, 4])
+        done = await asyncio.wait_for(asyncio.gather(*first, return_exceptions=True), 5)
+        assert all(isinstance(r, RuntimeError) and type(raised).__name__ in str(r) for r in done), done
+        later = await b.submit_many([5, 6])
+        assert await asyncio.wait_for(asyncio.gather(*later), 5) == [10, 12]
+    assert b.stats.total_failed == 4
+
+
+def test_keyboard_interrupt_in_the_model_resolves_every_future_and_fails_loudly() -> None:
+    """Ctrl-C inside the model call: it reaches the caller of the event loop, and no
+    future is left pending (the batch's and the queued ones all carry the error)."""
+
+    async def model(batch: list[int]) -> list[int]:
+        raise KeyboardInterrupt
+
+    b = DynamicBatcher(model, target_batch_cost=2, max_batch_size=2, batch_timeout_s=0.01)
+    futures: list[asyncio.Future[int]] = []
+
+    async def main() -> None:
+        await b.start()
+        futures.extend(await b.submit_many([1, 2, 3, 4, 5]))
+        await asyncio.sleep(5)
+
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_until_complete(main())
+        assert len(futures) == 5 and all(f.done() and isinstance(f.exception(), RuntimeError) for f in futures)
+        with pytest.raises(RuntimeError, match="stopped"):
+            loop.run_until_complete(b.submit(6))
+        with pytest.raises(RuntimeError, match="loop failed"):
+            loop.run_until_complete(b.stop())
+    finally:
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.close()

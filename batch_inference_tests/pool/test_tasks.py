@@ -225,3 +225,61 @@ async def test_retried_tasks_are_counted_as_pool_client_counts_them(tmp_path: Pa
         with pytest.raises(TaskFailed):  # exhausted retries count too
             await pool.run_task(infer_spec("never", tmp_path / "missing.jsonl", tmp_path / "never-out.jsonl"))
         assert pool.retried == 3
+
+
+class _FlakyStore:
+    """A checkpoint store whose first ``fail`` appends raise (storage briefly down)."""
+
+    url = "memory://flaky-checkpoints"
+
+    def __init__(self, fail: int) -> None:
+        self.fail, self.calls = fail, 0
+        self.written: list[dict] = []
+
+    async def append(self, states: list[dict]) -> None:
+        self.calls += 1
+        if self.calls <= self.fail:
+            raise OSError(f"store down (call {self.calls})")
+        self.written.extend(states)
+
+
+async def test_a_failing_periodic_checkpoint_flush_is_reported_and_ticking_goes_on() -> None:
+    from batch_inference.pool.tasks import CheckpointBuffer
+
+    store = _FlakyStore(fail=2)
+    async with CheckpointBuffer(store, interval_s=0.01) as ckpt:  # type: ignore[arg-type]
+        ckpt.add({"id": "a", "attempt": 1})
+        for _ in range(200):  # the ticker keeps going after two failed flushes
+            if store.written:
+                break
+            await asyncio.sleep(0.01)
+        assert store.written == [{"id": "a", "attempt": 1}]
+        ckpt.add({"id": "b", "attempt": 1})
+    assert [s["id"] for s in store.written] == ["a", "b"]  # nothing lost, the final flush too
+    assert ckpt.failures == 2
+    note = ckpt.failure_note()
+    assert note is not None and "failed 2 time(s)" in note and "store down" in note and "all states written" in note
+
+
+async def test_checkpoint_flush_failures_reach_the_task_result(tmp_path: Path, inprocess_pool, monkeypatch) -> None:
+    """A retry task whose first periodic flushes fail still succeeds, and its result says so."""
+    real_append = CheckpointStore.append
+    calls = {"n": 0}
+
+    async def flaky_append(self, states):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError("store down")
+        await real_append(self, states)
+
+    monkeypatch.setattr(CheckpointStore, "append", flaky_append)
+    write_shard(tmp_path / "in.jsonl.zst", 20)
+    spec = TaskSpec(task_id="t-ckpt", kind="retry", input_url=str(tmp_path / "in.jsonl.zst"),
+                    outputs={"output": str(tmp_path / "out.jsonl.zst"), "checkpoint": str(tmp_path / "ckpt")},
+                    infer=InferConfig(template="{q}", sampling=SamplingConfig(max_tokens=4)),
+                    judge=LLM_JUDGE, max_attempts=2, chunk_size=20)
+    slow = {**SIM_ENGINE, "simulated": {**SIM_ENGINE["simulated"], "latency_a_s": 0.05}}  # ticks land mid-chunk
+    async with inprocess_pool(slow, checkpoint_interval_s=0.005) as pool:
+        result = await pool.run_task(spec)
+    assert sum(result.counts.values()) == 20
+    assert len(result.warnings) == 1 and "checkpoint flush failed 1 time(s)" in result.warnings[0]

@@ -260,7 +260,7 @@ async def test_concurrent_rewrite_of_one_shard_keeps_one_whole_version(base_url:
 
 async def test_rotation_at_records(base_url: str) -> None:
     d = JsonlDir(urls.join(base_url, "d"))
-    async with d.writer(max_records_per_shard=1000) as w:
+    async with d.writer(max_records_per_shard=1000, compression="zstd") as w:
         for r in recs(2500):
             await w.write(r)
         assert w.records == 2500
@@ -270,6 +270,18 @@ async def test_rotation_at_records(base_url: str) -> None:
     assert d.count_records() == 2500
     assert [r["n"] for r in d.iter_records_sync()] == list(range(2500))
     assert [r["n"] async for r in d.iter_records()] == list(range(2500))
+
+
+async def test_dir_writer_defaults_to_plain_jsonl_as_the_reference_does(tmp_path) -> None:
+    """Code ported from flyteplugins.jsonl writes ``part-*.jsonl`` without saying so."""
+    d = JsonlDir(str(tmp_path / "plain"))
+    async with d.writer(max_records_per_shard=2) as w:
+        await w.write_many(recs(3))
+    with JsonlDir(str(tmp_path / "plain-sync")).writer_sync() as sw:
+        sw.write_many(recs(1))
+    assert [s.name for s in d.shards()] == ["part-00000.jsonl", "part-00001.jsonl"]
+    assert d.manifest().compression is None and not d.shards()[0].compressed
+    assert [s.name for s in JsonlDir(str(tmp_path / "plain-sync")).shards()] == ["part-00000.jsonl"]
 
 
 async def test_rotation_at_bytes_and_oversized_record(base_url: str) -> None:
@@ -336,7 +348,7 @@ async def test_dir_rewrite_drops_old_shards_and_failed_write_leaves_nothing(base
     assert len(d.shards()) == 5
     async with d.writer(max_records_per_shard=10) as w:
         await w.write_many(recs(15, start=1000))
-    assert [s.name for s in d.shards()] == ["part-00000.jsonl.zst", "part-00001.jsonl.zst"]
+    assert [s.name for s in d.shards()] == ["part-00000.jsonl", "part-00001.jsonl"]
     d.fs.rm(f"{d.path}/{jsonl.MANIFEST_NAME}")
     assert len(d.shards()) == 2  # the old part-00002..4 are gone from storage, not just the manifest
     with pytest.raises(ValueError, match="bad"):

@@ -19,7 +19,7 @@ async def test_write_rotate_list_read(s3_server, s3_bucket: str) -> None:
     async with d.writer(max_records_per_shard=4000) as w:
         for r in recs(10_000):
             await w.write(r)
-    assert [s.name for s in d.shards()] == ["part-00000.jsonl.zst", "part-00001.jsonl.zst", "part-00002.jsonl.zst"]
+    assert [s.name for s in d.shards()] == ["part-00000.jsonl", "part-00001.jsonl", "part-00002.jsonl"]
     assert d.count_records() == 10_000
     assert [r["n"] async for r in d.iter_records()] == list(range(10_000))
     # a fresh instance (another process's view) lists the same thing without the manifest
