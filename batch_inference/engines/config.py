@@ -7,18 +7,60 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
-class SimulatedOptions(BaseModel):
-    """Cost model and fault injection of the simulated engine (benchmarks and scale tests)."""
+class DecodeOverrides(BaseModel):
+    """Per-field overrides of a ``DecodeProfile`` preset (None keeps the preset's value)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    latency_a_s: float = Field(0.002, ge=0, description="fixed cost per generate() call, seconds")
-    latency_b_s: float = Field(1e-5, ge=0, description="cost per batch token, seconds")
-    padded: bool = Field(False, description="cost n x max(prompt+output tokens) instead of the sum")
-    output_tokens: int = Field(16, ge=1, description="words of text per completion (capped by max_tokens)")
+    step_s: float | None = Field(None, ge=0, description="fixed cost of one engine step, seconds")
+    decode_token_s: float | None = Field(None, ge=0, description="cost per sequence decoded in a step")
+    prefill_token_s: float | None = Field(None, ge=0, description="cost per prompt token prefilled")
+    kv_token_s: float | None = Field(None, ge=0, description="cost per token resident in the KV cache, per step")
+    kv_capacity_tokens: int | None = Field(None, ge=1)
+    max_num_seqs: int | None = Field(None, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+
+
+class SimulatedOptions(BaseModel):
+    """Cost model and fault injection of the simulated engine (benchmarks and scale tests).
+
+    ``cost_model: linear`` (the default, the original model) sleeps ``a + b x batch
+    tokens`` per ``generate`` call, as if every batch were perfectly packed.
+    ``cost_model: decode`` runs a decode-step model of a continuous-batching engine
+    (``engines/decode_model.py``: a calibrated ``profile`` plus ``decode`` overrides),
+    either one blocking call per batch (``scheduling: blocking``, the batch lasts as long
+    as its longest decode) or continuous batching (``scheduling: continuous``, the
+    ``StreamingEngine`` protocol).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    cost_model: Literal["linear", "decode"] = Field("linear", description="linear: a + b x tokens per call; decode: step model")
+    scheduling: Literal["blocking", "continuous"] = Field("continuous", description="decode model: one call per batch, or streaming")
+    profile: str = Field("vllm-cpu-tiny", description="decode model preset (engines.decode_model.PROFILES)")
+    decode: DecodeOverrides = Field(default_factory=DecodeOverrides)
+    latency_a_s: float = Field(0.002, ge=0, description="linear model: fixed cost per generate() call, seconds")
+    latency_b_s: float = Field(1e-5, ge=0, description="linear model: cost per batch token, seconds")
+    padded: bool = Field(False, description="linear model: cost n x max(prompt+output tokens) instead of the sum")
+    output_tokens: int = Field(16, ge=1, description="mean output tokens (words) per completion, capped by max_tokens")
+    output_lengths: Literal["fixed", "geometric", "pareto"] = Field(
+        "fixed", description="distribution of output lengths, drawn per record from (engine seed, request seed, prompt)"
+    )
+    pareto_alpha: float = Field(1.5, gt=1, description="shape of the pareto (heavy-tailed) lengths")
     approval_rate: float = Field(0.5, ge=0, le=1, description="P(output starts with APPROVED)")
     fail_on: str | None = Field(None, description="prompts containing this substring come back as errors")
     fail_batch_every: int | None = Field(None, ge=1, description="every Nth generate() call raises")
+    die_after_requests: int | None = Field(
+        None, ge=0, description="continuous: the engine dies (EngineDeadError) once this many requests have completed"
+    )
+
+    @model_validator(mode="after")
+    def _known_profile(self) -> SimulatedOptions:
+        from batch_inference.engines.decode_model import PROFILES
+
+        if self.profile not in PROFILES:
+            raise ValueError(f"unknown simulated engine profile {self.profile!r}; known: {sorted(PROFILES)}")
+        return self
 
 
 class VllmOptions(BaseModel):

@@ -5,17 +5,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from batch_inference.engines.base import Engine
+from batch_inference.engines.base import Engine, StreamingEngine
 from batch_inference.engines.config import EngineConfig
 
 
-def build_engine(config: EngineConfig | dict[str, Any]) -> Engine:
-    """Build the engine a config names (a dict is validated into ``EngineConfig`` first)."""
+def build_engine(config: EngineConfig | dict[str, Any]) -> Engine | StreamingEngine:
+    """Build the engine a config names (a dict is validated into ``EngineConfig`` first).
+
+    Most kinds build a blocking ``Engine``; ``is_streaming(engine)`` tells the caller
+    when it got a ``StreamingEngine`` (the simulated decode model with continuous scheduling).
+    """
     cfg = config if isinstance(config, EngineConfig) else EngineConfig.model_validate(config)
     if cfg.kind == "simulated":
-        from batch_inference.engines.simulated import SimulatedEngine
+        from batch_inference.engines import simulated
 
-        return SimulatedEngine.from_config(cfg)
+        if cfg.simulated.cost_model == "linear":
+            return simulated.LinearSimulatedEngine.from_config(cfg)
+        if cfg.simulated.scheduling == "blocking":
+            return simulated.DecodeBatchEngine.from_config(cfg)
+        return simulated.DecodeStreamingEngine.from_config(cfg)
     if cfg.kind == "transformers":
         from batch_inference.engines.transformers_engine import TransformersEngine
 

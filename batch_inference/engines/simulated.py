@@ -1,26 +1,52 @@
-"""A simulated engine for benchmarks and scale tests (never the default).
+"""Simulated engines for benchmarks and scale tests (never the default).
 
-Cost model: each ``generate`` call sleeps ``a + b x batch_tokens`` seconds in the
-calling thread (the worker calls it via ``asyncio.to_thread``), where batch_tokens is
-the sum of prompt + output tokens, or ``n x max(prompt + output)`` in padded mode.
-Outputs are deterministic pseudo-random words from hash(prompt, seed); the first word
-is APPROVED with probability ``approval_rate`` (else REJECTED), so as an LLM judge it
-approves at that rate, and attempts with different seeds are independent.
-Token counting is a cheap documented rule: ``max(1, ceil(len(text) / 4))``; chat prompts
-count (and hash) as their plain-text view (``engines.chat.prompt_text``).
+Three cost models behind one config (``SimulatedOptions``); all answer alike:
+
+- ``LinearSimulatedEngine`` (``cost_model: linear``, the original model): each
+  ``generate`` call sleeps ``a + b x batch_tokens`` seconds in the calling thread (the
+  worker calls it via ``asyncio.to_thread``), where batch_tokens is the sum of prompt +
+  output tokens, or ``n x max(prompt + output)`` in padded mode. Every batch is as if
+  perfectly packed: it knows nothing of decode steps.
+- ``DecodeBatchEngine`` (``cost_model: decode, scheduling: blocking``): one blocking
+  call per batch through the decode-step model (``decode_model.py``): the batch lasts as
+  long as its longest decode, with fewer and fewer sequences per step towards its end.
+  What a static ``LLM.generate`` per token-budgeted batch gets from vLLM.
+- ``DecodeStreamingEngine`` (``cost_model: decode, scheduling: continuous``): the
+  ``StreamingEngine`` protocol over the same model: requests join the running batch at
+  the next step and each resolves when its own decode ends.
+
+Outputs are deterministic pseudo-random words from hash(engine seed, request seed,
+prompt), one word per output token; the first word is APPROVED with probability
+``approval_rate`` (else REJECTED), so as an LLM judge it approves at that rate and
+attempts with different seeds are independent. Output lengths are drawn per record from
+the same hash (``output_lengths``: fixed / geometric / pareto, mean ``output_tokens``),
+so a record's length never depends on what else is in flight. Token counting is a cheap
+documented rule: ``max(1, ceil(len(text) / 4))``; chat prompts count (and hash) as their
+plain-text view (``engines.chat.prompt_text``).
 """
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
+import itertools
 import math
-import random
 import threading
 import time
+from dataclasses import replace
 
-from batch_inference.engines.base import Completion, Prompt, SamplingParams, expand_params, too_long_error, truncate_at_stop
+from batch_inference.engines.base import (
+    Completion,
+    EngineDeadError,
+    EngineOccupancy,
+    Prompt,
+    SamplingParams,
+    expand_params,
+    too_long_error,
+    truncate_at_stop,
+)
 from batch_inference.engines.chat import prompt_text
 from batch_inference.engines.config import EngineConfig, SimulatedOptions
+from batch_inference.engines.decode_model import DecodeProfile, DecodeScheduler, draw_output_tokens, get_profile, record_rng
 
 _WORDS = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
@@ -33,30 +59,86 @@ def simulated_token_count(text: str) -> int:
     return max(1, math.ceil(len(text) / 4))
 
 
+def simulated_completion(prompt: Prompt, p: SamplingParams, options: SimulatedOptions, *, seed: int, max_model_len: int) -> Completion:
+    """What every simulated engine answers for one prompt (its length drives the cost)."""
+    prompt = prompt_text(prompt)
+    n_prompt = simulated_token_count(prompt)
+    if options.fail_on is not None and options.fail_on in prompt:
+        return Completion.failed(f"simulated_error: prompt contains {options.fail_on!r}", prompt_tokens=n_prompt)
+    if err := too_long_error(n_prompt, p.max_tokens, max_model_len):
+        return Completion.failed(err, prompt_tokens=n_prompt)
+    rng = record_rng(seed, p.seed, prompt)
+    verdict = "APPROVED" if rng.random() < options.approval_rate else "REJECTED"
+    n_words = draw_output_tokens(
+        rng, options.output_lengths, options.output_tokens,
+        max_tokens=p.max_tokens, min_tokens=p.min_tokens, pareto_alpha=options.pareto_alpha,
+    )
+    text = " ".join([verdict, *(rng.choice(_WORDS) for _ in range(n_words - 1))])
+    text, stopped = truncate_at_stop(text, p.stop)
+    # one word = one output token; "length" when max_tokens capped the output
+    reason = "stop" if stopped or n_words < p.max_tokens else "length"
+    return Completion(text=text, prompt_tokens=n_prompt, completion_tokens=len(text.split()), finish_reason=reason)
+
+
+def decode_profile(options: SimulatedOptions, *, max_model_len: int | None = None) -> DecodeProfile:
+    """The options' preset with its overrides applied."""
+    profile = get_profile(options.profile)
+    overrides = {k: v for k, v in options.decode.model_dump().items() if v is not None}
+    profile = replace(profile, **overrides) if overrides else profile
+    if max_model_len is not None and max_model_len > profile.kv_capacity_tokens:
+        raise ValueError(f"max_model_len {max_model_len} exceeds the profile's KV cache ({profile.kv_capacity_tokens} tokens)")
+    return profile
+
+
 class SimulatedBatchError(RuntimeError):
     """Raised for a whole batch by ``fail_batch_every`` (fault injection)."""
 
 
-class SimulatedEngine:
-    """Sleeps like a GPU would, answers deterministically. ``simulated = True``."""
+class _Answers:
+    """Shared by the simulated engines: config, tokenizer, completions, call counting."""
 
     simulated = True
 
-    def __init__(self, options: SimulatedOptions | None = None, *, max_model_len: int = 4096, seed: int = 0) -> None:
+    def __init__(self, options: SimulatedOptions | None, max_model_len: int, seed: int) -> None:
         self.options = options or SimulatedOptions()
         self.max_model_len = max_model_len
         self.seed = seed
-        self.name = f"simulated(a={self.options.latency_a_s}s, b={self.options.latency_b_s}s/token{', padded' if self.options.padded else ''})"
         self.calls = 0
-        self.busy_s = 0.0  # total simulated model time, for reports
+        self.busy_s = 0.0  # total modelled engine time, for reports
         self._lock = threading.Lock()
-
-    @classmethod
-    def from_config(cls, cfg: EngineConfig) -> SimulatedEngine:
-        return cls(cfg.simulated, max_model_len=cfg.max_model_len or 4096, seed=cfg.seed)
 
     def count_tokens(self, prompts: list[Prompt]) -> list[int]:
         return [simulated_token_count(prompt_text(p)) for p in prompts]
+
+    def _answer(self, prompt: Prompt, p: SamplingParams) -> Completion:
+        return simulated_completion(prompt, p, self.options, seed=self.seed, max_model_len=self.max_model_len)
+
+    def _count_call(self) -> int:
+        with self._lock:
+            self.calls += 1
+            call = self.calls
+        if self.options.fail_batch_every and call % self.options.fail_batch_every == 0:
+            raise SimulatedBatchError(f"simulated batch failure (call {call}, every {self.options.fail_batch_every})")
+        return call
+
+    def _sleep_rest(self, cost: float, started: float) -> None:
+        """Sleep what is left of ``cost``: building the outputs is part of the modelled time."""
+        with self._lock:
+            self.busy_s += cost
+        time.sleep(max(0.0, cost - (time.perf_counter() - started)))
+
+
+class LinearSimulatedEngine(_Answers):
+    """The linear model: sleeps ``a + b x batch_tokens`` per call, as if perfectly packed."""
+
+    def __init__(self, options: SimulatedOptions | None = None, *, max_model_len: int = 4096, seed: int = 0) -> None:
+        super().__init__(options, max_model_len, seed)
+        o = self.options
+        self.name = f"simulated-linear(a={o.latency_a_s}s, b={o.latency_b_s}s/token{', padded' if o.padded else ''})"
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> LinearSimulatedEngine:
+        return cls(cfg.simulated, max_model_len=cfg.max_model_len or 4096, seed=cfg.seed)
 
     def cost_s(self, prompt_tokens: list[int], output_tokens: list[int]) -> float:
         """Seconds one batch takes under the cost model."""
@@ -68,37 +150,184 @@ class SimulatedEngine:
 
     def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
         per_item = expand_params(prompts, params)
-        with self._lock:
-            self.calls += 1
-            call = self.calls
-        if self.options.fail_batch_every and call % self.options.fail_batch_every == 0:
-            raise SimulatedBatchError(f"simulated batch failure (call {call}, every {self.options.fail_batch_every})")
+        self._count_call()
         started = time.perf_counter()
-        out = [self._one(prompt_text(prompt), p) for prompt, p in zip(prompts, per_item)]
+        out = [self._answer(prompt, p) for prompt, p in zip(prompts, per_item)]
         ran = [c for c in out if c.error is None]
-        cost = self.cost_s([c.prompt_tokens for c in ran], [c.completion_tokens for c in ran])
-        with self._lock:
-            self.busy_s += cost
-        # The modelled cost is the whole call: building the outputs is part of it,
-        # so a batch takes `cost` seconds of wall time, not cost + our own CPU.
-        time.sleep(max(0.0, cost - (time.perf_counter() - started)))
+        self._sleep_rest(self.cost_s([c.prompt_tokens for c in ran], [c.completion_tokens for c in ran]), started)
         return out
-
-    def _one(self, prompt: str, p: SamplingParams) -> Completion:
-        n_prompt = simulated_token_count(prompt)
-        if self.options.fail_on is not None and self.options.fail_on in prompt:
-            return Completion.failed(f"simulated_error: prompt contains {self.options.fail_on!r}", prompt_tokens=n_prompt)
-        if err := too_long_error(n_prompt, p.max_tokens, self.max_model_len):
-            return Completion.failed(err, prompt_tokens=n_prompt)
-        digest = hashlib.blake2b(f"{self.seed}\x00{p.seed}\x00{prompt}".encode(), digest_size=8).digest()
-        rng = random.Random(int.from_bytes(digest, "big"))
-        verdict = "APPROVED" if rng.random() < self.options.approval_rate else "REJECTED"
-        n_words = max(p.min_tokens, min(self.options.output_tokens, p.max_tokens))
-        text = " ".join([verdict, *(rng.choice(_WORDS) for _ in range(n_words - 1))])
-        text, stopped = truncate_at_stop(text, p.stop)
-        # one word = one output token; "length" when max_tokens capped the output
-        reason = "stop" if stopped or n_words < p.max_tokens else "length"
-        return Completion(text=text, prompt_tokens=n_prompt, completion_tokens=len(text.split()), finish_reason=reason)
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+SimulatedEngine = LinearSimulatedEngine  # the original name; configs without cost_model get this one
+
+
+class DecodeBatchEngine(_Answers):
+    """One blocking call per batch through the decode-step model: the batch is a barrier.
+
+    Each ``generate`` runs a fresh scheduler over just its prompts (bounded by
+    ``max_num_seqs`` and the KV cache, as vLLM's ``LLM.generate`` is) and sleeps the
+    modelled time, which is set by the batch's longest decode.
+    """
+
+    def __init__(self, options: SimulatedOptions | None = None, *, max_model_len: int = 4096, seed: int = 0) -> None:
+        super().__init__(options, max_model_len, seed)
+        self.profile = decode_profile(self.options, max_model_len=max_model_len)
+        self.name = f"simulated-decode-blocking({self.profile.name})"
+        self.completed = 0
+        self.output_tokens = 0
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> DecodeBatchEngine:
+        return cls(cfg.simulated, max_model_len=cfg.max_model_len or 4096, seed=cfg.seed)
+
+    def batch_time_s(self, prompt_tokens: list[int], output_tokens: list[int]) -> float:
+        """Modelled seconds of one blocking call over these requests."""
+        sched = DecodeScheduler(self.profile)
+        for i, (p, o) in enumerate(zip(prompt_tokens, output_tokens)):
+            sched.add(i, p, max(1, o))
+        return sched.run_until_idle()
+
+    def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        per_item = expand_params(prompts, params)
+        dead_after = self.options.die_after_requests
+        if dead_after is not None and self.completed >= dead_after:
+            raise EngineDeadError(f"simulated engine died after {dead_after} requests")
+        self._count_call()
+        started = time.perf_counter()
+        out = [self._answer(prompt, p) for prompt, p in zip(prompts, per_item)]
+        ran = [c for c in out if c.error is None]
+        self._sleep_rest(self.batch_time_s([c.prompt_tokens for c in ran], [c.completion_tokens for c in ran]), started)
+        with self._lock:
+            self.completed += len(out)
+            self.output_tokens += sum(c.completion_tokens for c in ran)
+        return out
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+# A step that starts more than this late (a loaded machine, a blocked loop) starts when it
+# can: modelled time is lost, never compressed to catch up.
+_MAX_LAG_S = 0.002
+
+
+class DecodeStreamingEngine(_Answers):
+    """Continuous batching over the decode-step model (the ``StreamingEngine`` protocol).
+
+    A step loop on the caller's event loop advances a ``DecodeScheduler`` and sleeps each
+    step's modelled duration in real time, so a pipeline driving it measures itself
+    against a GPU-like engine. ``complete`` is one request: it joins at the next step and
+    returns when its own decode ends; cancelling it aborts the request in the scheduler
+    (its sequence slot and KV are freed at once). ``die_after_requests`` kills the engine:
+    every in-flight and later request raises ``EngineDeadError``.
+    """
+
+    def __init__(self, options: SimulatedOptions | None = None, *, max_model_len: int = 4096, seed: int = 0) -> None:
+        super().__init__(options, max_model_len, seed)
+        self.profile = decode_profile(self.options, max_model_len=max_model_len)
+        self.name = f"simulated-decode-continuous({self.profile.name})"
+        self.scheduler = DecodeScheduler(self.profile)
+        self.completed = 0
+        self.output_tokens = 0
+        self._ids = itertools.count()
+        self._futures: dict[int, asyncio.Future[None]] = {}
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._dead: EngineDeadError | None = None
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> DecodeStreamingEngine:
+        return cls(cfg.simulated, max_model_len=cfg.max_model_len or 4096, seed=cfg.seed)
+
+    async def start(self) -> None:
+        if self._loop_task is not None:
+            return
+        self._wake = asyncio.Event()
+        self._loop_task = asyncio.get_running_loop().create_task(self._step_loop(), name="simulated-engine-steps")
+
+    async def complete(self, prompt: Prompt, params: SamplingParams) -> Completion:
+        if self._dead is not None:
+            raise self._dead
+        if self._loop_task is None or self._wake is None:
+            raise RuntimeError("DecodeStreamingEngine is not started (await engine.start() on the worker's loop)")
+        completion = self._answer(prompt, params)
+        if completion.error is not None:
+            return completion
+        rid = next(self._ids)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._futures[rid] = future
+        self.scheduler.add(rid, completion.prompt_tokens, max(1, completion.completion_tokens))
+        self._wake.set()
+        try:
+            await future
+        except asyncio.CancelledError:
+            self.scheduler.abort(rid)  # nothing keeps decoding for a caller that left
+            raise
+        finally:
+            self._futures.pop(rid, None)
+        return completion
+
+    def capacity(self) -> int:
+        """Twice what the engine can run at once: finished sequences are replaced at the next step."""
+        return 2 * self.profile.max_num_seqs
+
+    def occupancy(self) -> EngineOccupancy:
+        s = self.scheduler
+        return EngineOccupancy(
+            running=s.running,
+            waiting=s.waiting,
+            max_num_seqs=self.profile.max_num_seqs,
+            kv_cache_usage=s.kv_used / self.profile.kv_capacity_tokens,
+        )
+
+    async def aclose(self) -> None:
+        task, self._loop_task = self._loop_task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self._die(EngineDeadError("simulated engine closed"))
+
+    def close(self) -> None:
+        """Synchronous close for owners that cannot await (the loop task dies with its loop)."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            self._loop_task = None
+
+    async def _step_loop(self) -> None:
+        assert self._wake is not None
+        loop = asyncio.get_running_loop()
+        sched = self.scheduler
+        clock = loop.time()  # modelled end of the last step
+        while True:
+            if sched.idle:
+                self._wake.clear()
+                await self._wake.wait()
+                clock = loop.time()
+                continue
+            if loop.time() - clock > _MAX_LAG_S:
+                clock = loop.time()
+            result = sched.step()
+            clock += result.duration_s
+            self.busy_s += result.duration_s
+            if (delay := clock - loop.time()) > 0:
+                await asyncio.sleep(delay)
+            for rid in result.finished:
+                future = self._futures.get(rid)
+                if future is not None and not future.done():
+                    future.set_result(None)
+            self.completed += len(result.finished)
+            self.output_tokens = sched.output_tokens
+            dead_after = self.options.die_after_requests
+            if dead_after is not None and self.completed >= dead_after:
+                self._die(EngineDeadError(f"simulated engine died after {dead_after} requests"))
+                return
+
+    def _die(self, error: EngineDeadError) -> None:
+        self._dead = self._dead or error
+        for rid, future in list(self._futures.items()):
+            self.scheduler.abort(rid)
+            if not future.done():
+                future.set_exception(self._dead)

