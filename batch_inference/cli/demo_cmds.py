@@ -69,9 +69,9 @@ def demo_spec(root: Path, model_dir: Path, input_path: Path, run: str) -> dict[s
 def demo(root: Path, records: int, run_name: str | None, ephemeral: bool) -> None:
     """Run a whole multi-round pipeline through the Dagster definitions, offline, and print its ledger."""
     import yaml
-    from rich.console import Console
+    from batch_inference.pipeline.report import output_console
 
-    console = Console(width=None if Console().is_terminal else 140)
+    console = output_console()
     _quiet_model_loading()
     root = root.resolve()
     model_dir = root / "model"

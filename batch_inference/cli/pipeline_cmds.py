@@ -25,16 +25,14 @@ EXIT = {"converged": 0, "exhausted": 3, "quarantined": 4, "records_failed": 5}
 @click.option("--run-name", "run_name", help="override the spec's run name (a new name starts a new run)")
 def run(spec_path: Path, strategy: str | None, run_name: str | None) -> None:
     """Run (or resume) the pipeline SPEC (YAML/TOML) and print its ledger."""
-    from rich.console import Console
-
     from batch_inference.pipeline import Ledger, PipelineSpec, SpecError, run_pipeline
-    from batch_inference.pipeline.report import RichReporter, ledger_table, run_lines
+    from batch_inference.pipeline.report import RichReporter, ledger_table, output_console, run_lines
 
     try:
         spec = PipelineSpec.load(spec_path, strategy=strategy, run=run_name)
     except SpecError as exc:
         raise click.ClickException(str(exc)) from None
-    console = Console()
+    console = output_console()
     console.print(f"run [bold]{spec.run}[/] ({spec.strategy}) -> {spec.output}/{spec.run}")
     try:
         with RichReporter(console) as reporter:
@@ -59,10 +57,8 @@ def run(spec_path: Path, strategy: str | None, run_name: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print the ledger as JSON instead of a table")
 def status(target: str, storage_options: str | None, as_json: bool) -> None:
     """Print a run's ledger: per round the funnel, tokens, engine time, wall time and decision."""
-    from rich.console import Console
-
     from batch_inference.pipeline import Ledger, PipelineSpec, RunLayout, SpecError
-    from batch_inference.pipeline.report import ledger_table, run_lines
+    from batch_inference.pipeline.report import ledger_table, output_console, run_lines
 
     options = orjson.loads(storage_options) if storage_options else {}
     if Path(target).suffix in (".yaml", ".yml", ".toml") and Path(target).is_file():
@@ -81,7 +77,7 @@ def status(target: str, storage_options: str | None, as_json: bool) -> None:
     if as_json:
         click.echo(orjson.dumps(view.__dict__, option=orjson.OPT_INDENT_2).decode())
         return
-    console = Console()
+    console = output_console()
     console.print(ledger_table(view, f"run {layout.run} ({layout.root})"))
     for line in run_lines(view):
         console.print(line)

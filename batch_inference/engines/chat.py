@@ -8,6 +8,8 @@ tokens, so none are added on top (vLLM's own chat path does the same).
 
 from __future__ import annotations
 
+import copy
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -58,3 +60,25 @@ def prompt_text(prompt: Prompt) -> str:
     if isinstance(prompt, str):
         return prompt
     return "".join(f"{role}: {content}\n" for role, content in prompt.messages) + "assistant: "
+
+
+class TokenizerCopy:
+    """``count_tokens``' own copy of an engine's tokenizer, used by one thread at a time.
+
+    ``count_tokens`` runs on worker threads (``asyncio.to_thread``, one per concurrent
+    task) while ``generate`` runs on the engine's thread; a Hugging Face fast tokenizer
+    keeps padding/truncation state in Rust and fails ("Already borrowed") or mixes
+    settings when two threads use it at once. So counting never touches the tokenizer
+    ``generate`` uses, and counting calls take turns on the copy.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = copy.deepcopy(tokenizer)
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> Any:
+        self._lock.acquire()
+        return self.tokenizer
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()

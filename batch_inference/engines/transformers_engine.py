@@ -26,7 +26,7 @@ from batch_inference.engines.base import (
     too_long_error,
     truncate_at_stop,
 )
-from batch_inference.engines.chat import encode_prompts
+from batch_inference.engines.chat import TokenizerCopy, encode_prompts
 from batch_inference.engines.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -63,19 +63,21 @@ class TransformersEngine:
         self.max_model_len = max_model_len or int(getattr(self.model.config, "max_position_embeddings", 2048))
         self.name = f"transformers:{model}"
         self._eos_ids = _eos_ids(self.model, self.tokenizer)
+        self._counting = TokenizerCopy(self.tokenizer)  # count_tokens runs on other threads than generate
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> TransformersEngine:
         assert cfg.model is not None  # EngineConfig guarantees it
         return cls(cfg.model, device=cfg.device, dtype=cfg.dtype, num_threads=cfg.num_threads, max_model_len=cfg.max_model_len)
 
-    def _encode(self, prompts: list[Prompt]) -> list[list[int]]:
-        return encode_prompts(self.tokenizer, prompts)
+    def _encode(self, prompts: list[Prompt], tokenizer: Any = None) -> list[list[int]]:
+        return encode_prompts(tokenizer or self.tokenizer, prompts)
 
     def count_tokens(self, prompts: list[Prompt]) -> list[int]:
         """Exact: the same tokenisation ``generate`` feeds the model (0 for a prompt it cannot
-        encode; ``generate`` gives that prompt its error)."""
-        return [0 if isinstance(ids, Exception) else len(ids) for ids in self._encode_each(prompts)]
+        encode; ``generate`` gives that prompt its error), on a copy of the tokenizer."""
+        with self._counting as tokenizer:
+            return [0 if isinstance(ids, Exception) else len(ids) for ids in self._encode_each(prompts, tokenizer)]
 
     def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
         per_item = expand_params(prompts, params)
@@ -102,15 +104,15 @@ class TransformersEngine:
                 out[i] = completion
         return [c for c in out if c is not None]
 
-    def _encode_each(self, prompts: list[Prompt]) -> list[list[int] | Exception]:
+    def _encode_each(self, prompts: list[Prompt], tokenizer: Any = None) -> list[list[int] | Exception]:
         """Token ids per prompt; one batched call, per prompt only if that call fails."""
         try:
-            return list(self._encode(prompts))
+            return list(self._encode(prompts, tokenizer))
         except Exception:
             results: list[list[int] | Exception] = []
             for prompt in prompts:
                 try:
-                    results.append(self._encode([prompt])[0])
+                    results.append(self._encode([prompt], tokenizer)[0])
                 except Exception as exc:
                     results.append(exc)
             return results

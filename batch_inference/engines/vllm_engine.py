@@ -17,7 +17,7 @@ import logging
 from typing import Any
 
 from batch_inference.engines.base import ChatPrompt, Completion, Prompt, SamplingParams, expand_params, too_long_error
-from batch_inference.engines.chat import ChatTemplateError, encode_chat
+from batch_inference.engines.chat import ChatTemplateError, TokenizerCopy, encode_chat
 from batch_inference.engines.config import EngineConfig
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,8 @@ class VllmEngine:
             enforce_eager=opts.enforce_eager,
             **opts.extra,
         )
-        self.tokenizer = self._llm.get_tokenizer()
+        self.tokenizer = self._llm.get_tokenizer()  # generate's (LLM.generate detokenizes with it too)
+        self._counting = TokenizerCopy(self.tokenizer)  # count_tokens runs on other threads than generate
         self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
         self.name = f"vllm:{cfg.model}"
 
@@ -113,18 +114,21 @@ class VllmEngine:
     def from_config(cls, cfg: EngineConfig) -> VllmEngine:
         return cls(cfg)
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def _encode(self, prompt: Prompt, tokenizer: Any = None) -> list[int]:
+        tokenizer = tokenizer or self.tokenizer
         if isinstance(prompt, ChatPrompt):
-            return encode_chat(self.tokenizer, prompt)
-        return list(self.tokenizer.encode(prompt))
+            return encode_chat(tokenizer, prompt)
+        return list(tokenizer.encode(prompt))
 
     def count_tokens(self, prompts: list[Prompt]) -> list[int]:
+        """Prompt token counts on a copy of the tokenizer (never generate's, from another thread)."""
         counts = []
-        for p in prompts:
-            try:
-                counts.append(len(self._encode(p)))
-            except Exception:  # generate gives this prompt its error
-                counts.append(0)
+        with self._counting as tokenizer:
+            for p in prompts:
+                try:
+                    counts.append(len(self._encode(p, tokenizer)))
+                except Exception:  # generate gives this prompt its error
+                    counts.append(0)
         return counts
 
     def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams]) -> list[Completion]:

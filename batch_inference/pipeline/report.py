@@ -5,6 +5,7 @@ Kept apart from the CLI so a script or notebook can use them too.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from rich.console import Console
@@ -13,6 +14,18 @@ from rich.table import Table
 from rich.text import Text
 
 from batch_inference.pipeline.ledger import LedgerView
+
+
+OFF_TTY_WIDTH = 160  # the ledger table's columns fit without wrapping
+
+
+def output_console() -> Console:
+    """A console for the CLI's tables: the terminal's width on a TTY; off a TTY (logs, CI,
+    ``| tee``) ``COLUMNS`` if set, else ``OFF_TTY_WIDTH``, not rich's 80 columns, which
+    squeezes the ledger table's eleven columns to one character each."""
+    if Console().is_terminal or os.environ.get("COLUMNS"):
+        return Console()
+    return Console(width=OFF_TTY_WIDTH)
 
 
 class _RateColumn(ProgressColumn):

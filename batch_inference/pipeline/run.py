@@ -100,8 +100,7 @@ class PipelineRun:
 
     async def shard(self) -> ShardSummary:
         """Reshard the input once (CPU): ids assigned where missing, duplicate ids reported."""
-        done = self.ledger.read("shard")
-        if done is not None and self._dir(self.layout.sharded).manifest() is not None:
+        if (done := await asyncio.to_thread(self._done_with_output, "shard", self.layout.sharded)) is not None:
             return ShardSummary.from_dict({**done, "resumed": True})
         await asyncio.to_thread(self.ledger.write, "spec", self.spec.public_dict())
         t0 = time.perf_counter()
@@ -239,6 +238,11 @@ class PipelineRun:
                     out[i] = rec
         return out
 
+    def _done_with_output(self, name: str, output_url: str) -> dict[str, Any] | None:
+        """The step's ledger entry if it finished and its output directory is committed."""
+        data = self.ledger.read(name)
+        return data if data is not None and self._dir(output_url).manifest() is not None else None
+
     def _phase_done(self, name: str) -> PhaseSummary | None:
         data = self.ledger.read(name)
         return PhaseSummary.from_dict(data) if data is not None else None
@@ -248,9 +252,9 @@ class PipelineRun:
     async def infer(self, r: int) -> PhaseSummary:
         """pending(r) -> inferred(r), one output shard per pending shard."""
         name = f"round-{r:02d}-infer"
-        if (done := self._phase_done(name)) is not None:
+        if (done := await asyncio.to_thread(self._phase_done, name)) is not None:
             return done
-        items, sizes = self._pending_items(r)
+        items, sizes = await asyncio.to_thread(self._pending_items, r)
 
         async def size(item: Item) -> int:
             return sizes.get(item[1].name, 0)
@@ -275,10 +279,11 @@ class PipelineRun:
     async def judge(self, r: int) -> PhaseSummary:
         """inferred(r) -> results (approved) + rejected(r); checks approved + rejected == inferred."""
         name = f"round-{r:02d}-judge"
-        if (done := self._phase_done(name)) is not None:
+        if (done := await asyncio.to_thread(self._phase_done, name)) is not None:
             return done
-        self._require(f"round-{r:02d}-infer", f"run infer({r}) first")
-        inferred = await asyncio.to_thread(self._progress, f"round-{r:02d}-infer", self._all_indices(r))
+        await asyncio.to_thread(self._require, f"round-{r:02d}-infer", f"run infer({r}) first")
+        indices = await asyncio.to_thread(self._all_indices, r)
+        inferred = await asyncio.to_thread(self._progress, f"round-{r:02d}-infer", indices)
         items = [(i, self._file(join(self.layout.inferred(r), part(i)))) for i in sorted(inferred)]
         written = {i: int(rec["records_in"]) for i, rec in inferred.items()}
 
@@ -368,9 +373,9 @@ class PipelineRun:
     async def recompact(self, r: int) -> RecompactSummary:
         """rejected(r) -> pending(r + 1) in full shards."""
         name = f"round-{r + 1:02d}-recompact"
-        if (data := self.ledger.read(name)) is not None and self._dir(self.layout.pending(r + 1)).manifest() is not None:
+        if (data := await asyncio.to_thread(self._done_with_output, name, self.layout.pending(r + 1))) is not None:
             return RecompactSummary.from_dict({**data, "resumed": True})
-        self._require(f"round-{r:02d}-judge", f"run judge({r}) first")
+        await asyncio.to_thread(self._require, f"round-{r:02d}-judge", f"run judge({r}) first")
         t0 = time.perf_counter()
         records, shards_in, shards_out = await asyncio.to_thread(
             passes.recompact, self.layout.rejected(r), self.layout.pending(r + 1),
@@ -391,12 +396,12 @@ class PipelineRun:
         (``max_attempts - r``); its rows are split into results (approved) and
         tail/unfinished (max_attempts, error).
         """
-        if (done := self._phase_done("tail")) is not None:
+        if (done := await asyncio.to_thread(self._phase_done, "tail")) is not None:
             return done
         attempts_left = self.spec.max_attempts - from_round
         if attempts_left < 1:
             raise StepOrderError(f"tail({from_round}): no attempts left (max_attempts {self.spec.max_attempts})")
-        items, sizes = self._pending_items(from_round)
+        items, sizes = await asyncio.to_thread(self._pending_items, from_round)
 
         async def size(item: Item) -> int:
             return sizes.get(item[1].name, 0)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
@@ -133,3 +136,56 @@ def test_chat_prompt_on_a_model_without_a_chat_template_fails_alone(tiny_model_d
     out = engine.generate([chat, "hi"], SamplingParams(max_tokens=2))
     assert out[0].error.startswith("chat_template_error: the model's tokenizer has no chat template") and out[1].error is None
     engine.close()
+
+
+class _OneThreadAtATime:
+    """A tokenizer proxy that counts calls made while another thread was inside one."""
+
+    def __init__(self, inner) -> None:
+        self._inner, self._active, self.overlaps = inner, 0, 0
+        self._lock = threading.Lock()
+
+    def _guarded(self, fn):
+        def call(*args, **kwargs):
+            with self._lock:
+                self._active += 1
+                self.overlaps += self._active > 1
+            try:
+                time.sleep(0.001)  # widen the window a race needs
+                return fn(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self._active -= 1
+        return call
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        return self._guarded(attr) if callable(attr) else attr
+
+    def __call__(self, *args, **kwargs):
+        return self._guarded(self._inner)(*args, **kwargs)
+
+
+def test_token_counting_and_generation_never_use_one_tokenizer_from_two_threads(tiny_engine, monkeypatch) -> None:
+    """count_tokens runs on to_thread workers (one per task) while generate runs on the
+    engine thread: a fast tokenizer shared between them fails ("Already borrowed")."""
+    from batch_inference.engines.chat import TokenizerCopy
+
+    guards = [_OneThreadAtATime(tiny_engine.tokenizer)]
+    monkeypatch.setattr(tiny_engine, "tokenizer", guards[0])
+    for value in vars(tiny_engine).values():
+        if isinstance(value, TokenizerCopy):
+            guards.append(_OneThreadAtATime(value.tokenizer))
+            monkeypatch.setattr(value, "tokenizer", guards[-1])
+    prompts = ["hello there", "The quick brown fox jumps over the lazy dog."]
+    expected = tiny_engine.count_tokens(prompts)
+
+    def count() -> list[list[int]]:
+        return [tiny_engine.count_tokens(prompts) for _ in range(15)]
+
+    with ThreadPoolExecutor(4) as pool:
+        counted = [pool.submit(count) for _ in range(3)]
+        generated = pool.submit(lambda: [tiny_engine.generate(prompts, GREEDY) for _ in range(3)])
+        assert all(c == expected for f in counted for c in f.result())
+        assert all(c.error is None for out in generated.result() for c in out)
+    assert [g.overlaps for g in guards] == [0] * len(guards) and len(guards) == 2

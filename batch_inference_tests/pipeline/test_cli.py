@@ -77,3 +77,18 @@ def test_ctrl_c_stops_cleanly_and_rerun_resumes(tmp_path: Path) -> None:
     again = CliRunner().invoke(run, [str(spec_path)], terminal_width=160)
     assert again.exit_code == 3, again.output
     assert "conservation: OK" in again.output
+
+
+def test_the_ledger_table_is_readable_off_a_terminal(tmp_path: Path) -> None:
+    """``batch-inference status RUN | cat``: stdout is a pipe; every header stays whole."""
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(spec_dict(tmp_path, records=200, approval=0.5, max_rounds=2)))
+    assert CliRunner().invoke(run, [str(spec_path)]).exit_code == 3
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    proc = subprocess.run([sys.executable, "-m", "batch_inference.cli.main", "status", str(spec_path)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout
+    header = next(line for line in proc.stdout.splitlines() if "phase" in line)
+    for column in ("in", "approved", "rejected", "failed", "funnel", "tokens in/out", "engine s", "wall s", "fill", "next"):
+        assert f" {column} " in header, header
+    assert any("round 1" in line and "exhausted" in line for line in proc.stdout.splitlines()), proc.stdout

@@ -164,3 +164,39 @@ async def test_ids_assigned_and_duplicate_input_ids_reported(tmp_path: Path, mak
     await run_pipeline(spec2)
     assert ledger(spec2, "shard")["ids_assigned"] == 600
     assert "storage_options" in ledger(spec2, "spec")
+
+
+async def test_pipeline_steps_never_block_the_event_loop_on_storage(make_spec, monkeypatch) -> None:
+    """Ledger reads/writes and shard listings run off the loop the in-process pool's batcher
+    shares (on S3 each is a network round trip): every step of a hybrid run, rounds and tail."""
+    import asyncio
+    import traceback
+
+    from batch_inference.pipeline.ledger import Ledger
+    from batch_inference.storage import JsonlDir, JsonlFile
+
+    on_loop: list[str] = []
+
+    def watch(cls, name):
+        real = getattr(cls, name)
+
+        def wrapper(*args, **kwargs):
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                pass  # a worker thread: fine
+            else:
+                on_loop.append(f"{cls.__name__}.{name}\n" + "".join(traceback.format_stack(limit=6)))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(cls, name, wrapper)
+
+    for cls, name in [(Ledger, "read_url"), (Ledger, "write_url"), (JsonlDir, "manifest"), (JsonlDir, "shards"),
+                      (JsonlDir, "exists_sync"), (JsonlFile, "exists_sync")]:
+        watch(cls, name)
+    spec = make_spec(strategy="hybrid", approval=0.3, max_rounds=2, max_attempts=4, records=300)
+    summary = await run_pipeline(spec)
+    assert summary.tail and summary.conservation["ok"]
+    resumed = await run_pipeline(spec)  # the resume path reads every step's ledger entry
+    assert resumed.approved == summary.approved
+    assert on_loop == [], on_loop[0]
