@@ -4,4 +4,5 @@ pytest_plugins = [
     "batch_inference_tests.fixtures.s3",
     "batch_inference_tests.fixtures.models",
     "batch_inference_tests.fixtures.pool",
+    "batch_inference_tests.fixtures.postgres",
 ]

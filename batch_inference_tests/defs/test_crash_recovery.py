@@ -46,7 +46,7 @@ from batch_inference.defs.pool.resources import PoolResource
 from batch_inference.defs.runs.jobs import start_run_config
 from batch_inference.defs.storage.resources import StorageResource
 
-instance = dg.DagsterInstance.local_temp(tempdir=sys.argv[1])
+instance = dg.DagsterInstance.from_config(sys.argv[1])  # $DIR/dagster.yaml if any, else SQLite in DIR
 defs = build_definitions(pool=PoolResource(mode="inprocess"), storage=StorageResource())
 assert start_run(defs, instance, start_run_config(sys.argv[2]), log_level="WARNING").success
 drive(defs, instance, log_level="WARNING")
@@ -56,6 +56,13 @@ drive(defs, instance, log_level="WARNING")
 
 @pytest.mark.slow
 def test_a_round_run_sigkilled_mid_round_is_retried_by_the_sensor(tmp_path: Path) -> None:
+    home = tmp_path / "dagster-home"
+    home.mkdir()
+    sigkill_a_round_run_and_recover(tmp_path, home)
+
+
+def sigkill_a_round_run_and_recover(tmp_path: Path, home: Path) -> None:
+    """The end-to-end recovery on the instance configured in ``home`` (SQLite without a dagster.yaml)."""
     from batch_inference.definitions import build_definitions
     from batch_inference.defs.pool.resources import PoolResource
     from batch_inference.defs.storage.resources import StorageResource
@@ -72,15 +79,13 @@ def test_a_round_run_sigkilled_mid_round_is_retried_by_the_sensor(tmp_path: Path
     spec = PipelineSpec.load(spec_path)
     root = Path(spec.output) / spec.run
     progress = root / "ledger" / "progress" / "round-00-infer"
-    home = tmp_path / "dagster-home"
-    home.mkdir()
 
     # mid-round: 2 of round 0's 8 infer shards done
     pid, killed_at = sigkill_after_progress([sys.executable, "-c", DRIVER, str(home), str(spec_path)], progress, 2, timeout_s=60)
     done_before = progress_files(progress, "*.json")
     assert 2 <= len(done_before) < 8, "killed mid-round"
 
-    instance = dg.DagsterInstance.local_temp(tempdir=str(home))
+    instance = dg.DagsterInstance.from_config(str(home))
     (killed,) = [r for r in instance.get_runs() if r.job_name == "round_job"]
     assert killed.status == dg.DagsterRunStatus.STARTED  # what Dagster alone leaves behind
     assert killed.tags[WORKER_TAG].split()[:2] == [socket.gethostname(), str(pid)]

@@ -129,6 +129,8 @@ def test_helm_values_match_the_instance_config():
     assert snake_keys(values["dagsterDaemon"]["runMonitoring"]) == instance["run_monitoring"]
     assert values["dagsterDaemon"]["runRetries"]["enabled"] is False
     assert values["postgresql"]["enabled"] is False and values["telemetry"]["enabled"] is False
+    # the chart renders postgresqlScheme as postgres_db.scheme: the same driver as the file
+    assert values["postgresql"]["postgresqlScheme"] == instance["storage"]["postgres"]["postgres_db"]["scheme"]
     deployment = values["dagster-user-deployments"]["deployments"][0]
     assert deployment["dagsterApiGrpcArgs"] == ["--module-name", "batch_inference.definitions"]
 
