@@ -8,13 +8,12 @@ no verdict is ``Verdict(False, "unparseable_verdict")``.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import orjson
 
-from batch_inference.engines.base import ChatPrompt, Completion, Engine, Prompt, ResponseFormat, SamplingParams
-from batch_inference.judges.templates import MissingFieldError, PromptTemplate
+from batch_inference.engines.base import ChatPrompt, Completion, Prompt, ResponseFormat, SamplingParams
+from batch_inference.judges.templates import PromptTemplate
 from batch_inference.judges.verdicts import Verdict
 
 # "first verdict word wins"; "not approved" counts as a rejection
@@ -105,18 +104,3 @@ class LLMJudge:
         if completion.error is not None:
             return Verdict(False, f"judge_error: {completion.error}")
         return self.parse(completion.text)
-
-    def judge_with(self, engine: Engine, records: Sequence[dict[str, Any]], results: Sequence[str]) -> list[Verdict]:
-        """Judge a batch directly on an engine (blocking; workers go through their batcher instead)."""
-        verdicts: list[Verdict | None] = [None] * len(records)
-        prompts: list[str] = []
-        index: list[int] = []
-        for i, (record, result) in enumerate(zip(records, results)):
-            try:
-                prompts.append(self.prompt(record, result))
-                index.append(i)
-            except MissingFieldError as exc:
-                verdicts[i] = Verdict(False, str(exc))
-        for i, completion in zip(index, engine.generate(prompts, self.sampling) if prompts else []):
-            verdicts[i] = self.verdict(completion)
-        return [v for v in verdicts if v is not None]

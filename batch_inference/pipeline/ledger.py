@@ -93,11 +93,6 @@ class Ledger:
     def read_progress(self, step: str, index: int) -> dict[str, Any] | None:
         return self.read_url(self.layout.progress_file(step, index))
 
-    def clear_progress(self, step: str) -> None:
-        path = self._path(self.layout.progress_file(step, 0)).rsplit("/", 1)[0]
-        if self.fs.exists(path):
-            self.fs.rm(path, recursive=True)
-
     def view(self) -> LedgerView:
         """Everything recorded so far, in round order (for ``batch-inference status``)."""
         rounds: list[dict[str, Any]] = []

@@ -1,7 +1,7 @@
 """What each pipeline step returns and records in the ledger.
 
-Small frozen dataclasses of plain JSON values: the Dagster layer turns them into
-materialisation metadata with ``as_metadata()``, the ledger stores ``as_dict()``.
+Small frozen dataclasses of plain JSON values: the ledger stores ``as_dict()``, the CLI
+report and the Dagster metadata read their fields.
 """
 
 from __future__ import annotations
@@ -18,18 +18,6 @@ RunStatus = Literal["converged", "exhausted", "quarantined", "records_failed"]
 class _Summary:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)  # type: ignore[call-overload]
-
-    def as_metadata(self) -> dict[str, Any]:
-        """Flat scalars (nested dicts as ``parent.key``; lists as their length)."""
-        out: dict[str, Any] = {}
-        for key, value in self.as_dict().items():
-            if isinstance(value, dict):
-                out.update({f"{key}.{k}": v for k, v in value.items() if isinstance(v, (int, float, str, bool))})
-            elif isinstance(value, list):
-                out[key] = len(value)
-            elif value is not None:
-                out[key] = value
-        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Any:

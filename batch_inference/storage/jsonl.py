@@ -470,9 +470,6 @@ class JsonlDir:
         names = [n for n in self._listed_names() if _SHARD_RE.match(n)]
         return [self._file(n) for n in sorted(names, key=_natural_key)]
 
-    async def ashards(self) -> list[JsonlFile]:
-        return await asyncio.to_thread(self.shards)
-
     def count_records(self) -> int:
         """From the manifest when present, else by streaming every shard."""
         man = self.manifest()

@@ -195,7 +195,7 @@ async def test_storage_secrets_never_reach_logs_ledger_or_metadata(tmp_path: Pat
     view = Ledger(RunLayout(spec.output, spec.run), options).view()
     for rnd in view.rounds:
         texts.append(repr(phase_metadata(rnd["infer"])) + repr(round_metadata(rnd["infer"], rnd["judge"])))
-    texts.append(repr(summary.as_metadata()))
+    texts.append(repr(summary.as_dict()))
     leaked = [t[:200] for t in texts if any(s in t for s in (AWS_KEY, AWS_SECRET, TOKEN))]
     assert not leaked, leaked
     assert any('"key": "***"' in t or "'key': '***'" in t for t in texts), "the ledger records the spec, redacted"

@@ -65,7 +65,12 @@ def test_judge_with_simulated_engine_rate_and_missing_field() -> None:
     judge = build_judge({"kind": "llm", "template": "{prompt} => {result}", "max_tokens": 4})
     assert isinstance(judge, LLMJudge) and judge.sampling == SamplingParams(max_tokens=4)
     records = [{"id": str(i), "prompt": f"p{i}"} for i in range(1000)] + [{"id": "nope"}]
-    verdicts = judge.judge_with(engine, records, [f"r{i}" for i in range(1001)])
+    verdicts = []
+    for record, result in zip(records, [f"r{i}" for i in range(1001)]):  # what a judge task does per record
+        try:
+            verdicts.append(judge.verdict(engine.generate([judge.prompt(record, result)], judge.sampling)[0]))
+        except KeyError as exc:  # MissingFieldError
+            verdicts.append(Verdict(False, str(exc)))
     assert len(verdicts) == 1001
     assert sum(v.approved for v in verdicts[:1000]) / 1000 == pytest.approx(0.25, abs=0.05)
     assert not verdicts[-1].approved and "missing_field" in verdicts[-1].reason and "nope" in verdicts[-1].reason
