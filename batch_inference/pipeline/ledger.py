@@ -28,14 +28,16 @@ from typing import Any
 
 import orjson
 
+from batch_inference import rows
 from batch_inference.pipeline.layout import RunLayout
+from batch_inference.rows import Status
 from batch_inference.storage import CorruptShardError, JsonlDir, JsonlFile, MalformedRecordError
 from batch_inference.storage.urls import fs_for, is_local
 
 log = logging.getLogger(__name__)
 
 BUCKET_IDS = 250_000  # input ids per bucket held in memory at once during the check
-TERMINAL_STATES = ("approved", "exhausted", "max_attempts", "failed")
+TERMINAL_STATES = tuple(str(s) for s in rows.TERMINAL_STATES)
 
 
 class ConservationError(RuntimeError):
@@ -146,7 +148,7 @@ def _iter_ids(src: IdSource, storage_options: dict[str, Any], unreadable: list[s
                 for rec in f.iter_records_sync():
                     state = src.state
                     if src.status_field:
-                        state = "max_attempts" if rec.get("status") == "max_attempts" else "failed"
+                        state = Status.MAX_ATTEMPTS if rec.get("status") == Status.MAX_ATTEMPTS else Status.FAILED
                     yield state, str(rec.get("id"))
             except (CorruptShardError, MalformedRecordError) as exc:
                 if f.url not in unreadable:
@@ -193,7 +195,7 @@ def check_conservation(
                         c[0] += 1
                     else:
                         c[1] += 1
-                        c[2] += state == "approved"
+                        c[2] += state == Status.APPROVED
             for rid, (n_in, n_term, n_res) in per_id.items():
                 if n_term < n_in:
                     missing += n_in - n_term

@@ -10,24 +10,12 @@ from collections.abc import Iterable
 from contextlib import ExitStack
 from typing import Any
 
+from batch_inference import rows
+from batch_inference.rows import Status, permanent_error
 from batch_inference.storage import JsonlDir, JsonlFile, ReshardReport, reshard
 
-# Per-attempt fields a new round recomputes: dropped at recompaction so an approved row
-# of a later round never carries an earlier round's rejection.
-ATTEMPT_FIELDS = ("result", "error", "finish_reason", "usage", "rejection", "verdict", "status", "round")
-
-
-# Per-item error tags that fail the same record the same way on every attempt (see
-# ARCHITECTURE "engines"): such a record ends ``failed`` with its reason at once instead of
-# burning every remaining round. Batch-level exceptions and engine_error stay retryable.
-PERMANENT_ERRORS = ("prompt_too_long:", "empty_prompt:", "missing_field", "tokenizer_error:", "simulated_error:",
-                    "bad_messages:", "bad_sampling:", "bad_request:", "chat_template_error:", "unsupported_response_format:")
-
-
-def permanent_error(rec: dict[str, Any]) -> str | None:
-    """The record's inference error when retrying it cannot help, else None."""
-    error = rec.get("error")
-    return error if isinstance(error, str) and error.startswith(PERMANENT_ERRORS) else None
+# A record with a permanent error (rows.PERMANENT: it would fail the same way on every
+# attempt) ends ``failed`` with its reason at once instead of burning every remaining round.
 
 
 class _FailedSink:
@@ -45,7 +33,7 @@ class _FailedSink:
             return False
         if self._w is None:
             self._w = self._stack.enter_context(JsonlDir(self.dst, storage_options=self.storage_options).writer_sync(compression="zstd"))  # type: ignore[arg-type]
-        self._w.write({**rec, "status": "failed", "reason": reason, "failed_round": round})
+        self._w.write({**rec, "status": Status.FAILED, "reason": reason, "failed_round": round})
         self.records += 1
         return True
 
@@ -102,9 +90,7 @@ def recompact(
             for rec in shard.iter_records_sync():
                 if failed.take(rec, round):
                     continue
-                for key in ATTEMPT_FIELDS:
-                    rec.pop(key, None)
-                w.write(rec)
+                w.write(rows.strip_results(rec))  # the next round recomputes every result field
         records = w.records
     man = out.manifest()
     return records, len(shards), len(man.shards) if man else 0
@@ -125,7 +111,7 @@ def write_exhausted(
             for rec in d.iter_records_sync():
                 if failed.take(rec, round):
                     continue
-                rec["status"] = "exhausted"
+                rec["status"] = Status.EXHAUSTED
                 rec["exhausted_round"] = round
                 w.write(rec)
         return w.records
@@ -135,19 +121,19 @@ def split_tail_shard(
     src: str, approved: str, unfinished: str, *, storage_options: dict[str, Any] | None = None
 ) -> dict[str, int]:
     """Split one in-place retry output shard: approved rows into results, the rest aside."""
-    counts = {"approved": 0, "max_attempts": 0, "error": 0}
+    counts = {Status.APPROVED: 0, Status.MAX_ATTEMPTS: 0, Status.ERROR: 0}
     with (
         JsonlFile(approved, storage_options=storage_options).writer_sync() as ok,
         JsonlFile(unfinished, storage_options=storage_options).writer_sync() as rest,
     ):
         for rec in JsonlFile(src, storage_options=storage_options).iter_records_sync():
             status = rec.get("status")
-            if status == "approved":
+            if status == Status.APPROVED:
                 ok.write(rec)
             else:
                 rest.write(rec)
-            counts[status if status in counts else "error"] += 1
-    return counts
+            counts[Status(status) if status in counts else Status.ERROR] += 1
+    return {str(k): v for k, v in counts.items()}
 
 
 def count_shard(url: str, storage_options: dict[str, Any] | None = None) -> int:

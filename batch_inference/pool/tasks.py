@@ -15,19 +15,18 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from batch_inference import rows
 from batch_inference.engines import Completion, supports_structured_output
 from batch_inference.engines.base import unconstrained_error
 from batch_inference.judges import JudgeConfig, LLMJudge, Verdict, build_judge
 from batch_inference.pool.engine_host import EngineHost, GenRequest
 from batch_inference.pool.protocol import TaskSpec
 from batch_inference.prompting import Request, RequestBuilder, RequestError
+from batch_inference.rows import ErrorKind, Status
 from batch_inference.storage import CheckpointStore, JsonlFile
 
 log = logging.getLogger(__name__)
 
-# Fields a task writes; stripped from an input record so a record re-inferred in a later
-# round does not carry the previous round's result, verdict or rejection.
-RESULT_FIELDS = ("result", "error", "finish_reason", "usage", "verdict", "rejection", "status", "round")
 
 
 class TaskInputError(ValueError):
@@ -113,15 +112,11 @@ class TaskContext:
         return out
 
 
-def _clean(record: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in record.items() if k not in RESULT_FIELDS}
+_clean = rows.strip_results  # a record re-inferred in a later round carries no earlier result
 
 
 def _error_text(exc: BaseException) -> str:
-    text = str(exc)
-    if isinstance(exc, RequestError) or text.startswith(("missing_field", "prompt_too_long")):
-        return text
-    return f"{type(exc).__name__}: {text}"
+    return str(exc) if isinstance(exc, RequestError) else rows.error_text(exc)
 
 
 def _prior_attempts(record: dict[str, Any]) -> int:
@@ -202,7 +197,9 @@ class Judging:
 
 def _judge_error(exc: BaseException) -> str:
     text = str(exc)
-    return text if text.startswith("missing_field") else f"judge_error: {type(exc).__name__}: {text}"
+    if ErrorKind.of(text) is ErrorKind.MISSING_FIELD:
+        return text
+    return ErrorKind.JUDGE_ERROR.tag(f"{type(exc).__name__}: {text}")
 
 
 async def run_judge(ctx: TaskContext) -> dict[str, int]:
@@ -220,11 +217,11 @@ async def run_judge(ctx: TaskContext) -> dict[str, int]:
             for row in chunk:
                 verdict = by_id.get(id(row))
                 if verdict is None:
-                    reason = f"inference_error: {row.get('error') or 'no result'}"
+                    reason = ErrorKind.INFERENCE_ERROR.tag(row.get("error") or "no result")
                     no.append({**row, "rejection": reason, "verdict": None})
                 elif verdict.approved:
                     base = {k: v for k, v in row.items() if k != "rejection"}
-                    yes.append({**base, "status": "approved", "verdict": verdict.to_dict(), "round": spec.round})
+                    yes.append({**base, "status": Status.APPROVED, "verdict": verdict.to_dict(), "round": spec.round})
                 else:
                     no.append({**row, "rejection": verdict.reason, "verdict": verdict.to_dict()})
             await approved.write_many(yes)
@@ -326,7 +323,7 @@ class _Sample:
 
     def error(self, text: str) -> None:
         """This record's own failure (prompt, engine item, judge): not checkpointed, as before."""
-        self.row = {**self.base, "result": None, "status": "error", "error": text, "attempts": self.prior + self.attempt + 1}
+        self.row = {**self.base, "result": None, "status": Status.ERROR, "error": text, "attempts": self.prior + self.attempt + 1}
 
 
 async def run_retry(ctx: TaskContext) -> dict[str, int]:
@@ -375,7 +372,7 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
                 s.attempt += 1
                 ckpt.add({"id": s.rid, "attempt": s.attempt, "last_result": None})
             elif res.error is not None:
-                s.row = {**s.base, "result": None, "status": "error", "error": res.error, "attempts": s.prior + s.attempt + 1}
+                s.row = {**s.base, "result": None, "status": Status.ERROR, "error": res.error, "attempts": s.prior + s.attempt + 1}
             else:
                 s.result = res.text
                 ckpt.add({"id": s.rid, "attempt": s.attempt, "last_result": s.result})
@@ -390,7 +387,7 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
         for s, verdict in zip(wave, verdicts):
             s.verdict = verdict
             if verdict.approved:
-                s.final(ckpt, {"result": s.result, "status": "approved", "error": None,
+                s.final(ckpt, {"result": s.result, "status": Status.APPROVED, "error": None,
                                "attempts": s.prior + s.attempt + 1, "verdict": verdict.to_dict()})
             else:
                 # Clear the result: on resume this attempt is re-inferred, never re-judged.
@@ -404,7 +401,7 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
             for s in samples:
                 if s.row is None and s.attempt >= spec.max_attempts:
                     s.result = None
-                    s.final(ckpt, {"result": None, "status": "max_attempts", "error": None,
+                    s.final(ckpt, {"result": None, "status": Status.MAX_ATTEMPTS, "error": None,
                                    "attempts": s.prior + spec.max_attempts,
                                    "verdict": s.verdict.to_dict() if s.verdict else None,
                                    **({"last_error": s.batch_error} if s.batch_error else {})})
@@ -440,5 +437,7 @@ async def run_task(ctx: TaskContext) -> dict[str, int]:
     """Run the task ``ctx.spec`` names; returns its counts."""
     return await RUNNERS[ctx.spec.kind](ctx)
 
+
+RESULT_FIELDS = rows.RESULT_FIELDS  # kept importable from here
 
 __all__ = ["RESULT_FIELDS", "TaskContext", "TaskInputError", "TaskMeter", "run_task"]

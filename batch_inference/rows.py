@@ -1,0 +1,111 @@
+"""The row schema: the fields a result row carries, its statuses and its error kinds.
+
+One module every layer reads (pool tasks write rows, pipeline passes repack and
+classify them, the ledger counts them, reports show them), so the vocabulary is
+defined once. It imports nothing of the project.
+
+- A new **output field** a task writes goes into ``RESULT_FIELDS``: every task strips
+  those from its input (a record re-inferred in a later round must not carry the
+  previous round's value) and recompaction drops them before the next round.
+- A new **error kind** goes into ``ErrorKind`` (and into ``PERMANENT`` when retrying the
+  record cannot help): errors are strings tagged ``"<kind>: detail"``; ``ErrorKind.of``
+  reads the tag back, so nothing else parses prefixes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Any
+
+
+class Status(StrEnum):
+    """A row's ``status`` field; the last four are the terminal states conservation counts."""
+
+    APPROVED = "approved"  # the judge approved it (results/)
+    ERROR = "error"  # tail: the record's own failure (tail/unfinished/, counted failed)
+    MAX_ATTEMPTS = "max_attempts"  # tail: every attempt rejected (tail/unfinished/)
+    EXHAUSTED = "exhausted"  # rounds: still rejected at max_rounds (exhausted/)
+    FAILED = "failed"  # a permanent error (round-NN/failed-records/) or a quarantined shard
+
+
+TERMINAL_STATES: tuple[Status, ...] = (Status.APPROVED, Status.EXHAUSTED, Status.MAX_ATTEMPTS, Status.FAILED)
+
+
+class ErrorKind(StrEnum):
+    """The tag an error string starts with (``"prompt_too_long: 5000 prompt tokens ..."``)."""
+
+    # engines, per item
+    PROMPT_TOO_LONG = "prompt_too_long"
+    EMPTY_PROMPT = "empty_prompt"
+    TOKENIZER_ERROR = "tokenizer_error"
+    CHAT_TEMPLATE_ERROR = "chat_template_error"
+    ENGINE_ERROR = "engine_error"
+    SIMULATED_ERROR = "simulated_error"
+    UNSUPPORTED_RESPONSE_FORMAT = "unsupported_response_format"  # a constrained request, an engine that cannot
+    # a record that cannot become a request (prompting.RequestError)
+    BAD_MESSAGES = "bad_messages"
+    BAD_SAMPLING = "bad_sampling"
+    BAD_REQUEST = "bad_request"
+    # templates and judges
+    MISSING_FIELD = "missing_field"
+    JUDGE_ERROR = "judge_error"
+    RULE_ERROR = "rule_error"
+    UNPARSEABLE_VERDICT = "unparseable_verdict"
+    # a judge task's rejection of a row whose inference failed
+    INFERENCE_ERROR = "inference_error"
+
+    def tag(self, detail: str) -> str:
+        """``"<kind>: <detail>"``, the form every layer writes."""
+        return f"{self.value}: {detail}"
+
+    @property
+    def permanent(self) -> bool:
+        """Retrying fails the same record the same way: it ends ``failed`` at once."""
+        return self in PERMANENT
+
+    @classmethod
+    def of(cls, text: object) -> ErrorKind | None:
+        """The kind ``text`` is tagged with; None for an untagged error (or not a string)."""
+        if not isinstance(text, str):
+            return None
+        head = text.split(":", 1)[0].strip()
+        try:
+            return cls(head)
+        except ValueError:
+            return None
+
+
+# Batch-level exceptions and engine_error stay retryable (the next round / attempt may pass).
+PERMANENT: frozenset[ErrorKind] = frozenset({
+    ErrorKind.PROMPT_TOO_LONG, ErrorKind.EMPTY_PROMPT, ErrorKind.MISSING_FIELD, ErrorKind.TOKENIZER_ERROR,
+    ErrorKind.SIMULATED_ERROR, ErrorKind.BAD_MESSAGES, ErrorKind.BAD_SAMPLING, ErrorKind.BAD_REQUEST,
+    ErrorKind.CHAT_TEMPLATE_ERROR, ErrorKind.UNSUPPORTED_RESPONSE_FORMAT,
+})
+
+
+# Fields a task writes (infer: result, error, finish_reason, usage; judge: verdict,
+# rejection, status, round; retry: status, result, error, verdict). ``id`` and
+# ``attempts`` travel with the record across rounds and are never stripped.
+RESULT_FIELDS: tuple[str, ...] = ("result", "error", "finish_reason", "usage", "verdict", "rejection", "status", "round")
+
+
+def strip_results(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The record without any previous round's result fields (``RESULT_FIELDS``)."""
+    return {k: v for k, v in record.items() if k not in RESULT_FIELDS}
+
+
+def permanent_error(row: Mapping[str, Any]) -> str | None:
+    """The row's inference error when retrying it cannot help, else None."""
+    error = row.get("error")
+    kind = ErrorKind.of(error)
+    return error if kind is not None and kind.permanent else None  # type: ignore[return-value]
+
+
+def error_text(exc: BaseException) -> str:
+    """An exception as a row's error: a tagged message as is, else ``Type: message``."""
+    text = str(exc)
+    return text if ErrorKind.of(text) is not None else f"{type(exc).__name__}: {text}"
+
+
+__all__ = ["PERMANENT", "RESULT_FIELDS", "TERMINAL_STATES", "ErrorKind", "Status", "error_text", "permanent_error", "strip_results"]
