@@ -16,7 +16,7 @@ _COMMAND_MODULES: dict[str, tuple[str, ...]] = {
     "batch_inference.cli.storage_cmds": ("shard", "inspect"),
     "batch_inference.cli.engine_cmds": ("make_model",),
     "batch_inference.cli.pool_cmds": ("worker", "pool"),
-    "batch_inference.cli.pipeline_cmds": ("run", "status"),
+    "batch_inference.cli.pipeline_cmds": ("run", "status", "validate", "export"),
     "batch_inference.cli.demo_cmds": ("demo",),
 }
 

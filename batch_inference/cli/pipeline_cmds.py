@@ -81,3 +81,61 @@ def status(target: str, storage_options: str | None, as_json: bool) -> None:
     console.print(ledger_table(view, f"run {layout.run} ({layout.root})"))
     for line in run_lines(view):
         console.print(line)
+
+
+@click.command("validate")
+@click.argument("spec_path", metavar="SPEC", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--quick", is_flag=True, help="check only the first records (do not read the whole input)")
+def validate(spec_path: Path, quick: bool) -> None:
+    """Prove SPEC runnable without running it, and print what a run would do.
+
+    Builds the judge and the prompt path, renders the first records through the infer and
+    judge templates, and (unless --quick) reads the whole input: records, shards, and the
+    OpenAI Batch file checks. Exit 0 when the spec can run, 1 with the key and record named.
+    """
+    from batch_inference.pipeline import PipelineSpec, SpecError
+    from batch_inference.pipeline.preflight import preflight
+
+    try:
+        spec = PipelineSpec.load(spec_path)
+        plan = preflight(spec, full=not quick)
+    except SpecError as exc:
+        raise click.ClickException(str(exc)) from None
+    for line in plan.lines():
+        click.echo(line)
+    click.echo(f"ok         {spec_path} can run")
+
+
+def _run_of(target: str, storage_options: str | None) -> object:
+    """A PipelineRun from a spec file or a run URL (whose ledger holds the spec)."""
+    from batch_inference.pipeline import Ledger, PipelineRun, PipelineSpec, RunLayout
+
+    if Path(target).suffix in (".yaml", ".yml", ".toml") and Path(target).is_file():
+        return PipelineRun(PipelineSpec.load(target))
+    options = orjson.loads(storage_options) if storage_options else {}
+    base, _, name = target.rstrip("/").rpartition("/")
+    recorded = Ledger(RunLayout(base or ".", name), options).read("spec")
+    if recorded is None:
+        raise click.ClickException(f"no ledger/spec.json under {target}: not a pipeline run (or not started)")
+    recorded.update(output=base or ".", run=name, storage_options=options)
+    return PipelineRun(PipelineSpec.parse(recorded, source=f"{target}/ledger/spec.json"))
+
+
+@click.command("export")
+@click.argument("target", metavar="RUN_URL_OR_SPEC")
+@click.option("--format", "fmt", type=click.Choice(["openai_batch"]), default="openai_batch", show_default=True)
+@click.option("--out", help="folder for output.jsonl and errors.jsonl (default <run>/export/openai_batch)")
+@click.option("--storage-options", "storage_options", help="JSON fsspec options for a RUN_URL")
+def export(target: str, fmt: str, out: str | None, storage_options: str | None) -> None:
+    """Write a finished run's results as OpenAI Batch output + error files (every request in one of them)."""
+    from batch_inference.pipeline import SpecError, StepOrderError
+    from batch_inference.pipeline.export import ExportError, export_openai_batch
+
+    try:
+        summary = export_openai_batch(_run_of(target, storage_options), out)  # type: ignore[arg-type]
+    except (SpecError, StepOrderError, ExportError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{summary.output} answered -> {summary.output_url}")
+    click.echo(f"{summary.errors} errors   -> {summary.errors_url}"
+               + (f" ({', '.join(f'{k} {v}' for k, v in summary.errors_by_code.items())})" if summary.errors else ""))
+    click.echo(f"usage: {summary.prompt_tokens} prompt + {summary.completion_tokens} completion tokens")

@@ -31,6 +31,13 @@ _EXPORTS: dict[str, str] = {
     "Reporter": "batch_inference.pipeline.run",
     "run_pipeline": "batch_inference.pipeline.run",
     "run_step": "batch_inference.pipeline.run",
+    "StepOrderError": "batch_inference.pipeline.run",
+    "preflight": "batch_inference.pipeline.preflight",
+    "Plan": "batch_inference.pipeline.preflight",
+    "InputError": "batch_inference.pipeline.inputs",
+    "export_openai_batch": "batch_inference.pipeline.export",
+    "ExportSummary": "batch_inference.pipeline.export",
+    "ExportError": "batch_inference.pipeline.export",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -115,6 +115,11 @@ class RunLayout:
         """Records still rejected when ``max_rounds`` was hit (rounds strategy)."""
         return join(self.root, "exhausted")
 
+    @property
+    def openai_export(self) -> str:
+        """``batch-inference export --format openai_batch``: output.jsonl + errors.jsonl."""
+        return join(self.root, "export", "openai_batch")
+
     # -- ledger ---------------------------------------------------------------------
     @property
     def ledger(self) -> str:

@@ -6,7 +6,7 @@ with ``asyncio.to_thread``. None needs a GPU or the pool.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from typing import Any
 
@@ -49,16 +49,17 @@ MAX_RAW_CHARS = 4096  # of a malformed line kept in its quarantine entry
 
 def shard_input(
     src: str, dst: str, *, records_per_shard: int, storage_options: dict[str, Any] | None = None,
-    quarantine_url: str | None = None,
+    quarantine_url: str | None = None, transform: Callable[[dict, int], dict] | None = None,
 ) -> ReshardReport:
     """Reshard ``src`` (a JSONL(.zst) file or a JsonlDir) into ``dst``; ids assigned when missing.
 
     Duplicate input ids are reported (``report.duplicate_ids``), never merged. With
     ``quarantine_url``, malformed lines (bad JSON, bad UTF-8, not an object) are written
     there as ``{file, line, reason, raw}`` and the rest goes on (``report.malformed``).
+    ``transform`` converts each input record first (OpenAI Batch lines to native records).
     """
     if quarantine_url is None:
-        return reshard(src, dst, records_per_shard=records_per_shard, storage_options=storage_options)
+        return reshard(src, dst, records_per_shard=records_per_shard, storage_options=storage_options, transform=transform)
     with ExitStack() as stack:
         sink: list[Any] = []
 
@@ -68,7 +69,7 @@ def shard_input(
             sink[0].write({**entry, "raw": entry["raw"][:MAX_RAW_CHARS]})
 
         return reshard(src, dst, records_per_shard=records_per_shard, storage_options=storage_options,
-                       on_error="quarantine", quarantine=quarantine)
+                       on_error="quarantine", quarantine=quarantine, transform=transform)
 
 
 def recompact(

@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from batch_inference.pipeline import passes
+from batch_inference.pipeline import inputs, passes
 from batch_inference.pipeline.crossover import choose_crossover
 from batch_inference.pipeline.layout import RunLayout, part
 from batch_inference.pipeline.ledger import ConservationError, IdSource, Ledger, check_conservation
@@ -104,11 +104,17 @@ class PipelineRun:
             return ShardSummary.from_dict({**done, "resumed": True})
         await asyncio.to_thread(self.ledger.write, "spec", self.spec.public_dict())
         t0 = time.perf_counter()
+        fmt, detected = await asyncio.to_thread(inputs.resolve_format, self.spec)
+        if detected:
+            log.info("run %s: %s is OpenAI Batch input (detected: input_format auto); converting at sharding", self.spec.run, self.spec.input)
+        reader = inputs.openai_reader(self.spec) if fmt == "openai_batch" else None
         report = await asyncio.to_thread(
             passes.shard_input, self.spec.input, self.layout.sharded,
             records_per_shard=self.spec.shard_records, storage_options=self.storage_options,
-            quarantine_url=self.layout.input_quarantine,
+            quarantine_url=self.layout.input_quarantine, transform=reader.convert if reader else None,
         )
+        if reader is not None:  # refused before any GPU time: the shard step is not recorded
+            inputs.check_openai_input(reader, report, self.spec.input)
         if report.malformed:
             log.warning("run %s: %d malformed input line(s) quarantined: see %s", self.spec.run, report.malformed, self.layout.input_quarantine)
         dups = report.duplicate_ids
@@ -117,7 +123,7 @@ class PipelineRun:
         summary = ShardSummary(
             input_url=self.spec.input, output_url=self.layout.sharded, records=report.records, shards=report.shards,
             ids_assigned=report.ids_assigned, duplicate_ids=len(dups), duplicate_examples=list(dups)[:10],
-            wall_s=time.perf_counter() - t0, malformed=report.malformed,
+            wall_s=time.perf_counter() - t0, malformed=report.malformed, input_format=fmt,
         )
         await asyncio.to_thread(self.ledger.write, "shard", summary.as_dict())
         return summary
@@ -454,6 +460,10 @@ class PipelineRun:
             phases.append(tail)
         return r, phases, decisions, tail
 
+    def quarantined(self) -> list[dict[str, Any]]:
+        """Every quarantined shard entry of the run (``shard``, ``error``, ``records``, ...)."""
+        return [q for p in self._recorded()[1] for q in p.quarantined]
+
     def terminal_sources(self) -> list[IdSource]:
         """The id sets conservation is checked over: the input and every terminal state.
 
@@ -575,7 +585,12 @@ async def run_pipeline(
     """Run (or resume) a whole pipeline; opens a runner from ``spec.pool`` when none is given.
 
     Transient storage errors resume the run after a backoff (``retries``, ``backoff_s``).
+    The spec is proven first (``preflight``: judge built, the first records rendered
+    through infer and judge), so a spec error stops the run before the pool spends anything.
     """
+    from batch_inference.pipeline.preflight import preflight
+
+    await asyncio.to_thread(preflight, spec)
     if runner is not None:
         return await drive_retrying(PipelineRun(spec, runner, reporter=reporter), retries=retries, backoff_s=backoff_s)
     from batch_inference.pipeline.runner import open_runner

@@ -80,11 +80,23 @@ class PoolSpec(_Strict):
         return self
 
 
+class OpenAIBatchOptions(_Strict):
+    """OpenAI Batch input: which ``body.model`` values this run answers."""
+
+    model: str | None = Field(None, description="the model name requests name (default: the engine model's folder name)")
+    model_aliases: list[str] = Field(default_factory=list, description="other body.model values mapped to this run's model")
+    check_model: bool = Field(True, description="refuse requests naming another model (false: answer them all)")
+
+
 class PipelineSpec(_Strict):
     """Everything one pipeline run needs. ``PipelineSpec.load(path)`` reads YAML or TOML."""
 
     run: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", description="run name: the run's folder under output")
     input: str = Field(min_length=1, description="input JSONL(.zst) file or JsonlDir URL")
+    input_format: Literal["auto", "jsonl", "openai_batch"] = Field(
+        "auto", description="auto: OpenAI Batch request lines are detected from the first record (and logged)")
+    openai_batch: OpenAIBatchOptions = Field(default_factory=OpenAIBatchOptions)
+    preflight_records: int = Field(8, ge=0, description="records rendered through the infer and judge paths before the run (0: off)")
     output: str = Field(min_length=1, description="base URL; the run writes under <output>/<run>/")
     engine: EngineConfig
     infer: InferConfig
@@ -155,6 +167,21 @@ class PipelineSpec(_Strict):
         data = self.model_dump(mode="json")
         data["storage_options"] = {k: REDACTED for k in self.storage_options}
         return data
+
+    @property
+    def model_name(self) -> str:
+        """The model name this run answers as (OpenAI Batch ``body.model``, exported ``model``)."""
+        if self.openai_batch.model:
+            return self.openai_batch.model
+        if self.engine.model:
+            return Path(self.engine.model.rstrip("/")).name or self.engine.model
+        return self.engine.kind
+
+    def accepted_models(self) -> frozenset[str] | None:
+        """The ``body.model`` values OpenAI Batch requests may name (None: any)."""
+        if not self.openai_batch.check_model:
+            return None
+        return frozenset({self.model_name, *self.openai_batch.model_aliases})
 
     def pool_token(self) -> str | None:
         """The workers' bearer token, read from the environment (never stored in the spec)."""

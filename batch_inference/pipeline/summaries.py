@@ -39,6 +39,7 @@ class ShardSummary(_Summary):
     wall_s: float
     resumed: bool = False
     malformed: int = 0  # input lines quarantined at sharding (see RunLayout.input_quarantine)
+    input_format: str = "jsonl"  # "jsonl" (native records) or "openai_batch" (converted at sharding)
 
 
 @dataclass(frozen=True)

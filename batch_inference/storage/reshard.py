@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from batch_inference.storage.jsonl import DEFAULT_MAX_BYTES, Compression, JsonlDir, JsonlFile, OnError, QuarantineSink
@@ -71,12 +72,14 @@ def reshard(
     bloom_bytes: int = BLOOM_BYTES,
     on_error: OnError = "raise",
     quarantine: QuarantineSink | None = None,
+    transform: Callable[[dict, int], dict] | None = None,
 ) -> ReshardReport:
     """Blocking: rewrite ``src`` into ``dst`` (replaced whole) and report counts and duplicate ids.
 
     Run it with ``asyncio.to_thread`` from async code; it is a CPU pass. With
     ``on_error="quarantine"`` malformed lines go to the (synchronous) ``quarantine`` sink
-    and the rest is resharded.
+    and the rest is resharded. ``transform(record, position)`` rewrites each record
+    before ids are assigned (e.g. an input format converted to native records).
     """
     source = _source(src, storage_options)
     out = dst if isinstance(dst, JsonlDir) else JsonlDir(dst, storage_options=storage_options)
@@ -92,6 +95,8 @@ def reshard(
         max_records_per_shard=records_per_shard, max_bytes_per_shard=max_bytes_per_shard, compression=compression
     ) as w:
         for pos, rec in enumerate(source.iter_records_sync(on_error=on_error, quarantine=counted)):
+            if transform is not None:
+                rec = transform(rec, pos)
             rid = rec.get("id")
             if rid is None and assign_ids:
                 rid = rec["id"] = f"{pos:012d}"

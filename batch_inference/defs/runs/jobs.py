@@ -27,11 +27,19 @@ class StartRunConfig(dg.Config):
 
 @dg.op(name="start_run", tags=CPU_OP_TAGS)
 def start_pipeline_run_op(context: dg.OpExecutionContext, config: StartRunConfig, storage: StorageResource) -> None:
-    """Validate the spec, add the run's partition, record its source drop."""
-    from batch_inference.pipeline import PipelineSpec
+    """Validate the spec (preflight: judge built, first records rendered), add the run's partition,
+    record its source drop. A spec error fails this job, before any round is requested."""
+    from batch_inference.pipeline import PipelineSpec, SpecError
+    from batch_inference.pipeline.preflight import preflight
 
     overrides = {"run": config.run, "input": config.input, "output": config.output or storage.base_url}
     spec = PipelineSpec.load(config.spec_path, **overrides)
+    if storage.storage_options():  # the input may be on the resource's storage, as the steps will read it
+        spec = spec.model_copy(update={"storage_options": {**storage.storage_options(), **spec.storage_options}})
+    try:
+        plan = preflight(spec)
+    except SpecError as exc:
+        raise dg.Failure(f"spec {config.spec_path} cannot run: {exc}") from None
     if spec.run in context.instance.get_dynamic_partitions(RUNS.name) and context.instance.fetch_materializations(
         dg.AssetRecordsFilter(asset_key=SOURCE, asset_partitions=[spec.run]), limit=1
     ).records:
@@ -49,6 +57,8 @@ def start_pipeline_run_op(context: dg.OpExecutionContext, config: StartRunConfig
             "max_rounds": dg.MetadataValue.int(spec.max_rounds),
             "engine": dg.MetadataValue.text(f"{spec.engine.kind}:{spec.engine.model or ''}"),
             "spec_path": dg.MetadataValue.path(config.spec_path),
+            "input_format": dg.MetadataValue.text(plan.input_format),
+            "preflight": dg.MetadataValue.md("\n".join(f"    {line}" for line in plan.lines())),
         },
     ))
     context.log.info("started pipeline run %s over %s; the round sensor takes it from here", spec.run, spec.input)

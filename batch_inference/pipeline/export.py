@@ -1,0 +1,108 @@
+"""Export a finished run in the OpenAI Batch output format: one output file, one error file.
+
+Every input request lands in exactly one of the two (checked against the sharded input
+count): approved records are answers (``response.status_code`` 200, ``body`` a
+chat.completion / text_completion with ``usage``); every other terminal state is an error
+line with its reason: ``exhausted`` (rejected in every round), ``max_attempts`` (in-place
+retry gave up), the record's own permanent error (``bad_messages``, ``bad_sampling``,
+``prompt_too_long``, ...), and ``shard_quarantined`` for records of a quarantined shard.
+Blocking and streaming (constant memory); call it off the event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from batch_inference.pipeline.run import PipelineRun, StepOrderError
+from batch_inference.pipeline.summaries import ShardSummary, _Summary
+from batch_inference.prompting.openai_batch import error_code, error_line, output_line
+from batch_inference.storage import JsonlDir, JsonlFile
+from batch_inference.storage.urls import join
+
+
+class ExportError(RuntimeError):
+    """The export does not account for every input request exactly once."""
+
+
+@dataclass(frozen=True)
+class ExportSummary(_Summary):
+    output_url: str
+    errors_url: str
+    requests: int
+    output: int
+    errors: int
+    errors_by_code: dict[str, int]
+    prompt_tokens: int
+    completion_tokens: int
+    wall_s: float
+
+
+def _rows(urls: tuple[str, ...], storage_options: dict[str, Any] | None, *, is_dir: bool = True) -> Iterator[dict[str, Any]]:
+    for url in urls:
+        if is_dir:
+            d = JsonlDir(url, storage_options=storage_options)
+            if d.exists_sync():
+                yield from d.iter_records_sync()
+        else:
+            f = JsonlFile(url, storage_options=storage_options)
+            if f.exists_sync():
+                yield from f.iter_records_sync()
+
+
+def _failure(state: str, row: dict[str, Any], max_rounds: int) -> tuple[str, str]:
+    """(code, message) of a record that got no approved answer."""
+    if state == "exhausted":
+        return "exhausted", f"not approved in {max_rounds} round(s) (max_rounds): last rejection: {row.get('rejection') or 'none'}"
+    if row.get("status") == "max_attempts":
+        reason = (row.get("verdict") or {}).get("reason") or row.get("last_error") or "none"
+        return "max_attempts", f"not approved after {row.get('attempts')} attempt(s) (max_attempts): last rejection: {reason}"
+    reason = str(row.get("reason") or row.get("error") or row.get("rejection") or "unknown error")
+    return error_code(reason), reason
+
+
+def export_openai_batch(run: PipelineRun, out: str | None = None) -> ExportSummary:
+    """Write ``<out>/output.jsonl`` and ``<out>/errors.jsonl`` (default ``RunLayout.openai_export``)."""
+    t0 = time.perf_counter()
+    spec, layout, so = run.spec, run.layout, run.storage_options
+    shard_data = run.ledger.read("shard")
+    if shard_data is None or run.ledger.read("run") is None:
+        raise StepOrderError(f"run {spec.run!r} is not finished (ledger/run.json is missing): run it to the end first")
+    shard = ShardSummary.from_dict(shard_data)
+    out = out or layout.openai_export
+    out_url, err_url = join(out, "output.jsonl"), join(out, "errors.jsonl")
+    created = int(time.time())
+    codes: dict[str, int] = {}
+    counts = {"output": 0, "errors": 0, "prompt_tokens": 0, "completion_tokens": 0}
+
+    def error(custom_id: str, code: str, message: str) -> dict[str, Any]:
+        codes[code] = codes.get(code, 0) + 1
+        counts["errors"] += 1
+        return error_line(custom_id, run=spec.run, code=code, message=message)
+
+    with JsonlFile(out_url, storage_options=so).writer_sync() as ok, JsonlFile(err_url, storage_options=so).writer_sync() as bad:
+        for row in _rows((layout.results,), so):
+            line = output_line(row, run=spec.run, model=spec.model_name, created=created)
+            usage = line["response"]["body"]["usage"]
+            counts["output"] += 1
+            counts["prompt_tokens"] += usage["prompt_tokens"]
+            counts["completion_tokens"] += usage["completion_tokens"]
+            ok.write(line)
+        for source in run.terminal_sources():
+            if source.state in ("input", "approved") or not source.is_dir:
+                continue
+            for row in _rows(source.urls, so):
+                bad.write(error(str(row["id"]), *_failure(source.state, row, spec.max_rounds)))
+        for q in run.quarantined():
+            for row in _rows((q["shard"],), so, is_dir=False):
+                bad.write(error(str(row["id"]), "shard_quarantined", f"shard_quarantined: {q['error']}"))
+    total = counts["output"] + counts["errors"]
+    if total != shard.records:
+        raise ExportError(f"run {spec.run!r}: exported {total} requests ({counts['output']} output, {counts['errors']} "
+                          f"errors) but the input has {shard.records}: the run's terminal sets do not add up")
+    return ExportSummary(output_url=out_url, errors_url=err_url, requests=total, output=counts["output"],
+                         errors=counts["errors"], errors_by_code=dict(sorted(codes.items())),
+                         prompt_tokens=counts["prompt_tokens"], completion_tokens=counts["completion_tokens"],
+                         wall_s=time.perf_counter() - t0)

@@ -1,0 +1,69 @@
+"""The run's input as the pipeline sees it: its format (native JSONL or OpenAI Batch) and
+its first records, for detection and the preflight.
+
+OpenAI Batch files are converted to native records in the one sharding pass
+(``prompting.openai_batch.OpenAIBatchReader``); every later step sees native records only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from batch_inference.pipeline.spec import PipelineSpec, SpecError
+from batch_inference.prompting.openai_batch import OpenAIBatchReader, looks_like_openai_batch
+from batch_inference.storage import JsonlDir, JsonlFile, ReshardReport
+
+log = logging.getLogger(__name__)
+
+InputFormat = Literal["jsonl", "openai_batch"]
+
+
+class InputError(SpecError):
+    """The input cannot run as it is (the whole file, not one record): refused before any GPU time."""
+
+
+def first_records(url: str, n: int, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Up to ``n`` records from the start of a JSONL(.zst) file or JsonlDir (streamed; malformed lines skipped)."""
+    if n <= 0:
+        return []
+    probe = JsonlFile(url, storage_options=storage_options)
+    source: JsonlFile | JsonlDir = JsonlDir(url, storage_options=storage_options) if probe.fs.isdir(probe.path) else probe
+    if isinstance(source, JsonlFile) and not source.exists_sync():
+        raise InputError(f"input: {probe.url} does not exist")
+    out: list[dict[str, Any]] = []
+    for rec in source.iter_records_sync(on_error="quarantine", quarantine=lambda entry: None):
+        out.append(rec)
+        if len(out) >= n:
+            break
+    return out
+
+
+def resolve_format(spec: PipelineSpec, first: list[dict[str, Any]] | None = None) -> tuple[InputFormat, bool]:
+    """``(format, detected)``: the spec's ``input_format``, or for ``auto`` what the first record looks like."""
+    if spec.input_format != "auto":
+        return spec.input_format, False
+    if first is None:
+        first = first_records(spec.input, 1, spec.storage_options or None)
+    fmt: InputFormat = "openai_batch" if first and looks_like_openai_batch(first[0]) else "jsonl"
+    return fmt, fmt == "openai_batch"
+
+
+def openai_reader(spec: PipelineSpec) -> OpenAIBatchReader:
+    """The converter for this run: the models it answers, whether its engine constrains output."""
+    return OpenAIBatchReader(models=spec.accepted_models(), constrains=spec.engine.structured_output)
+
+
+def check_openai_input(reader: OpenAIBatchReader, report: ReshardReport, source: str) -> None:
+    """Raise one ``InputError`` listing every file-level problem the sharding pass found."""
+    if report.malformed:
+        reader.problems[f"lines that are not JSON objects (quarantined at sharding): {report.malformed}"] = []
+        reader.counts[f"lines that are not JSON objects (quarantined at sharding): {report.malformed}"] = report.malformed
+    if report.duplicate_ids:
+        shown = ", ".join(f"{k!r} ({v}x)" for k, v in list(report.duplicate_ids.items())[:10])
+        what = f"duplicate custom_id (each must be unique: it is the record id): {len(report.duplicate_ids)} id(s): {shown}"
+        reader.problems[what] = []
+        reader.counts[what] = sum(report.duplicate_ids.values())
+    message = reader.error(source)
+    if message:
+        raise InputError(message)

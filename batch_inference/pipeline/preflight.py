@@ -1,0 +1,185 @@
+"""Prove a spec runnable before any GPU time: ``preflight(spec)`` (run start, the Dagster
+start job, ``batch-inference validate``).
+
+It builds the judge and the request builder once (a rule judge with a wrong keyword, a
+template that does not parse) and renders the first ``preflight_records`` records of the
+input through the infer and judge paths. What stops the run, as a ``SpecError`` naming
+the spec key and the record:
+
+* the judge cannot be built (``judge.callable`` / ``judge.kwargs`` / ``judge.template``);
+* a template placeholder a record lacks (``infer.template``, ``infer.messages``,
+  ``judge.template``): a typo in the spec, not a bad record;
+* no prompt source (no template, and records have neither ``messages`` nor ``prompt``);
+* a rule judge that needs a record field the records lack (``KeyError``);
+* chat prompts on a model whose tokenizer has no chat template (``engine.model``);
+* an OpenAI Batch file's own problems (``prompting.openai_batch``) when ``full`` is set.
+
+A record's own bad values (``bad_messages``, ``bad_sampling``) are that record's error at
+run time, not a spec error: they are reported in ``Plan.record_errors`` and the run goes on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from batch_inference.engines.base import ChatPrompt
+from batch_inference.judges import LLMJudge, MissingFieldError, RuleJudge, build_judge
+from batch_inference.pipeline import inputs
+from batch_inference.pipeline.spec import PipelineSpec, SpecError
+from batch_inference.prompting import RequestBuilder, RequestError
+from batch_inference.storage import ReshardReport
+
+SAMPLE_RESULT = "preflight result"  # what judge templates and rules see as {result}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run of this spec would do (``batch-inference validate`` prints it)."""
+
+    run: str
+    input: str
+    input_format: str
+    format_detected: bool
+    engine: str
+    strategy: str
+    prompt: str  # template | messages | record (the record's own messages/prompt)
+    chat: bool  # at least one checked record is a chat prompt
+    constrained: bool
+    judge: str
+    checked_records: int
+    records: int | None = None  # counted only by a full check
+    shards: int | None = None
+    record_errors: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        fmt = f"{self.input_format}{' (detected)' if self.format_detected else ''}"
+        size = f"{self.records} records -> {self.shards} shard(s)" if self.records is not None else "not counted"
+        out = [
+            f"run        {self.run}",
+            f"input      {self.input} [{fmt}]: {size}",
+            f"engine     {self.engine}",
+            f"prompt     {self.prompt}{' (chat template)' if self.chat else ''}{', constrained output' if self.constrained else ''}",
+            f"judge      {self.judge}",
+            f"strategy   {self.strategy}",
+            f"checked    the first {self.checked_records} record(s) render through infer and judge",
+        ]
+        out += [f"warning    {e}" for e in self.record_errors]
+        return out
+
+
+def _build_judge(spec: PipelineSpec) -> LLMJudge | RuleJudge:
+    try:
+        return build_judge(spec.judge)
+    except ValueError as exc:
+        text = str(exc)
+        key = ("judge.kwargs" if "kwargs" in text else "judge.callable") if spec.judge.kind == "rule" else "judge.template"
+        raise SpecError(f"{key}: {text}") from None
+
+
+def _prompt_key(spec: PipelineSpec) -> str:
+    return {"template": "infer.template", "messages": "infer.messages", "record": "infer"}[spec.infer.source]
+
+
+def _check_chat_template(spec: PipelineSpec) -> None:
+    """Chat needs the model's chat template: load the tokenizer only (no weights, no GPU)."""
+    if spec.engine.kind not in ("transformers", "vllm") or not spec.engine.model:
+        return
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:  # an environment without transformers: the engine will say so per record
+        return
+    from batch_inference.engines.chat import has_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(spec.engine.model)
+    if not has_chat_template(tokenizer):
+        raise SpecError(f"engine.model: {spec.engine.model} has no chat template, but the prompts are chat messages "
+                        "(infer.messages, records with messages, or judge.chat); use a text infer.template, or a model with one")
+
+
+def preflight(spec: PipelineSpec, *, full: bool = False) -> Plan:
+    """Raise ``SpecError`` if the spec cannot run; else the ``Plan``. Blocking (reads the input's start).
+
+    ``full`` also reads the whole input: counts records and shards, and runs the OpenAI Batch
+    file checks the sharding pass would (duplicate custom_ids included).
+    """
+    judge = _build_judge(spec)
+    try:
+        builder = RequestBuilder(spec.infer)
+    except ValueError as exc:
+        raise SpecError(f"{_prompt_key(spec)}: {exc}") from None
+    so = spec.storage_options or None
+    head = inputs.first_records(spec.input, max(spec.preflight_records, 1), so)
+    fmt, detected = inputs.resolve_format(spec, head)
+    reader = inputs.openai_reader(spec) if fmt == "openai_batch" else None
+    if reader is not None:
+        head = [reader.convert(rec, pos) for pos, rec in enumerate(head)]
+    records = head[: spec.preflight_records]
+    record_errors: list[str] = []
+    chat = isinstance(judge, LLMJudge) and judge.chat
+    for pos, rec in enumerate(records):
+        rec.setdefault("id", f"{pos:012d}")  # as sharding assigns it
+        try:
+            request = builder.build(rec, 0)
+        except MissingFieldError as exc:
+            raise SpecError(f"{_prompt_key(spec)}: {exc}") from None
+        except RequestError as exc:
+            if exc.kind == "bad_request" and spec.infer.source == "record":
+                raise SpecError(f"infer: no template or messages, and record {exc.record_id!r} has neither 'messages' nor "
+                                "a string 'prompt' (set infer.template, e.g. 'Answer: {question}')") from None
+            record_errors.append(str(exc))
+            continue
+        chat = chat or isinstance(request.prompt, ChatPrompt)
+        if isinstance(judge, LLMJudge):
+            try:
+                judge.prompt(rec, SAMPLE_RESULT)
+            except MissingFieldError as exc:
+                raise SpecError(f"judge.template: {exc}") from None
+        else:
+            verdict = judge.judge(rec, SAMPLE_RESULT)
+            if verdict.reason.startswith("rule_error: KeyError"):
+                raise SpecError(f"judge.kwargs: rule {judge.name!r} needs a field record {rec['id']!r} lacks: {verdict.reason}")
+    if chat:
+        _check_chat_template(spec)
+    n_records = n_shards = None
+    if full:
+        n_records = _count(spec, reader)
+        n_shards = math.ceil(n_records / spec.shard_records) if n_records else 0
+    judge_text = (f"llm ({spec.judge.parse}{', chat' if spec.judge.chat else ''})" if spec.judge.kind == "llm"
+                  else f"rule {spec.judge.callable} {spec.judge.kwargs or ''}".rstrip())
+    return Plan(
+        run=spec.run, input=spec.input, input_format=fmt, format_detected=detected,
+        engine=f"{spec.engine.kind}{':' + spec.engine.model if spec.engine.model else ''}",
+        strategy=spec.strategy, prompt=spec.infer.source, chat=chat,
+        constrained=spec.infer.constrained or (spec.judge.kind == "llm" and spec.judge.parse == "json"),
+        judge=judge_text, checked_records=len(records), records=n_records, shards=n_shards, record_errors=record_errors,
+    )
+
+
+def _count(spec: PipelineSpec, reader: Any) -> int:
+    """Records in the whole input; for OpenAI Batch the sharding pass's file checks too."""
+    from batch_inference.storage import JsonlDir, JsonlFile
+
+    so = spec.storage_options or None
+    probe = JsonlFile(spec.input, storage_options=so)
+    source = JsonlDir(spec.input, storage_options=so) if probe.fs.isdir(probe.path) else probe
+    report = ReshardReport()
+
+    def malformed(entry: dict[str, Any]) -> None:
+        report.malformed += 1
+
+    seen: set[str] = set()
+    dups: dict[str, int] = {}
+    n = 0
+    for pos, rec in enumerate(source.iter_records_sync(on_error="quarantine", quarantine=malformed)):
+        n += 1
+        if reader is not None:
+            cid = str(reader.convert(rec, pos)["id"])
+            if cid in seen:
+                dups[cid] = dups.get(cid, 1) + 1
+            seen.add(cid)
+    if reader is not None:
+        report.duplicate_ids = dups
+        inputs.check_openai_input(reader, report, spec.input)
+    return n

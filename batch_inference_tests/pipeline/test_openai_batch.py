@@ -1,0 +1,145 @@
+"""OpenAI Batch API files in -> run -> output + error files out (the documented format)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from batch_inference.pipeline import PipelineRun, PipelineSpec, run_pipeline
+from batch_inference.pipeline.export import export_openai_batch
+from batch_inference.pipeline.inputs import InputError
+from batch_inference_tests.pipeline.conftest import spec_dict
+
+
+def chat_line(cid: str, content: str, **body: Any) -> dict[str, Any]:
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "tiny", "messages": [{"role": "user", "content": content}], **body}}
+
+
+def write_lines(path: Path, lines: list[dict[str, Any]]) -> Path:
+    path.write_bytes(b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    return path
+
+
+def openai_spec(tmp_path: Path, lines: list[dict[str, Any]], **overrides: Any) -> PipelineSpec:
+    src = write_lines(tmp_path / "batch.jsonl", lines)
+    overrides.setdefault("openai_batch", {"model": "tiny"})
+    data = spec_dict(tmp_path, input=str(src), **overrides)
+    data["infer"] = {"system": "be brief", "sampling": {"max_tokens": 8, "seed": 7}, "limits": {"max_tokens": 32},
+                     **overrides.get("infer", {})}
+    return PipelineSpec.parse(data)
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    with open(path) as f:  # a plain json reader: what a user's tooling does
+        return [json.loads(line) for line in f]
+
+
+def check_output_line(line: dict[str, Any]) -> None:
+    assert set(line) == {"id", "custom_id", "response", "error"} and line["error"] is None
+    assert line["id"].startswith("batch_req_") and isinstance(line["custom_id"], str)
+    response = line["response"]
+    assert response["status_code"] == 200 and response["request_id"].startswith("req_")
+    body = response["body"]
+    assert body["object"] == "chat.completion" and body["model"] == "tiny" and isinstance(body["created"], int)
+    (choice,) = body["choices"]
+    assert choice["index"] == 0 and choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    assert choice["finish_reason"] in ("stop", "length")
+    usage = body["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] and usage["prompt_tokens"] > 0
+
+
+def check_error_line(line: dict[str, Any]) -> None:
+    assert set(line) == {"id", "custom_id", "response", "error"} and line["response"] is None
+    assert set(line["error"]) == {"code", "message"} and line["error"]["code"] and line["error"]["message"]
+
+
+async def test_round_trip_every_custom_id_exactly_once(tmp_path: Path) -> None:
+    lines = [chat_line(f"req-{i}", f"question {i}") for i in range(120)]
+    lines += [
+        chat_line("too-many-tokens", "x", max_tokens=10_000),
+        chat_line("n-too-large", "x", n=3),
+        {"custom_id": "no-messages", "method": "POST", "url": "/v1/chat/completions", "body": {"model": "tiny"}},
+        {**chat_line("wrong-role", "x"), "body": {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}},
+        chat_line("own-sampling", "y", max_completion_tokens=4, temperature=0.5, top_p=0.9, seed=3, stop=["\n"]),
+    ]
+    spec = openai_spec(tmp_path, lines, max_rounds=2)
+    summary = await run_pipeline(spec)
+    run = PipelineRun(spec)
+    assert run.ledger.read("shard")["input_format"] == "openai_batch"
+    exported = export_openai_batch(run)
+    out, errors = read_jsonl(exported.output_url), read_jsonl(exported.errors_url)
+    ids = [x["custom_id"] for x in out] + [x["custom_id"] for x in errors]
+    assert sorted(ids) == sorted(x["custom_id"] for x in lines) and len(ids) == len(set(ids)) == 125
+    for line in out:
+        check_output_line(line)
+    for line in errors:
+        check_error_line(line)
+    by_id = {x["custom_id"]: x["error"] for x in errors}
+    assert by_id["too-many-tokens"]["code"] == "bad_sampling" and "'too-many-tokens'" in by_id["too-many-tokens"]["message"]
+    assert "limits.max_tokens 32" in by_id["too-many-tokens"]["message"]
+    assert by_id["n-too-large"]["code"] == "bad_sampling" and "n is 3" in by_id["n-too-large"]["message"]
+    assert by_id["no-messages"]["code"] == "bad_request" and by_id["wrong-role"]["code"] == "bad_messages"
+    assert "own-sampling" not in by_id or by_id["own-sampling"]["code"] == "exhausted"
+    # judge rejections left after max_rounds are errors with their reason, not lost
+    exhausted = [e for e in by_id.values() if e["code"] == "exhausted"]
+    assert len(exhausted) == summary.exhausted and all("last rejection" in e["message"] for e in exhausted)
+    assert exported.output == summary.approved and exported.prompt_tokens == sum(
+        x["response"]["body"]["usage"]["prompt_tokens"] for x in out)
+
+
+async def test_detected_without_input_format(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    spec = openai_spec(tmp_path, [chat_line("a", "x"), chat_line("b", "y")], input_format="auto")
+    with caplog.at_level("INFO"):
+        await PipelineRun(spec).shard()
+    assert "OpenAI Batch input (detected" in caplog.text
+    rows = sorted(PipelineRun(spec)._dir(PipelineRun(spec).layout.sharded).iter_records_sync(), key=lambda r: r["id"])
+    assert rows[0] == {"id": "a", "messages": [{"role": "user", "content": "x"}],
+                       "openai": {"url": "/v1/chat/completions", "model": "tiny"}}
+
+
+async def test_file_level_problems_are_one_error_before_the_run(tmp_path: Path) -> None:
+    lines = [
+        chat_line("dup", "x"), chat_line("dup", "y"),
+        chat_line("tools", "x", tools=[{"type": "function"}], logprobs=True),
+        chat_line("other-model", "x") | {"body": {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}},
+        {"custom_id": "emb", "method": "POST", "url": "/v1/embeddings", "body": {"model": "tiny", "input": "x"}},
+        chat_line("schema", "x", response_format={"type": "json_object"}),
+    ]
+    spec = openai_spec(tmp_path, lines, input_format="openai_batch")
+    with pytest.raises(InputError) as info:
+        await PipelineRun(spec).shard()
+    text = str(info.value)
+    for needle in ("unsupported body field 'logprobs'", "unsupported body field 'tools'", "custom_id 'tools'",
+                   "body.model 'gpt-4o' is not served by this run (accepted: tiny)", "url '/v1/embeddings'",
+                   "duplicate custom_id", "'dup' (2x)", "response_format: this run's engine cannot constrain", "custom_id 'schema'"):
+        assert needle in text, needle
+    assert PipelineRun(spec).ledger.read("shard") is None  # nothing recorded: fix the file and run again
+
+
+async def test_model_aliases_and_unchecked_models(tmp_path: Path) -> None:
+    line = chat_line("a", "x") | {"body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}]}}
+    spec = openai_spec(tmp_path, [line], openai_batch={"model": "tiny", "model_aliases": ["gpt-4o-mini"]})
+    assert (await PipelineRun(spec).shard()).records == 1
+    spec = openai_spec(tmp_path, [line], run="unchecked", openai_batch={"check_model": False})
+    assert (await PipelineRun(spec).shard()).records == 1
+
+
+async def test_export_command_from_a_run_url(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from batch_inference.cli.main import cli
+
+    spec = openai_spec(tmp_path, [chat_line(f"r{i}", "q") for i in range(30)], max_rounds=1)
+    await run_pipeline(spec)
+    result = CliRunner().invoke(cli, ["export", f"{spec.output}/{spec.run}", "--out", str(tmp_path / "exp")])
+    assert result.exit_code == 0, result.output
+    out, errors = read_jsonl(str(tmp_path / "exp" / "output.jsonl")), read_jsonl(str(tmp_path / "exp" / "errors.jsonl"))
+    assert len(out) + len(errors) == 30 and f"{len(out)} answered" in result.output
+    assert all(e["error"]["code"] == "exhausted" for e in errors)
+    unfinished = CliRunner().invoke(cli, ["export", str(tmp_path / "out" / "nope")])
+    assert unfinished.exit_code == 1 and "not a pipeline run" in unfinished.output

@@ -1,0 +1,105 @@
+"""Fail fast: a spec error stops the run before the pool spends anything, naming key and record."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+from click.testing import CliRunner
+
+from batch_inference.pipeline import PipelineSpec, SpecError, run_pipeline
+from batch_inference.pipeline.preflight import preflight
+from batch_inference_tests.pipeline.conftest import spec_dict
+
+
+class _NoPool:
+    """A runner that must never be called: preflight stops the run first."""
+
+    limit = 1
+
+    async def run_task(self, spec):  # pragma: no cover - reaching it is the failure
+        raise AssertionError("the pool was used before the spec was proven")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"judge": {"kind": "rule", "callable": "min_length", "kwargs": {"n": 0}}},
+         r"judge.kwargs: rule 'min_length' does not accept kwargs \['n'\]"),
+        ({"judge": {"kind": "rule", "callable": "nosuchmodule:fn"}}, "judge.callable: rule 'nosuchmodule:fn' cannot be imported"),
+        ({"infer": {"template": "Answer: {question}"}},
+         r"infer.template: missing_field: template field \{question\} not found in record '000000000000'"),
+        ({"judge": {"kind": "llm", "template": "Is {result} right for {reference}?"}},
+         r"judge.template: missing_field: template field \{reference\} not found in record '000000000000'"),
+        ({"judge": {"kind": "rule", "callable": "exact_match", "kwargs": {"reference_field": "answer"}}},
+         "judge.kwargs: rule 'exact_match' needs a field record '000000000000' lacks: rule_error: KeyError: 'answer'"),
+        ({"infer": {"template": None, "messages": [{"role": "user", "content": "{question}"}]}},
+         r"infer.messages: missing_field: template field \{question\}"),
+    ],
+)
+async def test_spec_errors_stop_the_run_before_the_pool(tmp_path: Path, overrides: dict, match: str) -> None:
+    data = spec_dict(tmp_path)
+    for key, value in overrides.items():
+        data[key] = {**data[key], **value} if key == "infer" else value
+    spec = PipelineSpec.parse(data)
+    with pytest.raises(SpecError, match=match):
+        await run_pipeline(spec, runner=_NoPool())
+    assert not (tmp_path / "out" / "test-run").exists()  # nothing written, nothing spent
+
+
+def test_records_without_a_prompt_source(tmp_path: Path) -> None:
+    data = spec_dict(tmp_path)
+    data["infer"] = {"sampling": {"max_tokens": 8}}  # no template, records have only 'prompt'... as text: fine
+    assert preflight(PipelineSpec.parse(data)).prompt == "record"
+    (tmp_path / "q.jsonl").write_bytes(orjson.dumps({"question": "x"}) + b"\n")
+    data["input"] = str(tmp_path / "q.jsonl")
+    with pytest.raises(SpecError, match="infer: no template or messages, and record '000000000000' has neither 'messages'"):
+        preflight(PipelineSpec.parse(data))
+
+
+def test_a_bad_record_is_a_warning_not_a_spec_error(tmp_path: Path) -> None:
+    src = tmp_path / "chat.jsonl"
+    src.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in [
+        {"id": "ok", "messages": [{"role": "user", "content": "hi"}]},
+        {"id": "bad", "messages": [{"role": "robot", "content": "hi"}]},
+    ]))
+    data = spec_dict(tmp_path, input=str(src))
+    data["infer"] = {}
+    plan = preflight(PipelineSpec.parse(data), full=True)
+    assert plan.chat and plan.records == 2 and plan.shards == 1
+    assert plan.record_errors == ["bad_messages: record 'bad': messages[0].role 'robot' is not one of system, developer, user, assistant"]
+
+
+def test_chat_on_a_model_without_a_chat_template_is_a_spec_error(tmp_path: Path, tiny_model_dir: Path) -> None:
+    import json
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model_dir, bare)
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((bare / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(cfg))
+    data = spec_dict(tmp_path, engine={"kind": "transformers", "model": str(bare), "device": "cpu"})
+    data["infer"] = {"messages": [{"role": "user", "content": "{prompt}"}]}
+    with pytest.raises(SpecError, match="engine.model: .* has no chat template"):
+        preflight(PipelineSpec.parse(data))
+    data["engine"]["model"] = str(tiny_model_dir)
+    assert preflight(PipelineSpec.parse(data)).chat
+
+
+def test_validate_command(tmp_path: Path) -> None:
+    import yaml
+
+    from batch_inference.cli.main import cli
+
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(spec_dict(tmp_path, records=250)))
+    result = CliRunner().invoke(cli, ["validate", str(spec_path)])
+    assert result.exit_code == 0, result.output
+    assert "250 records -> 3 shard(s)" in result.output and "ok " in result.output and "strategy   rounds" in result.output
+    bad = spec_dict(tmp_path, judge={"kind": "rule", "callable": "min_length", "kwargs": {"n": 0}})
+    spec_path.write_text(yaml.safe_dump(bad))
+    result = CliRunner().invoke(cli, ["validate", str(spec_path)])
+    assert result.exit_code == 1 and "judge.kwargs: rule 'min_length' does not accept kwargs ['n']" in result.output
