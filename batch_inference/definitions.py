@@ -23,13 +23,13 @@ from batch_inference.defs.pool.resources import PoolResource
 from batch_inference.defs.rounds.assets import inferred, judge, pending
 from batch_inference.defs.rounds.checks import quarantine_empty, round_conservation
 from batch_inference.defs.rounds.sensors import round_sensor
-from batch_inference.defs.runs.assets import results, sharded, source_dataset, tail_retry
+from batch_inference.defs.runs.assets import openai_batch_export, results, sharded, source_dataset, tail_retry
 from batch_inference.defs.runs.checks import run_checks
 from batch_inference.defs.runs.jobs import start_pipeline_run
 from batch_inference.defs.runs.schedules import build_pipeline_schedule
 from batch_inference.defs.storage.resources import StorageResource
 
-ASSETS = [source_dataset, sharded, pending, inferred, judge, tail_retry, results]
+ASSETS = [source_dataset, sharded, pending, inferred, judge, tail_retry, results, openai_batch_export]
 CHECKS = [round_conservation, quarantine_empty, run_checks]
 
 

@@ -15,7 +15,18 @@ from __future__ import annotations
 
 import dagster as dg
 
-from batch_inference.defs.keys import APPROVED, FAILED, GPU_RUN_TAGS, INFERRED, PENDING, REJECTED, RESULTS, SHARDED, TAIL_RETRY
+from batch_inference.defs.keys import (
+    APPROVED,
+    FAILED,
+    GPU_RUN_TAGS,
+    INFERRED,
+    OPENAI_EXPORT,
+    PENDING,
+    REJECTED,
+    RESULTS,
+    SHARDED,
+    TAIL_RETRY,
+)
 
 NO_DAGSTER_RETRIES = {"dagster/max_retries": "0"}
 
@@ -33,8 +44,8 @@ tail_job = dg.define_asset_job(
     description="Strategy 2 in-place retry over a run's remaining records.",
 )
 results_job = dg.define_asset_job(
-    "results_job", selection=dg.AssetSelection.assets(RESULTS), tags=NO_DAGSTER_RETRIES,
-    description="Finalize a run: terminal sets, the conservation proof, the ledger.",
+    "results_job", selection=dg.AssetSelection.assets(RESULTS, OPENAI_EXPORT), tags=NO_DAGSTER_RETRIES,
+    description="Finalize a run: terminal sets, the conservation proof, the ledger (and the OpenAI Batch export of an OpenAI Batch input).",
 )
 
 ASSET_JOBS = [shard_job, round_job, tail_job, results_job]

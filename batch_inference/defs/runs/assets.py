@@ -5,6 +5,8 @@ Partitioned by run name (``pipeline_runs``), the same dynamic definition that is
 round of that run and from every round into ``results[run]`` is drawn by Dagster.
 """
 
+from collections.abc import Iterator
+
 import dagster as dg
 from pydantic import Field
 
@@ -13,6 +15,7 @@ from batch_inference.defs.keys import (
     CPU_OP_TAGS,
     FAILED,
     GPU_OP_TAGS,
+    OPENAI_EXPORT,
     REJECTED,
     RESULTS,
     SHARDED,
@@ -157,3 +160,41 @@ def results(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.M
         "shard_urls": shard_list([f.url for f in shards]),
         "funnel": dg.MetadataValue.md(funnel_markdown(Ledger(layout, spec.storage_options).view())),
     }, rows=approved))
+
+
+@dg.asset(
+    key=OPENAI_EXPORT,
+    partitions_def=RUNS,
+    deps=[RESULTS],
+    group_name=GROUP,
+    kinds={"jsonl"},
+    op_tags=CPU_OP_TAGS,
+    output_required=False,
+    description=(
+        "The run in the OpenAI Batch output format: output.jsonl (answers, with usage) and errors.jsonl "
+        "(every other request, with its reason); every request in exactly one. Written for runs whose "
+        "input was an OpenAI Batch file (`batch-inference export` writes it for any run)."
+    ),
+)
+def openai_batch_export(context: dg.AssetExecutionContext, storage: StorageResource) -> Iterator[dg.MaterializeResult]:
+    from batch_inference.pipeline import PipelineRun, export_openai_batch
+
+    record_worker(context)
+    spec = load_spec(context.instance, context.partition_key, storage)
+    run = PipelineRun(spec)
+    shard = run.ledger.read("shard") or {}
+    if shard.get("input_format") != "openai_batch":
+        context.log.info("run %s: native JSONL input; no OpenAI Batch export (run `batch-inference export` for one)", spec.run)
+        return
+    summary = export_openai_batch(run)
+    yield dg.MaterializeResult(metadata=with_row_count({
+        "output": location(summary.output_url),
+        "errors": location(summary.errors_url),
+        "requests": dg.MetadataValue.int(summary.requests),
+        "answered": dg.MetadataValue.int(summary.output),
+        "failed_requests": dg.MetadataValue.int(summary.errors),
+        "errors_by_code": dg.MetadataValue.json(summary.errors_by_code),
+        "prompt_tokens": dg.MetadataValue.int(summary.prompt_tokens),
+        "completion_tokens": dg.MetadataValue.int(summary.completion_tokens),
+        "wall_s": dg.MetadataValue.float(round(summary.wall_s, 3)),
+    }, rows=summary.requests))
