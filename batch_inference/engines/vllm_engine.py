@@ -34,8 +34,10 @@ def vllm_sampling_kwargs(p: SamplingParams) -> dict[str, Any]:
     }
     if p.stop:
         kwargs["stop"] = list(p.stop)
-    if p.response_format is not None:
-        kwargs["structured_outputs"] = structured_outputs_kwargs(p)
+    if p.response_format is not None:  # constrained: never dropped on the way to vLLM
+        from vllm.sampling_params import StructuredOutputsParams
+
+        kwargs["structured_outputs"] = StructuredOutputsParams(**structured_outputs_kwargs(p))
     return kwargs
 
 
@@ -46,18 +48,6 @@ def structured_outputs_kwargs(p: SamplingParams) -> dict[str, Any]:
     if fmt.kind == "json_schema":
         return {"json": fmt.schema}
     return {"json_object": True}
-
-
-def vllm_sampling_params(p: SamplingParams) -> Any:
-    """A ``vllm.SamplingParams`` (structured outputs included) for our SamplingParams."""
-    from vllm import SamplingParams as VllmSamplingParams
-
-    kwargs = vllm_sampling_kwargs(p)
-    if "structured_outputs" in kwargs:
-        from vllm.sampling_params import StructuredOutputsParams
-
-        kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
-    return VllmSamplingParams(**kwargs)
 
 
 def split_runnable(
@@ -132,6 +122,7 @@ class VllmEngine:
         return counts
 
     def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
 
         per_item = expand_params(prompts, params)
@@ -152,7 +143,7 @@ class VllmEngine:
         results: dict[int, Completion] = dict(errors)
         if runnable:
             requests = [TokensPrompt(prompt_token_ids=token_ids[i]) for i in runnable]
-            sampling = [vllm_sampling_params(per_item[i]) for i in runnable]
+            sampling = [VllmSamplingParams(**vllm_sampling_kwargs(per_item[i])) for i in runnable]
             try:
                 outputs = self._llm.generate(requests, sampling_params=sampling, use_tqdm=False)
                 for i, output in zip(runnable, outputs):

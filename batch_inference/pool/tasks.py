@@ -90,7 +90,8 @@ class TaskContext:
         """Run requests through the shared batcher; an exception in stays an exception out.
 
         A constrained request (``response_format``) on an engine that cannot constrain
-        fails here with that reason: it is never run unconstrained.
+        fails here with that reason: it is never run unconstrained; one cut short by
+        ``max_tokens`` (not schema-valid) fails as ``truncated_output`` (retryable).
         """
         out: list[Completion | BaseException] = list(requests)  # type: ignore[arg-type]
         constrained_ok = supports_structured_output(self.host.engine)
@@ -108,6 +109,11 @@ class TaskContext:
         for i, request, result in zip(live, gen, done):
             if isinstance(result, Completion):
                 self.meter.add(request, result)
+                if request.params.response_format is not None and result.finish_reason == "length":
+                    # constrained output cut by max_tokens is not schema-valid: never a result
+                    result = Completion.failed(
+                        f"truncated_output: max_tokens {request.params.max_tokens} reached before the constrained "
+                        "output was complete", prompt_tokens=result.prompt_tokens)
             out[i] = result
         return out
 

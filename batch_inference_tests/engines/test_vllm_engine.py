@@ -101,3 +101,18 @@ def test_vllm_generates_tiny_model(tiny_model_dir) -> None:  # pragma: no cover 
     out = engine.generate(["hello", "word " * 300, "bye"], SamplingParams(max_tokens=8, min_tokens=8))
     assert out[1].error.startswith("prompt_too_long") and out[0].completion_tokens == 8 and out[2].error is None
     engine.close()
+
+
+def test_response_format_reaches_vllm_as_structured_outputs(fake_vllm, monkeypatch: pytest.MonkeyPatch) -> None:
+    from batch_inference.engines import ChatPrompt, ResponseFormat, build_engine
+
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", SimpleNamespace(StructuredOutputsParams=lambda **kw: ("SO", kw)))
+    schema = ResponseFormat("json_schema", '{"type":"object"}')
+    assert vllm_sampling_kwargs(SamplingParams(response_format=schema))["structured_outputs"] == ("SO", {"json": '{"type":"object"}'})
+    assert vllm_sampling_kwargs(SamplingParams(response_format=ResponseFormat("json_object")))["structured_outputs"] == (
+        "SO", {"json_object": True})
+    assert "structured_outputs" not in vllm_sampling_kwargs(SamplingParams())
+    engine = build_engine({"kind": "vllm", "model": "/m", "max_model_len": 64})
+    assert engine.structured_output
+    out = engine.generate([ChatPrompt((("user", "hi"),))], SamplingParams(max_tokens=2))  # the fake tokenizer has no template
+    assert out[0].error.startswith("chat_template_error: the model's tokenizer has no chat template")

@@ -51,3 +51,37 @@ async def test_constrained_request_is_never_run_unconstrained(tmp_path: Path, in
     assert result.counts == {"ok": 1, "error": 1}
     assert rows["j"]["error"].startswith("unsupported_response_format: engine simulated") and rows["j"]["result"] is None
     assert rows["t"]["error"] is None
+
+
+class _ConstrainingHost:
+    """A host whose engine says it constrains; every completion is cut at max_tokens."""
+
+    engine = type("E", (), {"structured_output": True, "name": "fake"})()
+
+    async def count_tokens(self, prompts):
+        return [3 for _ in prompts]
+
+    async def submit(self, requests):
+        import asyncio
+
+        from batch_inference.engines import Completion
+
+        loop = asyncio.get_running_loop()
+        futures = []
+        for r in requests:
+            f = loop.create_future()
+            f.set_result(Completion('{"a": ', 3, r.params.max_tokens, "length"))
+            futures.append(f)
+        return futures
+
+
+async def test_constrained_output_cut_by_max_tokens_is_an_error_not_a_result(tmp_path: Path) -> None:
+    from batch_inference.engines import ResponseFormat, SamplingParams
+    from batch_inference.pool.tasks import TaskContext
+    from batch_inference.prompting import Request
+
+    ctx = TaskContext(infer_spec("t", tmp_path / "in", tmp_path / "out"), host=_ConstrainingHost())  # type: ignore[arg-type]
+    cut, free = await ctx.generate([Request("x", SamplingParams(max_tokens=5, response_format=ResponseFormat("json_object"))),
+                                    Request("y", SamplingParams(max_tokens=5))])
+    assert cut.error == "truncated_output: max_tokens 5 reached before the constrained output was complete"
+    assert free.error is None and free.finish_reason == "length"
