@@ -43,6 +43,7 @@ class ErrorKind(StrEnum):
     ENGINE_ERROR = "engine_error"
     SIMULATED_ERROR = "simulated_error"
     UNSUPPORTED_RESPONSE_FORMAT = "unsupported_response_format"  # a constrained request, an engine that cannot
+    TRUNCATED_OUTPUT = "truncated_output"  # constrained output cut by max_tokens: not schema-valid (retryable)
     # a record that cannot become a request (prompting.RequestError)
     BAD_MESSAGES = "bad_messages"
     BAD_SAMPLING = "bad_sampling"

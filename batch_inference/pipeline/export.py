@@ -19,6 +19,7 @@ from typing import Any
 from batch_inference.pipeline.run import PipelineRun, StepOrderError
 from batch_inference.pipeline.summaries import ShardSummary, _Summary
 from batch_inference.prompting.openai_batch import error_code, error_line, output_line
+from batch_inference.rows import Status
 from batch_inference.storage import JsonlDir, JsonlFile
 from batch_inference.storage.urls import join
 
@@ -54,11 +55,11 @@ def _rows(urls: tuple[str, ...], storage_options: dict[str, Any] | None, *, is_d
 
 def _failure(state: str, row: dict[str, Any], max_rounds: int) -> tuple[str, str]:
     """(code, message) of a record that got no approved answer."""
-    if state == "exhausted":
-        return "exhausted", f"not approved in {max_rounds} round(s) (max_rounds): last rejection: {row.get('rejection') or 'none'}"
-    if row.get("status") == "max_attempts":
+    if state == Status.EXHAUSTED:
+        return Status.EXHAUSTED.value, f"not approved in {max_rounds} round(s) (max_rounds): last rejection: {row.get('rejection') or 'none'}"
+    if row.get("status") == Status.MAX_ATTEMPTS:
         reason = (row.get("verdict") or {}).get("reason") or row.get("last_error") or "none"
-        return "max_attempts", f"not approved after {row.get('attempts')} attempt(s) (max_attempts): last rejection: {reason}"
+        return Status.MAX_ATTEMPTS.value, f"not approved after {row.get('attempts')} attempt(s) (max_attempts): last rejection: {reason}"
     reason = str(row.get("reason") or row.get("error") or row.get("rejection") or "unknown error")
     return error_code(reason), reason
 
@@ -91,7 +92,7 @@ def export_openai_batch(run: PipelineRun, out: str | None = None) -> ExportSumma
             counts["completion_tokens"] += usage["completion_tokens"]
             ok.write(line)
         for source in run.terminal_sources():
-            if source.state in ("input", "approved") or not source.is_dir:
+            if source.state in ("input", Status.APPROVED) or not source.is_dir:
                 continue
             for row in _rows(source.urls, so):
                 bad.write(error(str(row["id"]), *_failure(source.state, row, spec.max_rounds)))

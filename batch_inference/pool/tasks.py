@@ -111,9 +111,9 @@ class TaskContext:
                 self.meter.add(request, result)
                 if request.params.response_format is not None and result.finish_reason == "length":
                     # constrained output cut by max_tokens is not schema-valid: never a result
-                    result = Completion.failed(
-                        f"truncated_output: max_tokens {request.params.max_tokens} reached before the constrained "
-                        "output was complete", prompt_tokens=result.prompt_tokens)
+                    result = Completion.failed(ErrorKind.TRUNCATED_OUTPUT.tag(
+                        f"max_tokens {request.params.max_tokens} reached before the constrained output was complete"),
+                        prompt_tokens=result.prompt_tokens)
             out[i] = result
         return out
 

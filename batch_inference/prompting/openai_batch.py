@@ -22,6 +22,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from batch_inference.rows import ErrorKind
+
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n")
 BODY_FIELDS = {
@@ -159,6 +161,6 @@ def error_line(custom_id: str, *, run: str, code: str, message: str) -> dict[str
 
 
 def error_code(reason: str) -> str:
-    """The error kind a reason starts with (``bad_messages: ...`` -> ``bad_messages``)."""
-    head = reason.split(":", 1)[0].strip()
-    return head if head and " " not in head else "error"
+    """The error kind a reason is tagged with (``bad_messages: ...`` -> ``bad_messages``), else ``error``."""
+    kind = ErrorKind.of(reason)
+    return kind.value if kind is not None else "error"
