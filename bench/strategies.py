@@ -84,13 +84,13 @@ async def child_run(args: dict[str, Any]) -> dict[str, Any]:
         stats = pool.stats()  # type: ignore[attr-defined]
     batcher = stats["batcher"] or {}
     view = Ledger(RunLayout(spec.output, spec.run)).view()
-    decisions = [f"round {d['round']}: {d['kind']} ({d['reason']})" for d in (x.get("decision") for x in view.rounds) if d]
+    decisions = [f"round {d.round}: {d.kind} ({d.reason})" for d in (x.decision for x in view.rounds) if d]
     return {
         "decisions": decisions,
         "strategy": args["strategy"], "approval": args["approval"], "records": summary.records,
         "status": summary.status, "approved": summary.approved,
         "unfinished": summary.exhausted + summary.max_attempts + summary.failed,
-        "rounds": summary.rounds, "tail": summary.tail, "conservation": summary.conservation["ok"],
+        "rounds": summary.rounds, "tail": summary.tail, "conservation": summary.conservation.ok,
         "engine_calls": batcher.get("total_batches", 0), "requests": batcher.get("total_completed", 0),
         "tokens_in": summary.tokens_in, "tokens_out": summary.tokens_out,
         "engine_busy_s": stats["engine_busy_s"], "wall_s": wall, "avg_fill": stats["avg_fill"],

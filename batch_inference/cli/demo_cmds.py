@@ -141,4 +141,4 @@ def run_demo(root: Path, spec_path: Path, run: str, *, ephemeral: bool, console:
         console.print(f"[red]{len(failed)} Dagster run(s) failed[/]: {[f'{r.job_name}[{r.partition_key}]' for r in failed]}")
     if not ephemeral:
         console.print(f"browse it: make dev  (DAGSTER_HOME={home} dagster dev -h 127.0.0.1 -w workspace.yaml)")
-    return view.run or {}
+    return view.run.as_dict() if view.run else {}

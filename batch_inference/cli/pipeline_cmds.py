@@ -75,7 +75,7 @@ def status(target: str, storage_options: str | None, as_json: bool) -> None:
     if view.shard is None and view.spec is None:
         raise click.ClickException(f"no ledger at {layout.ledger}: not a pipeline run (or not started)")
     if as_json:
-        click.echo(orjson.dumps(view.__dict__, option=orjson.OPT_INDENT_2).decode())
+        click.echo(orjson.dumps(view.as_dict(), option=orjson.OPT_INDENT_2).decode())
         return
     console = output_console()
     console.print(ledger_table(view, f"run {layout.run} ({layout.root})"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from batch_inference.defs.pool.resources import PoolResource
@@ -36,6 +36,3 @@ def run_gpu_step(spec: PipelineSpec, pool: PoolResource, step: Callable[[Pipelin
 
     return asyncio.run(go())
 
-
-def summary_dict(summary: Any) -> dict[str, Any]:
-    return summary.as_dict() if hasattr(summary, "as_dict") else dict(summary)

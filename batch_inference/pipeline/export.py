@@ -68,10 +68,9 @@ def export_openai_batch(run: PipelineRun, out: str | None = None) -> ExportSumma
     """Write ``<out>/output.jsonl`` and ``<out>/errors.jsonl`` (default ``RunLayout.openai_export``)."""
     t0 = time.perf_counter()
     spec, layout, so = run.spec, run.layout, run.storage_options
-    shard_data = run.ledger.read("shard")
-    if shard_data is None or run.ledger.read("run") is None:
+    shard = run.ledger.read_as(layout.SHARD, ShardSummary)
+    if shard is None or run.ledger.read(layout.RUN) is None:
         raise StepOrderError(f"run {spec.run!r} is not finished (ledger/run.json is missing): run it to the end first")
-    shard = ShardSummary.from_dict(shard_data)
     out = out or layout.openai_export
     out_url, err_url = join(out, "output.jsonl"), join(out, "errors.jsonl")
     created = int(time.time())

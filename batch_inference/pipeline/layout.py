@@ -9,6 +9,7 @@ part-i -> approved/rejected part-i), so a step can tell which shards are already
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from batch_inference.storage.urls import join, normalize
 
@@ -22,10 +23,18 @@ def part(index: int, prefix: str = "part") -> str:
 
 @dataclass(frozen=True)
 class RunLayout:
-    """The URLs of run ``run`` under ``base``. Pure: builds strings, touches nothing."""
+    """The URLs and names of run ``run`` under ``base``. Pure: builds strings, touches nothing.
+
+    The only source of the run's file, ledger-entry, progress and task-id names.
+    """
 
     base: str
     run: str
+
+    SHARD: ClassVar[str] = "shard"  # run-level ledger entries
+    TAIL: ClassVar[str] = "tail"
+    RUN: ClassVar[str] = "run"
+    SPEC: ClassVar[str] = "spec"
 
     def __post_init__(self) -> None:
         if not self.run or "/" in self.run or self.run in (".", ".."):
@@ -73,7 +82,12 @@ class RunLayout:
 
     def approved_shard(self, r: int, index: int) -> str:
         """Approved rows go straight into results (no copy pass), named by round."""
-        return join(self.results, part(index, f"round-{r:02d}-part"))
+        return join(self.results, part(index, f"{self.approved_prefix(r)}part"))
+
+    @staticmethod
+    def approved_prefix(r: int) -> str:
+        """The name prefix of round ``r``'s approved shards in ``results/``."""
+        return f"round-{r:02d}-"
 
     # -- tail (Strategy 2) ----------------------------------------------------------
     @property
@@ -128,6 +142,27 @@ class RunLayout:
     def ledger_file(self, name: str) -> str:
         return join(self.ledger, f"{name}.json")
 
+    @staticmethod
+    def step_name(r: int, step: str) -> str:
+        """A round step's ledger entry (and progress folder) name: ``round-00-infer``.
+
+        ``step`` is infer, judge or decision of round ``r``, or recompact (the entry of the
+        pass that made pending(r)). The run-level entries are ``shard``, ``tail``, ``run``
+        and ``spec`` (``SHARD``, ``TAIL``, ``RUN``, ``SPEC``).
+        """
+        return f"round-{r:02d}-{step}"
+
+    def task_id(self, r: int, kind: str, index: int) -> str:
+        """The pool's idempotency key of a shard task, stable across re-runs."""
+        return f"{self.run}/r{r:02d}/{kind}/{index:05d}"
+
+    def progress_dir(self, step: str) -> str:
+        return join(self.ledger, "progress", step)
+
+    @staticmethod
+    def progress_name(index: int) -> str:
+        return f"part-{index:05d}.json"
+
     def progress_file(self, step: str, index: int) -> str:
         """One small record per finished shard task: the resume marker of that shard."""
-        return join(self.ledger, "progress", step, f"part-{index:05d}.json")
+        return join(self.progress_dir(step), self.progress_name(index))

@@ -23,19 +23,30 @@ import tempfile
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import orjson
 
 from batch_inference import rows
 from batch_inference.pipeline.layout import RunLayout
+from batch_inference.pipeline.summaries import (
+    ConservationReport,
+    Decision,
+    LedgerView,
+    PhaseSummary,
+    RecompactSummary,
+    RoundView,
+    RunSummary,
+    ShardSummary,
+)
 from batch_inference.rows import Status
 from batch_inference.storage import CorruptShardError, JsonlDir, JsonlFile, MalformedRecordError
 from batch_inference.storage.urls import fs_for, is_local
 
 log = logging.getLogger(__name__)
 
+S = TypeVar("S")
 BUCKET_IDS = 250_000  # input ids per bucket held in memory at once during the check
 TERMINAL_STATES = tuple(str(s) for s in rows.TERMINAL_STATES)
 
@@ -95,29 +106,45 @@ class Ledger:
     def read_progress(self, step: str, index: int) -> dict[str, Any] | None:
         return self.read_url(self.layout.progress_file(step, index))
 
+    def progress(self, step: str, indices: list[int]) -> dict[int, dict[str, Any]]:
+        """Progress records of ``step``'s finished shards among ``indices`` (one listing, then those reads)."""
+        path = self._path(self.layout.progress_dir(step))
+        try:
+            self.fs.invalidate_cache(path)
+            names = {n.rsplit("/", 1)[-1] for n in self.fs.ls(path, detail=False)}
+        except FileNotFoundError:
+            return {}
+        out: dict[int, dict[str, Any]] = {}
+        for i in indices:
+            if self.layout.progress_name(i) in names and (rec := self.read_progress(step, i)) is not None:
+                out[i] = rec
+        return out
+
+    def read_as(self, name: str, kind: type[S]) -> S | None:
+        """Ledger entry ``name`` as the summary type it was written from (None if absent)."""
+        data = self.read(name)
+        return kind.from_dict(data) if data is not None else None  # type: ignore[attr-defined, no-any-return]
+
     def view(self) -> LedgerView:
-        """Everything recorded so far, in round order (for ``batch-inference status``)."""
-        rounds: list[dict[str, Any]] = []
+        """Everything recorded so far, typed, in round order (for ``batch-inference status``)."""
+        names = self.layout
+        rounds: list[RoundView] = []
         r = 0
         while True:
-            steps = {k: self.read(f"round-{r:02d}-{k}") for k in ("infer", "judge", "decision")}
-            recompact = self.read(f"round-{r + 1:02d}-recompact")
-            if not any(steps.values()):
+            rnd = RoundView(
+                round=r, infer=self.read_as(names.step_name(r, "infer"), PhaseSummary),
+                judge=self.read_as(names.step_name(r, "judge"), PhaseSummary),
+                decision=self.read_as(names.step_name(r, "decision"), Decision),
+                recompact=self.read_as(names.step_name(r + 1, "recompact"), RecompactSummary),
+            )
+            if rnd.infer is None and rnd.judge is None and rnd.decision is None:
                 break
-            rounds.append({"round": r, **steps, "recompact": recompact})
+            rounds.append(rnd)
             r += 1
         return LedgerView(
-            spec=self.read("spec"), shard=self.read("shard"), rounds=rounds, tail=self.read("tail"), run=self.read("run")
+            spec=self.read(names.SPEC), shard=self.read_as(names.SHARD, ShardSummary), rounds=rounds,
+            tail=self.read_as(names.TAIL, PhaseSummary), run=self.read_as(names.RUN, RunSummary),
         )
-
-
-@dataclass
-class LedgerView:
-    spec: dict[str, Any] | None
-    shard: dict[str, Any] | None
-    rounds: list[dict[str, Any]] = field(default_factory=list)
-    tail: dict[str, Any] | None = None
-    run: dict[str, Any] | None = None
 
 
 # ------------------------------------------------------------------ conservation
@@ -162,12 +189,11 @@ def _bucket_of(rid: str, n: int) -> int:
 
 def check_conservation(
     sources: list[IdSource], *, input_records: int, storage_options: dict[str, Any] | None = None, examples: int = 10
-) -> dict[str, Any]:
+) -> ConservationReport:
     """Stream ids into hashed buckets on local disk, then check each bucket in memory.
 
-    Returns ``{"ok", "input", "terminal": {state: n}, "missing", "extra", "duplicate_results",
-    "examples", "unreadable"}``; never raises for damaged shards (listed in ``unreadable``,
-    which makes ``ok`` false); the caller decides how loudly to fail.
+    Never raises for damaged shards (listed in ``unreadable``, which makes ``ok`` false);
+    the caller decides how loudly to fail.
     """
     options = storage_options or {}
     n_buckets = max(1, -(-input_records // BUCKET_IDS))
@@ -205,16 +231,10 @@ def check_conservation(
                     dup_results += n_res - max(n_in, 1)
                 if (n_term != n_in or n_res > max(n_in, 1)) and len(bad) < examples:
                     bad.append(f"{rid}: input {n_in}, terminal {n_term}, in results {n_res}")
-    terminal = {s: totals.get(s, 0) for s in TERMINAL_STATES}
+    terminal = {state: totals.get(state, 0) for state in TERMINAL_STATES}
     ok = missing == 0 and extra == 0 and dup_results == 0 and totals.get("input", 0) == input_records and not unreadable
-    return {
-        "ok": ok,
-        "input": totals.get("input", 0),
-        "terminal": terminal,
-        "missing": missing,
-        "extra": extra,
-        "duplicate_results": dup_results,
-        "examples": bad,
-        "unreadable": unreadable,
-        "method": f"hashed buckets on local disk ({n_buckets} bucket(s), <= ~{BUCKET_IDS} ids in memory each)",
-    }
+    return ConservationReport(
+        ok=ok, input=totals.get("input", 0), terminal=terminal, missing=missing, extra=extra,
+        duplicate_results=dup_results, examples=bad, unreadable=unreadable,
+        method=f"hashed buckets on local disk ({n_buckets} bucket(s), <= ~{BUCKET_IDS} ids in memory each)",
+    )

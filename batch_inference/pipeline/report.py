@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.table import Table
 from rich.text import Text
 
-from batch_inference.pipeline.ledger import LedgerView
+from batch_inference.pipeline.summaries import LedgerView, rate
 
 
 OFF_TTY_WIDTH = 160  # the ledger table's columns fit without wrapping
@@ -95,56 +95,47 @@ def _s(x: Any) -> str:
 
 
 def ledger_table(view: LedgerView, title: str) -> Table:
-    """Per round (and tail): the funnel, tokens, engine time, wall, fill, and the decision."""
+    """Per round (and tail): the funnel, tokens, engine time, wall, fill, and the decision.
+
+    "in" is the round's pending records (quarantined shards included); "failed" the records
+    of its quarantined shards; the funnel is approved / in (``RoundView.approval``).
+    """
     table = Table(title=title, show_lines=False)
     for col, justify in [("phase", "left"), ("in", "right"), ("approved", "right"), ("rejected", "right"),
                          ("failed", "right"), ("funnel", "left"), ("tokens in/out", "right"),
                          ("engine s", "right"), ("wall s", "right"), ("fill", "right"), ("next", "left")]:
         table.add_column(col, justify=justify, no_wrap=col in ("funnel", "tokens in/out"))  # type: ignore[arg-type]
-    if view.shard:
-        s = view.shard
-        note = f"{s['shards']} shards" + (f", {s['duplicate_ids']} dup ids" if s.get("duplicate_ids") else "")
-        table.add_row("shard", _n(s["records"]), "", "", "", "", "", "", _s(s["wall_s"]), "", note)
+    if s := view.shard:
+        note = f"{s.shards} shards" + (f", {s.duplicate_ids} dup ids" if s.duplicate_ids else "")
+        table.add_row("shard", _n(s.records), "", "", "", "", "", "", _s(s.wall_s), "", note)
     for rnd in view.rounds:
-        infer, judge, decision = rnd.get("infer") or {}, rnd.get("judge") or {}, rnd.get("decision") or {}
-        q = sum(int(x.get("records", 0)) for x in infer.get("quarantined", []) + judge.get("quarantined", []))
-        rec_in = int(infer.get("records_in", 0)) + sum(int(x.get("records", 0)) for x in infer.get("quarantined", []))
-        c = judge.get("counts", {})
-        approved, rejected = c.get("approved"), c.get("rejected")
-        frac = (approved or 0) / rec_in if rec_in else 0.0
-        funnel = f"{_bar(frac)} {frac:.0%}"
-        tokens = f"{_k(infer.get('tokens_in', 0) + judge.get('tokens_in', 0))}/{_k(infer.get('tokens_out', 0) + judge.get('tokens_out', 0))}"
-        busy = infer.get("engine_busy_s", 0) + judge.get("engine_busy_s", 0)
-        wall = infer.get("wall_s", 0) + judge.get("wall_s", 0)
-        nxt = decision.get("kind", "…")
-        table.add_row(f"round {rnd['round']}", _n(rec_in), _n(approved), _n(rejected), _n(q), funnel, tokens,
-                      _s(busy), _s(wall), _s(judge.get("avg_fill") or infer.get("avg_fill")), nxt)
-    if view.tail:
-        t = view.tail
-        c = t.get("counts", {})
-        q = sum(int(x.get("records", 0)) for x in t.get("quarantined", []))
-        rec_in = int(t.get("records_in", 0)) + q
-        frac = c.get("approved", 0) / rec_in if rec_in else 0.0
-        table.add_row(f"tail (from {t.get('from_round', t.get('round'))})", _n(rec_in), _n(c.get("approved", 0)),
-                      f"{_n(c.get('max_attempts', 0))}*", _n(q + c.get("error", 0)), f"{_bar(frac)} {frac:.0%}",
-                      f"{_k(t.get('tokens_in'))}/{_k(t.get('tokens_out'))}", _s(t.get("engine_busy_s")), _s(t.get("wall_s")),
-                      _s(t.get("avg_fill")), "")
+        judged = rnd.judge is not None
+        table.add_row(f"round {rnd.round}", _n(rnd.records_in), _n(rnd.approved if judged else None),
+                      _n(rnd.rejected if judged else None), _n(rnd.records_quarantined),
+                      f"{_bar(rnd.approval)} {rnd.approval:.0%}", f"{_k(rnd.tokens_in)}/{_k(rnd.tokens_out)}",
+                      _s(rnd.engine_busy_s), _s(rnd.wall_s), _s(rnd.avg_fill),
+                      rnd.decision.kind if rnd.decision else "…")
+    if t := view.tail:
+        approval = rate(t.approved, t.records_total)
+        table.add_row(f"tail (from {t.round})", _n(t.records_total), _n(t.approved),
+                      f"{_n(t.counts.get('max_attempts', 0))}*", _n(t.records_quarantined + t.counts.get("error", 0)),
+                      f"{_bar(approval)} {approval:.0%}", f"{_k(t.tokens_in)}/{_k(t.tokens_out)}", _s(t.engine_busy_s),
+                      _s(t.wall_s), _s(t.avg_fill), "")
     return table
 
 
 def run_lines(view: LedgerView) -> list[str]:
     """The run's verdict in a few lines (status, terminal counts, conservation)."""
-    if not view.run:
+    if not (r := view.run):
         return ["run not finalized yet (re-run `batch-inference run SPEC` to resume)"]
-    r = view.run
-    c = r["conservation"]
-    lines = [f"round {d['round']} -> {d['kind']}: {d['reason']}" for d in (x.get("decision") for x in view.rounds) if d]
+    c = r.conservation
+    lines = [f"round {d.round} -> {d.kind}: {d.reason}" for d in (x.decision for x in view.rounds) if d]
     lines += [
-        f"status: {r['status']}  ({r['strategy']}, {r['rounds']} round(s){', tail' if r['tail'] else ''})",
-        f"records {r['records']:,}: approved {r['approved']:,}, exhausted {r['exhausted']:,}, "
-        f"max_attempts {r['max_attempts']:,}, failed {r['failed']:,}",
-        f"conservation: {'OK' if c['ok'] else 'FAILED'} (missing {c['missing']}, extra {c['extra']}, "
-        f"duplicated in results {c['duplicate_results']}; {c['method']})",
-        f"results: {r['results_url']}",
+        f"status: {r.status}  ({r.strategy}, {r.rounds} round(s){', tail' if r.tail else ''})",
+        f"records {r.records:,}: approved {r.approved:,}, exhausted {r.exhausted:,}, "
+        f"max_attempts {r.max_attempts:,}, failed {r.failed:,}" + (f" ({r.quarantined:,} in quarantined shards)" if r.quarantined else ""),
+        f"conservation: {'OK' if c.ok else 'FAILED'} (missing {c.missing}, extra {c.extra}, "
+        f"duplicated in results {c.duplicate_results}; {c.method})",
+        f"results: {r.results_url}",
     ]
     return lines

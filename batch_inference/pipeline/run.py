@@ -1,9 +1,9 @@
 """A pipeline run as idempotent, resumable steps (docs/ARCHITECTURE.md "pipeline").
 
 ``PipelineRun`` holds no state between steps beyond what is in storage: every step reads
-its inputs and the ledger, skips the shards whose progress record says they are done,
-dispatches the rest through the ``TaskRunner`` with ``dispatch_bounded`` (at most
-``runner.limit`` tasks in flight), and records its summary. So the Dagster layer can
+its inputs and the ledger, describes its fan-out of shard tasks as a ``fanout.Phase``
+(``FanOut`` skips the shards whose progress record says they are done and dispatches the
+rest, at most ``runner.limit`` in flight), and records its summary. So the Dagster layer can
 call each step from its own process, and a killed driver re-runs into a resume.
 """
 
@@ -12,50 +12,35 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 from batch_inference.pipeline import inputs, passes
 from batch_inference.pipeline.crossover import choose_crossover
+from batch_inference.pipeline.fanout import FanOut, Item, NullReporter, Phase, Reporter
 from batch_inference.pipeline.layout import RunLayout, part
 from batch_inference.pipeline.ledger import ConservationError, IdSource, Ledger, check_conservation
 from batch_inference.pipeline.spec import PipelineSpec
-from batch_inference.pipeline.summaries import Decision, PhaseSummary, RecompactSummary, RunSummary, ShardSummary
+from batch_inference.pipeline.summaries import (
+    Decision,
+    JudgedRound,
+    PhaseSummary,
+    RecompactSummary,
+    RunSummary,
+    ShardSummary,
+    StepOutcome,
+)
 from batch_inference.pipeline.transient import is_transient
-from batch_inference.pool import dispatch_bounded
-from batch_inference.pool.protocol import TaskFailed, TaskResult, TaskRunner, TaskSpec
+from batch_inference.pool.protocol import TaskResult, TaskRunner, TaskSpec
 from batch_inference.storage import JsonlDir, JsonlFile
 from batch_inference.storage.urls import join
 
 log = logging.getLogger(__name__)
 
-
-class Reporter(Protocol):
-    """Progress callbacks (the CLI draws bars from them); all optional no-ops by default."""
-
-    def phase_started(self, name: str, total_records: int) -> None: ...
-
-    def shard_done(self, name: str, records: int, counts: dict[str, int]) -> None: ...
-
-    def phase_ended(self, name: str) -> None: ...
-
-
-class _NullReporter:
-    def phase_started(self, name: str, total_records: int) -> None:
-        pass
-
-    def shard_done(self, name: str, records: int, counts: dict[str, int]) -> None:
-        pass
-
-    def phase_ended(self, name: str) -> None:
-        pass
+__all__ = ["PipelineRun", "Reporter", "StepOrderError", "drive", "run_pipeline", "run_step"]
 
 
 class StepOrderError(RuntimeError):
     """A step was called before the step that produces its input."""
-
-
-Item = tuple[int, JsonlFile]
 
 
 class PipelineRun:
@@ -64,7 +49,7 @@ class PipelineRun:
     def __init__(self, spec: PipelineSpec, runner: TaskRunner | None = None, *, reporter: Reporter | None = None) -> None:
         self.spec = spec
         self.runner = runner
-        self.reporter: Reporter = reporter or _NullReporter()
+        self.reporter: Reporter = reporter or NullReporter()
         self.layout = RunLayout(spec.output, spec.run)
         self.storage_options = spec.storage_options or None
         self.ledger = Ledger(self.layout, spec.storage_options)
@@ -77,32 +62,35 @@ class PipelineRun:
     def _file(self, url: str) -> JsonlFile:
         return JsonlFile(url, storage_options=self.storage_options)
 
-    def _task_id(self, r: int, phase: str, index: int) -> str:
-        return f"{self.spec.run}/r{r:02d}/{phase}/{index:05d}"
-
     def _require(self, name: str, hint: str) -> dict[str, Any]:
         data = self.ledger.read(name)
         if data is None:
             raise StepOrderError(f"run {self.spec.run!r}: ledger/{name}.json is missing: {hint}")
         return data
 
-    def _pending_items(self, r: int) -> tuple[list[Item], dict[str, int]]:
-        """Round ``r``'s pending shards by index, and their record counts from the manifest."""
+    def _pending_items(self, r: int) -> tuple[list[Item], dict[int, int]]:
+        """Round ``r``'s pending shards by index, and their record counts (from the manifest)."""
         d = self._dir(self.layout.pending(r))
         man = d.manifest()
         if man is None:
             step = "shard()" if r == 0 else f"recompact({r - 1})"
             raise StepOrderError(f"run {self.spec.run!r}: {d.url} is not committed yet: run {step} first")
-        sizes = {s["name"]: int(s["records"]) for s in man.shards}
-        return list(enumerate(d.shards())), sizes
+        by_name = {s["name"]: int(s["records"]) for s in man.shards}
+        items = list(enumerate(d.shards()))
+        return items, {i: by_name.get(f.name, 0) for i, f in items}
+
+    async def _fan_out(self, phase: Phase) -> PhaseSummary:
+        if self.runner is None:
+            raise StepOrderError(f"{phase.kind} needs a TaskRunner: PipelineRun(spec, runner)")
+        return await FanOut(phase, self.runner, self.ledger, self.reporter, self.storage_options).run()
 
     # -- step: shard ----------------------------------------------------------------
 
     async def shard(self) -> ShardSummary:
         """Reshard the input once (CPU): ids assigned where missing, duplicate ids reported."""
-        if (done := await asyncio.to_thread(self._done_with_output, "shard", self.layout.sharded)) is not None:
+        if (done := await asyncio.to_thread(self._done_with_output, RunLayout.SHARD, self.layout.sharded)) is not None:
             return ShardSummary.from_dict({**done, "resumed": True})
-        await asyncio.to_thread(self.ledger.write, "spec", self.spec.public_dict())
+        await asyncio.to_thread(self.ledger.write, RunLayout.SPEC, self.spec.public_dict())
         t0 = time.perf_counter()
         fmt, detected = await asyncio.to_thread(inputs.resolve_format, self.spec)
         if detected:
@@ -125,124 +113,8 @@ class PipelineRun:
             ids_assigned=report.ids_assigned, duplicate_ids=len(dups), duplicate_examples=list(dups)[:10],
             wall_s=time.perf_counter() - t0, malformed=report.malformed, input_format=fmt,
         )
-        await asyncio.to_thread(self.ledger.write, "shard", summary.as_dict())
+        await asyncio.to_thread(self.ledger.write, RunLayout.SHARD, summary.as_dict())
         return summary
-
-    # -- fan-out --------------------------------------------------------------------
-
-    async def _fan_out(
-        self,
-        *,
-        r: int,
-        phase: str,
-        step: str,
-        items: list[Item],
-        sizes: Callable[[Item], Awaitable[int]],
-        make_task: Callable[[int, JsonlFile], TaskSpec],
-        failed_entry: Callable[[int], str],
-        after: Callable[[int, TaskResult], Awaitable[dict[str, Any]]] | None = None,
-        input_url: str,
-        output_url: str,
-        total_records: int,
-    ) -> PhaseSummary:
-        """Dispatch one task per item not yet done; quarantine tasks that exhaust retries."""
-        if self.runner is None:
-            raise StepOrderError(f"{step} needs a TaskRunner: PipelineRun(spec, runner)")
-        runner = self.runner
-        done: dict[int, dict[str, Any]] = await asyncio.to_thread(self._progress, step, [i for i, _ in items])
-        quarantined: list[dict[str, Any]] = []
-        todo = [it for it in items if it[0] not in done]
-        name = f"round {r} {phase}" if phase != "tail" else "tail"
-        self.reporter.phase_started(name, total_records)
-        for rec in done.values():
-            self.reporter.shard_done(name, int(rec["records_in"]), rec["counts"])
-        retried_before = int(getattr(runner, "retried", 0))
-        t0 = time.perf_counter()
-        last_start = t0
-
-        async def run_one(item: Item) -> dict[str, Any]:
-            nonlocal last_start
-            index, shard = item
-            spec = make_task(index, shard)
-            last_start = time.perf_counter()
-            result = await runner.run_task(spec)
-            rec = {**result.model_dump(mode="json"), "index": index, "input": shard.url}
-            if after is not None:
-                rec["after"] = await after(index, result)
-            await asyncio.to_thread(self._clear_stale_quarantine, failed_entry(index))
-            await asyncio.to_thread(self.ledger.write_progress, step, index, rec)
-            return rec
-
-        def on_result(rec: dict[str, Any]) -> None:
-            done[int(rec["index"])] = rec
-            self.reporter.shard_done(name, int(rec["records_in"]), rec["counts"])
-
-        async def on_error(item: Item, exc: BaseException) -> None:
-            if not isinstance(exc, TaskFailed):
-                # Cancellation, Ctrl-C, or the driver's own storage failing (e.g. writing the
-                # progress record of a task that succeeded): not the shard's fault, never
-                # quarantined; the run stops and a re-run resumes.
-                raise exc
-            index, shard = item
-            await asyncio.to_thread(self._discard_outputs, make_task(index, shard))
-            entry = {"shard": shard.url, "phase": phase, "error": str(exc), "records": await sizes(item),
-                     "task_id": exc.spec.task_id, "round": r}
-            # Never requeued: a deterministic failure would loop until max_rounds.
-            log.error("run %s: quarantined %s shard %s: %s", self.spec.run, phase, shard.url, exc)
-            async with self._file(failed_entry(index)).writer() as w:
-                await w.write(entry)
-            quarantined.append(entry)
-            self.reporter.shard_done(name, entry["records"], {})
-
-        await dispatch_bounded(todo, run_one, on_result, on_error, limit=max(1, runner.limit))
-        wall = time.perf_counter() - t0
-        self.reporter.phase_ended(name)
-        recs = [done[i] for i in sorted(done)]
-        counts: dict[str, int] = {}
-        for rec in recs:
-            for k, v in rec["counts"].items():
-                counts[k] = counts.get(k, 0) + int(v)
-        n_req = sum(int(x["records_in"]) for x in recs) or 1
-        return PhaseSummary(
-            round=r, phase=phase, input_url=input_url, output_url=output_url,  # type: ignore[arg-type]
-            shards=len(items), shards_run=len(todo), records_in=sum(int(x["records_in"]) for x in recs),
-            counts=counts, tokens_in=sum(int(x["tokens_in"]) for x in recs), tokens_out=sum(int(x["tokens_out"]) for x in recs),
-            engine_busy_s=sum(float(x["engine_busy_s"]) for x in recs), wall_s=wall,
-            drain_s=(wall - (last_start - t0)) if todo else 0.0,
-            longest_task_s=max((float(done[i]["wall_s"]) for i, _ in todo if i in done), default=0.0),
-            avg_fill=sum(float(x["avg_fill"]) * int(x["records_in"]) for x in recs) / n_req,
-            cached_tasks=sum(1 for x in recs if x.get("cached")),
-            task_retries=int(getattr(runner, "retried", 0)) - retried_before,
-            workers=len({str(x["worker"]) for x in recs}),
-            quarantined=sorted(quarantined, key=lambda q: q["shard"]),
-        )
-
-    def _clear_stale_quarantine(self, url: str) -> None:
-        """A shard quarantined by an interrupted earlier call that has now succeeded."""
-        if (f := self._file(url)).exists_sync():
-            f.fs.rm(f.path)
-
-    def _discard_outputs(self, spec: TaskSpec) -> None:
-        """A quarantined task's records are all ``failed``: no partial output may count too."""
-        for key, url in spec.outputs.items():
-            if key != "checkpoint" and (f := self._file(url)).exists_sync():
-                f.fs.rm(f.path)
-
-    def _progress(self, step: str, indices: list[int]) -> dict[int, dict[str, Any]]:
-        """Progress records of this step's finished shards (listing once, then reading those)."""
-        fs, path = self.ledger.fs, self.ledger._path(self.layout.progress_file(step, 0)).rsplit("/", 1)[0]
-        try:
-            fs.invalidate_cache(path)
-            names = {n.rsplit("/", 1)[-1] for n in fs.ls(path, detail=False)}
-        except FileNotFoundError:
-            return {}
-        out: dict[int, dict[str, Any]] = {}
-        for i in indices:
-            if f"part-{i:05d}.json" in names:
-                rec = self.ledger.read_progress(step, i)
-                if rec is not None:
-                    out[i] = rec
-        return out
 
     def _done_with_output(self, name: str, output_url: str) -> dict[str, Any] | None:
         """The step's ledger entry if it finished and its output directory is committed."""
@@ -257,26 +129,23 @@ class PipelineRun:
 
     async def infer(self, r: int) -> PhaseSummary:
         """pending(r) -> inferred(r), one output shard per pending shard."""
-        name = f"round-{r:02d}-infer"
+        name = self.layout.step_name(r, "infer")
         if (done := await asyncio.to_thread(self._phase_done, name)) is not None:
             return done
-        items, sizes = await asyncio.to_thread(self._pending_items, r)
-
-        async def size(item: Item) -> int:
-            return sizes.get(item[1].name, 0)
+        items, records = await asyncio.to_thread(self._pending_items, r)
 
         def make(index: int, shard: JsonlFile) -> TaskSpec:
             return TaskSpec(
-                task_id=self._task_id(r, "infer", index), kind="infer", input_url=shard.url,
+                task_id=self.layout.task_id(r, "infer", index), kind="infer", input_url=shard.url,
                 outputs={"output": join(self.layout.inferred(r), part(index))}, infer=self.spec.infer,
                 chunk_size=self.spec.chunk_size, round=r, storage_options_ref=self.spec.pool.storage_options_ref,
             )
 
-        summary = await self._fan_out(
-            r=r, phase="infer", step=name, items=items, sizes=size, make_task=make,
-            failed_entry=lambda i: self.layout.failed_entry(r, "infer", i),
-            input_url=self.layout.pending(r), output_url=self.layout.inferred(r), total_records=sum(sizes.values()),
-        )
+        summary = await self._fan_out(Phase(
+            round=r, kind="infer", step=name, items=items, records=records, make_task=make,
+            quarantine_url=lambda i: self.layout.failed_entry(r, "infer", i),
+            input_url=self.layout.pending(r), output_url=self.layout.inferred(r),
+        ))
         await asyncio.to_thread(self.ledger.write, name, summary.as_dict())
         return summary
 
@@ -284,31 +153,29 @@ class PipelineRun:
 
     async def judge(self, r: int) -> PhaseSummary:
         """inferred(r) -> results (approved) + rejected(r); checks approved + rejected == inferred."""
-        name = f"round-{r:02d}-judge"
+        name = self.layout.step_name(r, "judge")
         if (done := await asyncio.to_thread(self._phase_done, name)) is not None:
             return done
-        await asyncio.to_thread(self._require, f"round-{r:02d}-infer", f"run infer({r}) first")
+        infer_step = self.layout.step_name(r, "infer")
+        await asyncio.to_thread(self._require, infer_step, f"run infer({r}) first")
         indices = await asyncio.to_thread(self._all_indices, r)
-        inferred = await asyncio.to_thread(self._progress, f"round-{r:02d}-infer", indices)
+        inferred = await asyncio.to_thread(self.ledger.progress, infer_step, indices)
         items = [(i, self._file(join(self.layout.inferred(r), part(i)))) for i in sorted(inferred)]
         written = {i: int(rec["records_in"]) for i, rec in inferred.items()}
 
-        async def size(item: Item) -> int:
-            return written.get(item[0], 0)
-
         def make(index: int, shard: JsonlFile) -> TaskSpec:
             return TaskSpec(
-                task_id=self._task_id(r, "judge", index), kind="judge", input_url=shard.url,
+                task_id=self.layout.task_id(r, "judge", index), kind="judge", input_url=shard.url,
                 outputs={"approved": self.layout.approved_shard(r, index), "rejected": join(self.layout.rejected(r), part(index))},
                 judge=self.spec.judge, infer=self.spec.infer, chunk_size=self.spec.chunk_size, round=r,
                 storage_options_ref=self.spec.pool.storage_options_ref,
             )
 
-        summary = await self._fan_out(
-            r=r, phase="judge", step=name, items=items, sizes=size, make_task=make,
-            failed_entry=lambda i: self.layout.failed_entry(r, "judge", i),
-            input_url=self.layout.inferred(r), output_url=self.layout.rejected(r), total_records=sum(written.values()),
-        )
+        summary = await self._fan_out(Phase(
+            round=r, kind="judge", step=name, items=items, records=written, make_task=make,
+            quarantine_url=lambda i: self.layout.failed_entry(r, "judge", i),
+            input_url=self.layout.inferred(r), output_url=self.layout.rejected(r),
+        ))
         await asyncio.to_thread(self._check_round, r, written)
         await asyncio.to_thread(self.ledger.write, name, summary.as_dict())
         return summary
@@ -319,7 +186,7 @@ class PipelineRun:
 
     def _check_round(self, r: int, inferred: dict[int, int]) -> None:
         """approved + rejected == inferred for every judged shard, or fail naming the shards."""
-        judged = self._progress(f"round-{r:02d}-judge", sorted(inferred))
+        judged = self.ledger.progress(self.layout.step_name(r, "judge"), sorted(inferred))
         bad = []
         for i, rec in judged.items():
             c = rec["counts"]
@@ -332,15 +199,15 @@ class PipelineRun:
 
     def decide(self, r: int) -> Decision:
         """What follows round ``r``: next_round, tail (hybrid), done, or exhausted. Sync and cheap."""
-        name = f"round-{r:02d}-decision"
+        name = self.layout.step_name(r, "decision")
         if (data := self.ledger.read(name)) is not None:
             return Decision.from_dict(data)
         if self.spec.strategy == "in_place":
             raise StepOrderError("strategy 'in_place' has no rounds to decide: run tail(0)")
-        infer = PhaseSummary.from_dict(self._require(f"round-{r:02d}-infer", f"run infer({r}) first"))
-        judge = PhaseSummary.from_dict(self._require(f"round-{r:02d}-judge", f"run judge({r}) first"))
-        approved, rejected = judge.counts.get("approved", 0), judge.counts.get("rejected", 0)
-        records_in = infer.records_in + infer.records_quarantined
+        infer = PhaseSummary.from_dict(self._require(self.layout.step_name(r, "infer"), f"run infer({r}) first"))
+        judge = PhaseSummary.from_dict(self._require(self.layout.step_name(r, "judge"), f"run judge({r}) first"))
+        approved, rejected = judge.approved, judge.rejected
+        records_in = infer.records_total
         rounds_left = self.spec.max_rounds - (r + 1)
         attempts_left = self.spec.max_attempts - (r + 1)
         figures: dict[str, Any] = {"records_in": records_in, "approved": approved, "rejected": rejected,
@@ -351,7 +218,7 @@ class PipelineRun:
         elif attempts_left <= 0:
             kind, reason = "exhausted", f"max_attempts ({self.spec.max_attempts}) reached with {rejected} rejected"
         elif self.spec.strategy == "hybrid":
-            last = self.ledger.read(f"round-{r:02d}-recompact") if r > 0 else None
+            last = self.ledger.read(self.layout.step_name(r, "recompact")) if r > 0 else None
             recompact_s = float(last["wall_s"]) if last else 0.0
             switch, reason, more = choose_crossover(
                 self.spec.crossover, round=r, records_in=records_in, approved=approved, rejected=rejected,
@@ -378,10 +245,10 @@ class PipelineRun:
 
     async def recompact(self, r: int) -> RecompactSummary:
         """rejected(r) -> pending(r + 1) in full shards."""
-        name = f"round-{r + 1:02d}-recompact"
+        name = self.layout.step_name(r + 1, "recompact")
         if (data := await asyncio.to_thread(self._done_with_output, name, self.layout.pending(r + 1))) is not None:
             return RecompactSummary.from_dict({**data, "resumed": True})
-        await asyncio.to_thread(self._require, f"round-{r:02d}-judge", f"run judge({r}) first")
+        await asyncio.to_thread(self._require, self.layout.step_name(r, "judge"), f"run judge({r}) first")
         t0 = time.perf_counter()
         records, shards_in, shards_out = await asyncio.to_thread(
             passes.recompact, self.layout.rejected(r), self.layout.pending(r + 1),
@@ -402,39 +269,67 @@ class PipelineRun:
         (``max_attempts - r``); its rows are split into results (approved) and
         tail/unfinished (max_attempts, error).
         """
-        if (done := await asyncio.to_thread(self._phase_done, "tail")) is not None:
+        if (done := await asyncio.to_thread(self._phase_done, RunLayout.TAIL)) is not None:
             return done
         attempts_left = self.spec.max_attempts - from_round
         if attempts_left < 1:
             raise StepOrderError(f"tail({from_round}): no attempts left (max_attempts {self.spec.max_attempts})")
-        items, sizes = await asyncio.to_thread(self._pending_items, from_round)
-
-        async def size(item: Item) -> int:
-            return sizes.get(item[1].name, 0)
+        items, records = await asyncio.to_thread(self._pending_items, from_round)
 
         def make(index: int, shard: JsonlFile) -> TaskSpec:
             return TaskSpec(
-                task_id=self._task_id(from_round, "retry", index), kind="retry", input_url=shard.url,
+                task_id=self.layout.task_id(from_round, "retry", index), kind="retry", input_url=shard.url,
                 outputs={"output": join(self.layout.tail_output, part(index)), "checkpoint": self.layout.tail_checkpoint(index)},
                 infer=self.spec.infer, judge=self.spec.judge, max_attempts=attempts_left, chunk_size=self.spec.chunk_size,
                 round=from_round, storage_options_ref=self.spec.pool.storage_options_ref,
             )
 
-        async def split(index: int, result: TaskResult) -> dict[str, Any]:
-            return await asyncio.to_thread(
-                passes.split_tail_shard, join(self.layout.tail_output, part(index)), self.layout.tail_approved_shard(index),
+        def split(index: int, result: TaskResult) -> dict[str, Any]:
+            return passes.split_tail_shard(
+                join(self.layout.tail_output, part(index)), self.layout.tail_approved_shard(index),
                 join(self.layout.tail_unfinished, part(index)), storage_options=self.storage_options,
             )
 
-        summary = await self._fan_out(
-            r=from_round, phase="tail", step="tail", items=items, sizes=size, make_task=make,
-            failed_entry=self.layout.tail_failed_entry, after=split,
-            input_url=self.layout.pending(from_round), output_url=self.layout.tail_output, total_records=sum(sizes.values()),
-        )
-        data = summary.as_dict()
-        data["from_round"] = from_round
-        await asyncio.to_thread(self.ledger.write, "tail", data)
+        summary = await self._fan_out(Phase(
+            round=from_round, kind="tail", step=RunLayout.TAIL, items=items, records=records, make_task=make,
+            quarantine_url=self.layout.tail_failed_entry, after=split,
+            input_url=self.layout.pending(from_round), output_url=self.layout.tail_output,
+        ))
+        await asyncio.to_thread(self.ledger.write, RunLayout.TAIL, {**summary.as_dict(), "from_round": from_round})
         return summary
+
+    # -- whole steps for the Dagster assets (each asset calls one) ---------------------
+
+    async def judged_round(self, r: int) -> JudgedRound:
+        """Judge round ``r``, decide what follows it, and return everything about the round."""
+        await self.judge(r)
+        await asyncio.to_thread(self.decide, r)
+        return await asyncio.to_thread(self._judged_round, r)
+
+    def _judged_round(self, r: int) -> JudgedRound:
+        view = self.ledger.view()
+        prefix = self.layout.approved_prefix(r)
+        results = self._dir(self.layout.results)
+        shards = [f.url for f in results.shards() if f.name.startswith(prefix)] if results.exists_sync() else []
+        return JudgedRound(round=view.rounds[r], approved_shards=shards, view=view)
+
+    async def tail_from(self, from_round: int) -> StepOutcome:
+        """The tail as the sensor hands it over: repack round ``from_round - 1``'s rejected
+        records first (``from_round`` 0: the sharded input), then retry them in place."""
+        if from_round > 0:
+            await self.recompact(from_round - 1)
+        summary = await self.tail(from_round)
+        return StepOutcome(summary, await asyncio.to_thread(self.ledger.view))
+
+    async def finish(self) -> StepOutcome:
+        """``finalize``, with the ledger and the result shards it proved."""
+        summary = await self.finalize()
+
+        def listing() -> StepOutcome:
+            results = self._dir(self.layout.results)
+            return StepOutcome(summary, self.ledger.view(), [f.url for f in results.shards()] if results.exists_sync() else [])
+
+        return await asyncio.to_thread(listing)
 
     # -- step: finalize -------------------------------------------------------------
 
@@ -447,15 +342,14 @@ class PipelineRun:
         phases: list[PhaseSummary] = []
         decisions: list[Decision] = []
         r = 0
-        while (infer := self._phase_done(f"round-{r:02d}-infer")) is not None:
+        while (infer := self._phase_done(self.layout.step_name(r, "infer"))) is not None:
             phases.append(infer)
-            if (judge := self._phase_done(f"round-{r:02d}-judge")) is not None:
+            if (judge := self._phase_done(self.layout.step_name(r, "judge"))) is not None:
                 phases.append(judge)
-            if (d := self.ledger.read(f"round-{r:02d}-decision")) is not None:
-                decisions.append(Decision.from_dict(d))
+            if (d := self.ledger.read_as(self.layout.step_name(r, "decision"), Decision)) is not None:
+                decisions.append(d)
             r += 1
-        tail_data = self.ledger.read("tail")
-        tail = PhaseSummary.from_dict(tail_data) if tail_data else None
+        tail = self._phase_done(RunLayout.TAIL)
         if tail:
             phases.append(tail)
         return r, phases, decisions, tail
@@ -480,12 +374,12 @@ class PipelineRun:
         ]
         quarantined = [q for p in phases for q in p.quarantined]
         if quarantined:
-            sources.append(IdSource("failed", tuple(q["shard"] for q in quarantined), is_dir=False))
+            sources.append(IdSource("failed", tuple(q.shard for q in quarantined), is_dir=False))
         return sources
 
     def _finalize(self) -> RunSummary:
         t0 = time.perf_counter()
-        shard = ShardSummary.from_dict(self._require("shard", "run shard() first"))
+        shard = ShardSummary.from_dict(self._require(RunLayout.SHARD, "run shard() first"))
         _, phases, decisions, tail = self._recorded()
         last = decisions[-1] if decisions else None
         if self.spec.strategy == "in_place" or (last and last.kind == "tail"):
@@ -500,7 +394,7 @@ class PipelineRun:
                 failed_dst=self.layout.failed_records(last.round),
             )
         report = check_conservation(self.terminal_sources(), input_records=shard.records, storage_options=self.storage_options)
-        t = report["terminal"]
+        t = report.terminal
         quarantined = sum(p.records_quarantined for p in phases)
         status = ("quarantined" if quarantined else "exhausted" if t["exhausted"] or t["max_attempts"]
                   else "records_failed" if t["failed"] else "converged")
@@ -513,13 +407,13 @@ class PipelineRun:
             engine_busy_s=sum(p.engine_busy_s for p in phases),
             wall_s=sum(p.wall_s for p in phases) + shard.wall_s + (time.perf_counter() - t0),
         )
-        self.ledger.write("run", summary.as_dict())
-        if not report["ok"]:
+        self.ledger.write(RunLayout.RUN, summary.as_dict())
+        if not report.ok:
             raise ConservationError(
-                f"run {self.spec.run!r}: conservation failed: {report['missing']} missing, {report['extra']} extra, "
-                f"{report['duplicate_results']} duplicated in results (input {report['input']} of {shard.records}); "
-                f"e.g. {report['examples'][:5]}"
-                + (f"; unreadable (damaged in storage): {report['unreadable']}" if report.get("unreadable") else ""), report,
+                f"run {self.spec.run!r}: conservation failed: {report.missing} missing, {report.extra} extra, "
+                f"{report.duplicate_results} duplicated in results (input {report.input} of {shard.records}); "
+                f"e.g. {report.examples[:5]}"
+                + (f"; unreadable (damaged in storage): {report.unreadable}" if report.unreadable else ""), report.as_dict(),
             )
         if exhausted:
             log.warning("run %s: %d record(s) exhausted max_rounds: see %s", self.spec.run, exhausted, self.layout.exhausted)
@@ -599,7 +493,7 @@ async def run_pipeline(
         return await drive_retrying(PipelineRun(spec, opened, reporter=reporter), retries=retries, backoff_s=backoff_s)
 
 
-_NEEDS_RUNNER = {"infer", "judge", "tail"}
+_NEEDS_RUNNER = {"infer", "judge", "tail", "judged_round", "tail_from"}
 
 
 def run_step(spec: PipelineSpec, step: str, *args: Any) -> Any:
@@ -615,6 +509,6 @@ def run_step(spec: PipelineSpec, step: str, *args: Any) -> Any:
         async with open_runner(spec) as runner:
             return await getattr(PipelineRun(spec, runner), step)(*args)
 
-    if step not in ("shard", "infer", "judge", "decide", "recompact", "tail", "finalize"):
+    if step not in ("shard", "infer", "judge", "decide", "recompact", "tail", "finalize", "judged_round", "tail_from", "finish"):
         raise ValueError(f"unknown step {step!r}")
     return asyncio.run(go())

@@ -1,13 +1,16 @@
-"""What each pipeline step returns and records in the ledger.
+"""What each pipeline step returns and records in the ledger, and the run's figures.
 
-Small frozen dataclasses of plain JSON values: the ledger stores ``as_dict()``, the CLI
-report and the Dagster metadata read their fields.
+Small frozen dataclasses of plain JSON values: the ledger stores ``as_dict()`` and reads
+them back with ``from_dict``; the CLI report, the Dagster metadata and the checks read
+their fields and properties, so a derived figure (a round's input, its quarantined
+records, its approval rate) is computed here once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 DecisionKind = Literal["next_round", "tail", "done", "exhausted"]
 # quarantined: a shard task exhausted its retries (infrastructure); exhausted: max_rounds or
@@ -16,13 +19,58 @@ RunStatus = Literal["converged", "exhausted", "quarantined", "records_failed"]
 
 
 class _Summary:
+    _nested: ClassVar[dict[str, Any]] = {}  # field -> how to rebuild it from JSON
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)  # type: ignore[call-overload]
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Any:
+    def from_dict(cls, data: Mapping[str, Any]) -> Any:
         names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-        return cls(**{k: v for k, v in data.items() if k in names})
+        kwargs = {k: v for k, v in data.items() if k in names}
+        for name, build in cls._nested.items():
+            if name in kwargs and kwargs[name] is not None:
+                kwargs[name] = build(kwargs[name])
+        return cls(**kwargs)
+
+
+def rate(num: float, den: float) -> float:
+    """``num / den`` rounded for display, 0 when there is nothing to divide."""
+    return round(num / den, 4) if den else 0.0
+
+
+@dataclass(frozen=True)
+class QuarantineEntry(_Summary):
+    """A shard whose task exhausted its retries: its records all count as failed."""
+
+    shard: str
+    phase: str
+    error: str
+    records: int
+    task_id: str = ""
+    round: int = 0
+
+
+def _entries(items: list[Any]) -> list[QuarantineEntry]:
+    return [q if isinstance(q, QuarantineEntry) else QuarantineEntry.from_dict(q) for q in items]
+
+
+@dataclass(frozen=True)
+class ConservationReport(_Summary):
+    """Every input id against every terminal row (``ledger.check_conservation``)."""
+
+    ok: bool
+    input: int
+    terminal: dict[str, int]
+    missing: int
+    extra: int
+    duplicate_results: int
+    examples: list[str]
+    unreadable: list[str]
+    method: str
+
+    def __getitem__(self, key: str) -> Any:  # dict-style reads kept for existing callers
+        return getattr(self, key)
 
 
 @dataclass(frozen=True)
@@ -63,12 +111,31 @@ class PhaseSummary(_Summary):
     cached_tasks: int  # tasks the pool replayed by task id
     task_retries: int = 0  # tasks re-sent after a failure (as counted by the runner, e.g. PoolClient.retried)
     longest_task_s: float = 0.0  # the longest task's wall: wall - this = the driver's dispatch gaps (one wave)
-    quarantined: list[dict[str, Any]] = field(default_factory=list)  # {shard, phase, error, records}
+    quarantined: list[QuarantineEntry] = field(default_factory=list)
     workers: int = 0  # distinct workers that ran its tasks (0: recorded before this was)
+    warnings: list[str] = field(default_factory=list)  # what its tasks reported (TaskResult.warnings)
+
+    _nested: ClassVar[dict[str, Any]] = {"quarantined": _entries}
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "quarantined", _entries(list(self.quarantined)))
 
     @property
     def records_quarantined(self) -> int:
-        return sum(int(q.get("records", 0)) for q in self.quarantined)
+        return sum(q.records for q in self.quarantined)
+
+    @property
+    def records_total(self) -> int:
+        """Every record the phase was given: those its tasks read plus those of quarantined shards."""
+        return self.records_in + self.records_quarantined
+
+    @property
+    def approved(self) -> int:
+        return int(self.counts.get("approved", 0))
+
+    @property
+    def rejected(self) -> int:
+        return int(self.counts.get("rejected", 0))
 
 
 @dataclass(frozen=True)
@@ -111,9 +178,133 @@ class RunSummary(_Summary):
     rounds: int
     tail: bool
     results_url: str
-    conservation: dict[str, Any]
+    conservation: ConservationReport
     tokens_in: int
     tokens_out: int
     engine_busy_s: float
     wall_s: float
     quarantined: int = 0  # of ``failed``: records of shards quarantined (the rest: record errors)
+
+    _nested: ClassVar[dict[str, Any]] = {"conservation": ConservationReport.from_dict}
+
+    def __post_init__(self) -> None:
+        if isinstance(self.conservation, Mapping):
+            object.__setattr__(self, "conservation", ConservationReport.from_dict(self.conservation))
+
+    @property
+    def unfinished(self) -> int:
+        """Records that ran out of rounds or attempts."""
+        return self.exhausted + self.max_attempts
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """One round as the ledger holds it, and its figures over both phases."""
+
+    round: int
+    infer: PhaseSummary | None = None
+    judge: PhaseSummary | None = None
+    decision: Decision | None = None
+    recompact: RecompactSummary | None = None  # how pending(round + 1) was made from this round
+
+    @property
+    def phases(self) -> list[PhaseSummary]:
+        return [p for p in (self.infer, self.judge) if p is not None]
+
+    @property
+    def records_in(self) -> int:
+        """The round's pending records (those of infer-quarantined shards included)."""
+        return self.infer.records_total if self.infer else 0
+
+    @property
+    def approved(self) -> int:
+        return self.judge.approved if self.judge else 0
+
+    @property
+    def rejected(self) -> int:
+        return self.judge.rejected if self.judge else 0
+
+    @property
+    def quarantined(self) -> list[QuarantineEntry]:
+        return [q for p in self.phases for q in p.quarantined]
+
+    @property
+    def records_quarantined(self) -> int:
+        return sum(q.records for q in self.quarantined)
+
+    @property
+    def approval(self) -> float:
+        """Approved / the round's input: the share of its pending set it cleared."""
+        return rate(self.approved, self.records_in)
+
+    @property
+    def tokens_in(self) -> int:
+        return sum(p.tokens_in for p in self.phases)
+
+    @property
+    def tokens_out(self) -> int:
+        return sum(p.tokens_out for p in self.phases)
+
+    @property
+    def engine_busy_s(self) -> float:
+        return sum(p.engine_busy_s for p in self.phases)
+
+    @property
+    def wall_s(self) -> float:
+        return sum(p.wall_s for p in self.phases)
+
+    @property
+    def drain_s(self) -> float:
+        return sum(p.drain_s for p in self.phases)
+
+    @property
+    def avg_fill(self) -> float:
+        """The batch fill of the phase that used the engine most (a rule judge runs none)."""
+        return max((p.avg_fill for p in self.phases), default=0.0)
+
+
+@dataclass
+class LedgerView:
+    """Everything a run's ledger holds, typed (``Ledger.view()``)."""
+
+    spec: dict[str, Any] | None
+    shard: ShardSummary | None
+    rounds: list[RoundView] = field(default_factory=list)
+    tail: PhaseSummary | None = None  # its ``round`` is the round it took over from
+    run: RunSummary | None = None
+
+    @property
+    def quarantined(self) -> list[QuarantineEntry]:
+        """Every quarantined shard of the run, rounds then tail."""
+        return [q for r in self.rounds for q in r.quarantined] + (list(self.tail.quarantined) if self.tail else [])
+
+    def as_dict(self) -> dict[str, Any]:
+        def d(x: Any) -> Any:
+            return x.as_dict() if x is not None else None
+
+        return {"spec": self.spec, "shard": d(self.shard), "tail": d(self.tail), "run": d(self.run),
+                "rounds": [{"round": r.round, "infer": d(r.infer), "judge": d(r.judge), "decision": d(r.decision),
+                            "recompact": d(r.recompact)} for r in self.rounds]}
+
+
+@dataclass(frozen=True)
+class JudgedRound:
+    """What ``PipelineRun.judged_round`` returns: a judged round, what follows it, and its context."""
+
+    round: RoundView  # both phases and the decision
+    approved_shards: list[str]  # results/round-NN-part-* written by this round's judge
+    view: LedgerView  # the whole ledger (the funnel so far)
+
+    @property
+    def decision(self) -> Decision:
+        assert self.round.decision is not None  # judged_round always decides
+        return self.round.decision
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """A step's summary with the ledger after it (what an asset shows beside the summary)."""
+
+    summary: Any  # PhaseSummary (tail) or RunSummary (finalize)
+    view: LedgerView
+    shards: list[str] = field(default_factory=list)  # the step's output shards, when it lists them

@@ -96,6 +96,10 @@ class TaskRunner(Protocol):
     def limit(self) -> int:  # replicas x concurrency: the dispatcher's in-flight cap
         ...
 
+    @property
+    def retried(self) -> int:  # tasks re-run after a failure so far (the ledger's task_retries)
+        ...
+
     async def run_task(self, spec: TaskSpec) -> TaskResult:  # retried inside; raises TaskFailed
         ...
 

@@ -67,7 +67,7 @@ def test_multi_round_run_on_the_tiny_model(defs, instance, write_spec, tiny_mode
     res = latest(instance, RESULTS, "tiny")
     spec = PipelineSpec.load(spec_path)
     ledger = Ledger(RunLayout(spec.output, spec.run)).view()
-    assert res["records"] == 40 and res["approved"] == ledger.run["approved"]
+    assert res["records"] == 40 and res["approved"] == ledger.run.approved
     assert res["approved"] + res["exhausted"] == 40 and res["conservation_ok"] is True
     assert "| round 00 -> next_round |" in res["funnel"]
     assert res["dagster/row_count"] == res["approved"] and approved["dagster/row_count"] == approved["records"]

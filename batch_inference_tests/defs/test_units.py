@@ -11,7 +11,7 @@ from batch_inference.defs.partitions import ROUNDS, RoundKey, parse_round_key
 from batch_inference.defs.pool.resources import PoolResource
 from batch_inference.defs.rounds.sensors import follow_up
 from batch_inference.defs.storage.resources import StorageResource
-from batch_inference.pipeline import LedgerView, PipelineSpec
+from batch_inference.pipeline import Decision, LedgerView, PhaseSummary, PipelineSpec, RoundView, ShardSummary
 
 
 def test_round_keys_read_run_then_round():
@@ -103,14 +103,25 @@ def test_phase_metadata_and_funnel():
     summary = {"round": 0, "phase": "judge", "input_url": "/r/in", "output_url": "s3://b/r/out", "shards": 2, "shards_run": 2,
                "records_in": 10, "counts": {"approved": 6, "rejected": 4}, "tokens_in": 100, "tokens_out": 50,
                "engine_busy_s": 1.0, "wall_s": 2.0, "drain_s": 0.5, "avg_fill": 0.8, "cached_tasks": 0, "quarantined": []}
-    m = {k: v.value for k, v in phase_metadata(summary).items()}
+    judge = PhaseSummary.from_dict(summary)
+    m = {k: v.value for k, v in phase_metadata(judge).items()}
     assert (m["approval_rate"], m["utilization"], m["records_per_s"]) == (0.6, 0.5, 5.0)
     assert m["output"] == "s3://b/r/out" and m["input"] == "/r/in"
-    view = LedgerView(spec=None, shard={"records": 10, "wall_s": 0.1}, rounds=[
-        {"round": 0, "infer": {**summary, "phase": "infer", "counts": {"ok": 10}}, "judge": summary,
-         "decision": {"kind": "next_round"}}])
+    # a quarantined infer shard: the round's "in" counts it (CLI and Dagster alike), approval = approved / in
+    infer = PhaseSummary.from_dict({**summary, "phase": "infer", "counts": {"ok": 10},
+                                    "quarantined": [{"shard": "/r/in/part-1", "phase": "infer", "error": "x", "records": 2}]})
+    shard = ShardSummary("/in", "/r/in", 12, 2, 12, 0, [], 0.1)
+    rnd = RoundView(0, infer=infer, judge=judge, decision=Decision(0, "next_round", "4 rejected", {}))
+    view = LedgerView(spec=None, shard=shard, rounds=[rnd])
     table = funnel_markdown(view)
-    assert "| round 00 -> next_round | 10 | 6 | 4 | 0 | 60.0% | 200/100 | 4.00 |" in table
+    assert "| round 00 -> next_round | 12 | 6 | 4 | 2 | 50.0% | 200/100 | 4.00 |" in table
+    assert {k: v.value for k, v in phase_metadata(rnd).items()}["approval_rate"] == rnd.approval == 0.5
+    from batch_inference.pipeline.report import ledger_table, output_console
+
+    console = output_console()
+    with console.capture() as captured:
+        console.print(ledger_table(view, "t"))
+    assert any("round 0" in line and " 12 " in line and " 2 " in line and "50%" in line for line in captured.get().splitlines())
 
 
 def test_a_backlog_larger_than_a_tick_is_handled_oldest_first(monkeypatch):

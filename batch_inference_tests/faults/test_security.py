@@ -177,7 +177,7 @@ def test_the_token_never_reaches_the_worker_log(tmp_path: Path) -> None:
 
 async def test_storage_secrets_never_reach_logs_ledger_or_metadata(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A run whose storage options carry keys, with a quarantined shard and errors along the way."""
-    from batch_inference.defs.metadata import phase_metadata, round_metadata
+    from batch_inference.defs.metadata import phase_metadata
     from batch_inference.pipeline import Ledger, RunLayout, run_pipeline
     from batch_inference.storage.urls import fs_for
 
@@ -194,7 +194,7 @@ async def test_storage_secrets_never_reach_logs_ledger_or_metadata(tmp_path: Pat
     texts += [fs.cat_file(p).decode(errors="replace") for p in fs.find(root) if "/ledger/" in p]
     view = Ledger(RunLayout(spec.output, spec.run), options).view()
     for rnd in view.rounds:
-        texts.append(repr(phase_metadata(rnd["infer"])) + repr(round_metadata(rnd["infer"], rnd["judge"])))
+        texts.append(repr(phase_metadata(rnd.infer)) + repr(phase_metadata(rnd)))
     texts.append(repr(summary.as_dict()))
     leaked = [t[:200] for t in texts if any(s in t for s in (AWS_KEY, AWS_SECRET, TOKEN))]
     assert not leaked, leaked

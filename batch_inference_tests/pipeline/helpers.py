@@ -19,6 +19,10 @@ class CountingRunner:
     def limit(self) -> int:
         return self.inner.limit
 
+    @property
+    def retried(self) -> int:
+        return self.inner.retried
+
     async def run_task(self, spec: TaskSpec) -> TaskResult:
         self.calls[spec.kind] += 1
         self.task_ids.append(spec.task_id)

@@ -122,6 +122,10 @@ class _TwoWorkers:
     def limit(self) -> int:
         return self.inner.limit
 
+    @property
+    def retried(self) -> int:
+        return self.inner.retried
+
     async def run_task(self, spec):
         result = await self.inner.run_task(spec)
         self.n += 1

@@ -12,20 +12,14 @@ from typing import Any
 import dagster as dg
 
 from batch_inference.defs.keys import APPROVED, CPU_OP_TAGS, FAILED, GPU_OP_TAGS, INFERRED, PENDING, REJECTED, SHARDED
-from batch_inference.defs.metadata import (
-    funnel_markdown,
-    location,
-    phase_metadata,
-    round_metadata,
-    shard_list,
-    with_row_count,
-)
+from batch_inference.defs.metadata import funnel_markdown, location, phase_metadata, shard_list, with_row_count
 from batch_inference.defs.partitions import ROUNDS, parse_round_key, round_label
 from batch_inference.defs.pool.resources import PoolResource
 from batch_inference.defs.recovery import record_worker
 from batch_inference.defs.specs import load_spec
-from batch_inference.defs.steps import run_cpu_step, run_gpu_step, summary_dict
+from batch_inference.defs.steps import run_cpu_step, run_gpu_step
 from batch_inference.defs.storage.resources import StorageResource
+from batch_inference.pipeline.layout import RunLayout
 
 GROUP = "batch_inference"
 
@@ -40,7 +34,6 @@ GROUP = "batch_inference"
     description="A round's input: the sharded input for r00, round N-1's rejected records repacked into full shards after.",
 )
 def pending(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.MaterializeResult:
-    from batch_inference.pipeline import RunLayout
     from batch_inference.storage import JsonlDir
 
     key = parse_round_key(context.partition_key)
@@ -56,15 +49,15 @@ def pending(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.M
                      "records": dg.MetadataValue.int(pending_dir.count_records()),
                      "shards": dg.MetadataValue.int(len(shards))})
     else:
-        summary = summary_dict(run_cpu_step(spec, lambda run: run.recompact(key.round - 1)))
+        summary = run_cpu_step(spec, lambda run: run.recompact(key.round - 1))
         shards = pending_dir.shards()
         meta.update({
             "from": dg.MetadataValue.text(f"rejected[{key.run}|{round_label(key.round - 1)}]"),
-            "records": dg.MetadataValue.int(int(summary["records"])),
-            "shards": dg.MetadataValue.int(int(summary["shards_out"])),
-            "shards_in": dg.MetadataValue.int(int(summary["shards_in"])),
-            "wall_s": dg.MetadataValue.float(round(float(summary["wall_s"]), 3)),
-            "resumed": dg.MetadataValue.bool(bool(summary.get("resumed", False))),
+            "records": dg.MetadataValue.int(summary.records),
+            "shards": dg.MetadataValue.int(summary.shards_out),
+            "shards_in": dg.MetadataValue.int(summary.shards_in),
+            "wall_s": dg.MetadataValue.float(round(summary.wall_s, 3)),
+            "resumed": dg.MetadataValue.bool(summary.resumed),
         })
     meta["shard_urls"] = shard_list([f.url for f in shards])
     return dg.MaterializeResult(metadata=with_row_count(meta))
@@ -85,9 +78,9 @@ def inferred(context: dg.AssetExecutionContext, pool: PoolResource, storage: Sto
     key = parse_round_key(context.partition_key)
     record_worker(context)  # lets the round sensor tell a dead run from a live one
     spec = load_spec(context.instance, key.run, storage)
-    summary = summary_dict(run_gpu_step(spec, pool, lambda run: run.infer(key.round)))
+    summary = run_gpu_step(spec, pool, lambda run: run.infer(key.round))
     meta = {k: v for k, v in phase_metadata(summary).items() if k not in ("approved", "rejected", "approval_rate")}
-    meta["shard_urls"] = shard_list([f.url for f in JsonlDir(summary["output_url"], storage_options=spec.storage_options).shards()])
+    meta["shard_urls"] = shard_list([f.url for f in JsonlDir(summary.output_url, storage_options=spec.storage_options).shards()])
     meta.update(pool.describe(spec))
     return dg.MaterializeResult(metadata=with_row_count(meta))
 
@@ -106,45 +99,36 @@ def inferred(context: dg.AssetExecutionContext, pool: PoolResource, storage: Sto
     op_tags=GPU_OP_TAGS,
 )
 def judge(context: dg.AssetExecutionContext, pool: PoolResource, storage: StorageResource):
-    """Judge the round, then record what follows it (next round, tail, or done)."""
-    from batch_inference.pipeline import Ledger, PipelineRun, RunLayout
-    from batch_inference.storage import JsonlDir
-
+    """One step: the round judged, what follows it decided (``PipelineRun.judged_round``)."""
     key = parse_round_key(context.partition_key)
     record_worker(context)  # lets the round sensor tell a dead run from a live one
     spec = load_spec(context.instance, key.run, storage)
-    summary = summary_dict(run_gpu_step(spec, pool, lambda run: run.judge(key.round)))
-    decision = summary_dict(PipelineRun(spec).decide(key.round))
+    judged = run_gpu_step(spec, pool, lambda run: run.judged_round(key.round))
+    rnd, decision = judged.round, judged.decision
     layout = RunLayout(spec.output, spec.run)
-    ledger = Ledger(layout, spec.storage_options)
-    infer_summary = ledger.read(f"round-{key.round:02d}-infer") or {}
-    figures = round_metadata(infer_summary, summary)
-    prefix = f"round-{key.round:02d}-"
-
-    results_dir = JsonlDir(layout.results, storage_options=spec.storage_options)
-    approved_shards = [f.url for f in results_dir.shards() if f.name.startswith(prefix)]
+    figures = phase_metadata(rnd)
     yield dg.MaterializeResult(asset_key=APPROVED, metadata=with_row_count({
         **figures,
-        "records": dg.MetadataValue.int(int(summary["counts"].get("approved", 0))),
+        "records": dg.MetadataValue.int(rnd.approved),
         "uri": location(layout.results),
-        "shard_prefix": dg.MetadataValue.text(prefix),
-        "shard_urls": shard_list(approved_shards),
+        "shard_prefix": dg.MetadataValue.text(layout.approved_prefix(key.round)),
+        "shard_urls": shard_list(judged.approved_shards),
     }))
     yield dg.MaterializeResult(asset_key=REJECTED, metadata=with_row_count({
         **figures,
-        "records": dg.MetadataValue.int(int(summary["counts"].get("rejected", 0))),
+        "records": dg.MetadataValue.int(rnd.rejected),
         "uri": location(layout.rejected(key.round)),
-        "decision": dg.MetadataValue.text(decision["kind"]),
-        "decision_reason": dg.MetadataValue.text(str(decision.get("reason", ""))),
-        "decision_figures": dg.MetadataValue.json(decision.get("figures") or {}),
+        "decision": dg.MetadataValue.text(decision.kind),
+        "decision_reason": dg.MetadataValue.text(decision.reason),
+        "decision_figures": dg.MetadataValue.json(decision.figures),
         "strategy": dg.MetadataValue.text(spec.strategy),
-        "funnel": dg.MetadataValue.md(funnel_markdown(ledger.view())),
+        "funnel": dg.MetadataValue.md(funnel_markdown(judged.view)),
         **pool.describe(spec),
     }))
-    quarantined = list(infer_summary.get("quarantined", [])) + list(summary.get("quarantined", []))
+    quarantined = [q.as_dict() for q in rnd.quarantined]
     yield dg.MaterializeResult(asset_key=FAILED, metadata=with_row_count({
         "round": dg.MetadataValue.int(key.round),
-        "records": dg.MetadataValue.int(sum(int(q.get("records", 0)) for q in quarantined)),
+        "records": dg.MetadataValue.int(rnd.records_quarantined),
         "shards": dg.MetadataValue.int(len(quarantined)),
         "uri": location(layout.failed(key.round)),
         "entries": dg.MetadataValue.json(quarantined[:50]),  # the full list is in the ledger

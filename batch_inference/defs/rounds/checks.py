@@ -23,7 +23,7 @@ def _count(files: list[Any]) -> int:
 
 def round_counts(spec: Any, r: int) -> dict[str, int]:
     """Every count of round ``r``, streamed from its shards; quarantine from the ledger."""
-    from batch_inference.pipeline import Ledger, RunLayout
+    from batch_inference.pipeline import Ledger, PhaseSummary, RunLayout
     from batch_inference.storage import JsonlDir
 
     layout = RunLayout(spec.output, spec.run)
@@ -34,16 +34,16 @@ def round_counts(spec: Any, r: int) -> dict[str, int]:
         return d.shards() if d.exists_sync() else []
 
     ledger = Ledger(layout, opts)
-    infer = ledger.read(f"round-{r:02d}-infer") or {}
-    judge = ledger.read(f"round-{r:02d}-judge") or {}
-    prefix = f"round-{r:02d}-"
+    infer = ledger.read_as(layout.step_name(r, "infer"), PhaseSummary)
+    judge = ledger.read_as(layout.step_name(r, "judge"), PhaseSummary)
+    prefix = layout.approved_prefix(r)
     return {
         "pending": _count(shards(layout.pending(r))),
         "inferred": _count(shards(layout.inferred(r))),
         "approved": _count([f for f in shards(layout.results) if f.name.startswith(prefix)]),
         "rejected": _count(shards(layout.rejected(r))),
-        "infer_quarantined": sum(int(q.get("records", 0)) for q in infer.get("quarantined", [])),
-        "judge_quarantined": sum(int(q.get("records", 0)) for q in judge.get("quarantined", [])),
+        "infer_quarantined": infer.records_quarantined if infer else 0,
+        "judge_quarantined": judge.records_quarantined if judge else 0,
     }
 
 
@@ -76,13 +76,13 @@ def quarantine_empty(context: dg.AssetCheckExecutionContext, storage: StorageRes
 
     key = parse_round_key(context.op_execution_context.partition_key)
     spec = load_spec(context.instance, key.run, storage)
-    ledger = Ledger(RunLayout(spec.output, spec.run), spec.storage_options)
-    entries = [q for phase in ("infer", "judge") for q in (ledger.read(f"round-{key.round:02d}-{phase}") or {}).get("quarantined", [])]
+    view = Ledger(RunLayout(spec.output, spec.run), spec.storage_options).view()
+    entries = view.rounds[key.round].quarantined if key.round < len(view.rounds) else []
     return dg.AssetCheckResult(
         passed=not entries,
         severity=dg.AssetCheckSeverity.WARN,
         description=f"{len(entries)} quarantined shard(s)" if entries else "nothing quarantined",
         metadata={"shards": dg.MetadataValue.int(len(entries)),
-                  "records": dg.MetadataValue.int(sum(int(q.get("records", 0)) for q in entries)),
-                  "entries": dg.MetadataValue.json(entries[:20])},
+                  "records": dg.MetadataValue.int(sum(q.records for q in entries)),
+                  "entries": dg.MetadataValue.json([q.as_dict() for q in entries[:20]])},
     )

@@ -27,8 +27,10 @@ from batch_inference.defs.partitions import RUNS
 from batch_inference.defs.pool.resources import PoolResource
 from batch_inference.defs.recovery import record_worker
 from batch_inference.defs.specs import load_spec
-from batch_inference.defs.steps import run_cpu_step, run_gpu_step, summary_dict
+from batch_inference.defs.steps import run_cpu_step, run_gpu_step
 from batch_inference.defs.storage.resources import StorageResource
+from batch_inference.pipeline.layout import RunLayout
+from batch_inference.pipeline.summaries import ShardSummary, rate
 
 GROUP = "batch_inference"
 
@@ -58,19 +60,19 @@ def sharded(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.M
 
     record_worker(context)  # lets the round sensor tell a dead run from a live one
     spec = load_spec(context.instance, context.partition_key, storage)
-    summary = summary_dict(run_cpu_step(spec, lambda run: run.shard()))
-    shards = JsonlDir(summary["output_url"], storage_options=spec.storage_options).shards()
-    wall = float(summary["wall_s"])
+    summary = run_cpu_step(spec, lambda run: run.shard())
+    shards = JsonlDir(summary.output_url, storage_options=spec.storage_options).shards()
+    wall = summary.wall_s
     return dg.MaterializeResult(metadata=with_row_count({
-        "records": dg.MetadataValue.int(int(summary["records"])),
-        "shards": dg.MetadataValue.int(int(summary["shards"])),
-        "ids_assigned": dg.MetadataValue.int(int(summary["ids_assigned"])),
-        "duplicate_ids": dg.MetadataValue.int(int(summary["duplicate_ids"])),
-        "records_per_s": dg.MetadataValue.float(round(int(summary["records"]) / wall, 1) if wall else 0.0),
+        "records": dg.MetadataValue.int(summary.records),
+        "shards": dg.MetadataValue.int(summary.shards),
+        "ids_assigned": dg.MetadataValue.int(summary.ids_assigned),
+        "duplicate_ids": dg.MetadataValue.int(summary.duplicate_ids),
+        "records_per_s": dg.MetadataValue.float(round(summary.records / wall, 1) if wall else 0.0),
         "wall_s": dg.MetadataValue.float(round(wall, 3)),
         "strategy": dg.MetadataValue.text(spec.strategy),
-        "input": location(summary["input_url"]),
-        "uri": location(summary["output_url"]),
+        "input": location(summary.input_url),
+        "uri": location(summary.output_url),
         "shard_urls": shard_list([f.url for f in shards]),
     }))
 
@@ -95,23 +97,18 @@ class TailConfig(dg.Config):
 )
 def tail_retry(context: dg.AssetExecutionContext, config: TailConfig, pool: PoolResource,
                storage: StorageResource) -> dg.MaterializeResult:
-    from batch_inference.pipeline import Ledger, RunLayout
-
     record_worker(context)  # lets the round sensor tell a dead run from a live one
     spec = load_spec(context.instance, context.partition_key, storage)
     r = config.from_round
-    if r > 0:
-        run_cpu_step(spec, lambda run: run.recompact(r - 1))
-    summary = summary_dict(run_gpu_step(spec, pool, lambda run: run.tail(r)))
-    layout = RunLayout(spec.output, spec.run)
-    counts = summary.get("counts", {})
+    outcome = run_gpu_step(spec, pool, lambda run: run.tail_from(r))  # one step: repack round r-1, then the tail
+    summary = outcome.summary
     meta = phase_metadata(summary)
     meta.update({
         "from_round": dg.MetadataValue.int(r),
-        "approved": dg.MetadataValue.int(int(counts.get("approved", 0))),
-        "rejected": dg.MetadataValue.int(int(summary.get("records_in", 0)) - int(counts.get("approved", 0))),
-        "unfinished": location(layout.tail_unfinished),
-        "funnel": dg.MetadataValue.md(funnel_markdown(Ledger(layout, spec.storage_options).view())),
+        "approved": dg.MetadataValue.int(summary.approved),
+        "rejected": dg.MetadataValue.int(summary.records_in - summary.approved),
+        "unfinished": location(RunLayout(spec.output, spec.run).tail_unfinished),
+        "funnel": dg.MetadataValue.md(funnel_markdown(outcome.view)),
         **pool.describe(spec),
     })
     return dg.MaterializeResult(metadata=with_row_count(meta))
@@ -127,39 +124,35 @@ def tail_retry(context: dg.AssetExecutionContext, config: TailConfig, pool: Pool
     description="Every approved record of the run, once; the ledger proves every input id reached one terminal state.",
 )
 def results(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.MaterializeResult:
-    from batch_inference.pipeline import Ledger, RunLayout
-    from batch_inference.storage import JsonlDir
-
     record_worker(context)  # lets the round sensor tell a dead run from a live one
     spec = load_spec(context.instance, context.partition_key, storage)
-    summary = summary_dict(run_cpu_step(spec, lambda run: run.finalize()))
+    outcome = run_cpu_step(spec, lambda run: run.finish())
+    summary = outcome.summary
     layout = RunLayout(spec.output, spec.run)
-    records, approved = int(summary["records"]), int(summary["approved"])
-    wall = float(summary["wall_s"])
-    conservation = summary.get("conservation") or {}
-    shards = JsonlDir(layout.results, storage_options=spec.storage_options).shards()
+    records, wall = summary.records, summary.wall_s
     return dg.MaterializeResult(metadata=with_row_count({
-        "status": dg.MetadataValue.text(str(summary["status"])),
+        "status": dg.MetadataValue.text(summary.status),
         "records": dg.MetadataValue.int(records),
-        "approved": dg.MetadataValue.int(approved),
-        "rejected": dg.MetadataValue.int(int(summary["exhausted"]) + int(summary["max_attempts"])),
-        "exhausted": dg.MetadataValue.int(int(summary["exhausted"])),
-        "max_attempts": dg.MetadataValue.int(int(summary["max_attempts"])),
-        "failed": dg.MetadataValue.int(int(summary["failed"])),
-        "approval_rate": dg.MetadataValue.float(round(approved / records, 4) if records else 0.0),
-        "rounds": dg.MetadataValue.int(int(summary["rounds"])),
-        "tail": dg.MetadataValue.bool(bool(summary["tail"])),
-        "tokens_in": dg.MetadataValue.int(int(summary["tokens_in"])),
-        "tokens_out": dg.MetadataValue.int(int(summary["tokens_out"])),
-        "utilization": dg.MetadataValue.float(round(float(summary["engine_busy_s"]) / wall, 4) if wall else 0.0),
+        "approved": dg.MetadataValue.int(summary.approved),
+        "rejected": dg.MetadataValue.int(summary.unfinished),
+        "exhausted": dg.MetadataValue.int(summary.exhausted),
+        "max_attempts": dg.MetadataValue.int(summary.max_attempts),
+        "failed": dg.MetadataValue.int(summary.failed),
+        "quarantined": dg.MetadataValue.int(summary.quarantined),
+        "approval_rate": dg.MetadataValue.float(rate(summary.approved, records)),
+        "rounds": dg.MetadataValue.int(summary.rounds),
+        "tail": dg.MetadataValue.bool(summary.tail),
+        "tokens_in": dg.MetadataValue.int(summary.tokens_in),
+        "tokens_out": dg.MetadataValue.int(summary.tokens_out),
+        "utilization": dg.MetadataValue.float(rate(summary.engine_busy_s, wall)),
         "records_per_s": dg.MetadataValue.float(round(records / wall, 2) if wall else 0.0),
         "wall_s": dg.MetadataValue.float(round(wall, 3)),
-        "conservation_ok": dg.MetadataValue.bool(bool(conservation.get("ok", False))),
+        "conservation_ok": dg.MetadataValue.bool(summary.conservation.ok),
         "uri": location(layout.results),
         "ledger": location(layout.ledger),
-        "shard_urls": shard_list([f.url for f in shards]),
-        "funnel": dg.MetadataValue.md(funnel_markdown(Ledger(layout, spec.storage_options).view())),
-    }, rows=approved))
+        "shard_urls": shard_list(outcome.shards),
+        "funnel": dg.MetadataValue.md(funnel_markdown(outcome.view)),
+    }, rows=summary.approved))
 
 
 @dg.asset(
@@ -182,8 +175,8 @@ def openai_batch_export(context: dg.AssetExecutionContext, storage: StorageResou
     record_worker(context)
     spec = load_spec(context.instance, context.partition_key, storage)
     run = PipelineRun(spec)
-    shard = run.ledger.read("shard") or {}
-    if shard.get("input_format") != "openai_batch":
+    shard = run.ledger.read_as(RunLayout.SHARD, ShardSummary)
+    if shard is None or shard.input_format != "openai_batch":
         context.log.info("run %s: native JSONL input; no OpenAI Batch export (run `batch-inference export` for one)", spec.run)
         return
     summary = export_openai_batch(run)

@@ -10,18 +10,12 @@ Both block.
 """
 
 from collections.abc import Iterator
-from typing import Any
 
 import dagster as dg
 
 from batch_inference.defs.keys import RESULTS
 from batch_inference.defs.specs import load_spec
 from batch_inference.defs.storage.resources import StorageResource
-
-
-def _quarantined(view: Any) -> list[dict[str, Any]]:
-    phases = [p for entry in view.rounds for p in (entry.get("infer"), entry.get("judge")) if p] + ([view.tail] if view.tail else [])
-    return [q for p in phases for q in p.get("quarantined", [])]
 
 
 @dg.multi_asset_check(
@@ -42,28 +36,28 @@ def run_checks(context: dg.AssetCheckExecutionContext, storage: StorageResource)
     spec = load_spec(context.instance, run, storage)
     pipeline_run = PipelineRun(spec)
     view = pipeline_run.ledger.view()
-    quarantined = _quarantined(view)
+    quarantined = view.quarantined
     sources = pipeline_run.terminal_sources()
-    input_records = int((view.shard or {}).get("records", 0))
+    input_records = view.shard.records if view.shard else 0
     report = check_conservation(sources, input_records=input_records, storage_options=spec.storage_options)
-    terminal = {f"terminal.{k}": dg.MetadataValue.int(v) for k, v in report["terminal"].items()}
-    examples = dg.MetadataValue.json(report["examples"])
-    conserved = report["missing"] == 0 and report["extra"] == 0 and report["input"] == input_records
+    terminal = {f"terminal.{k}": dg.MetadataValue.int(v) for k, v in report.terminal.items()}
+    examples = dg.MetadataValue.json(report.examples)
+    conserved = report.missing == 0 and report.extra == 0 and report.input == input_records
     yield dg.AssetCheckResult(
         check_name="conservation", asset_key=RESULTS, passed=conserved,
-        description=(f"{report['input']} input ids, each in exactly one terminal state" if conserved else
-                     f"{report['missing']} missing, {report['extra']} extra (input {report['input']} of {input_records})"),
-        metadata={"input": dg.MetadataValue.int(report["input"]), "missing": dg.MetadataValue.int(report["missing"]),
-                  "extra": dg.MetadataValue.int(report["extra"]), **terminal, "examples": examples},
+        description=(f"{report.input} input ids, each in exactly one terminal state" if conserved else
+                     f"{report.missing} missing, {report.extra} extra (input {report.input} of {input_records})"),
+        metadata={"input": dg.MetadataValue.int(report.input), "missing": dg.MetadataValue.int(report.missing),
+                  "extra": dg.MetadataValue.int(report.extra), **terminal, "examples": examples},
     )
     yield dg.AssetCheckResult(
-        check_name="no_duplicate_ids", asset_key=RESULTS, passed=report["duplicate_results"] == 0,
-        description=f"{report['duplicate_results']} duplicate id(s) in results",
-        metadata={"duplicate_results": dg.MetadataValue.int(report["duplicate_results"]), "examples": examples},
+        check_name="no_duplicate_ids", asset_key=RESULTS, passed=report.duplicate_results == 0,
+        description=f"{report.duplicate_results} duplicate id(s) in results",
+        metadata={"duplicate_results": dg.MetadataValue.int(report.duplicate_results), "examples": examples},
     )
     yield dg.AssetCheckResult(
         check_name="run_quarantine_empty", asset_key=RESULTS, passed=not quarantined, severity=dg.AssetCheckSeverity.WARN,
         description=f"{len(quarantined)} quarantined shard(s)" if quarantined else "nothing quarantined",
         metadata={"shards": dg.MetadataValue.int(len(quarantined)),
-                  "records": dg.MetadataValue.int(sum(int(q.get("records", 0)) for q in quarantined))},
+                  "records": dg.MetadataValue.int(sum(q.records for q in quarantined))},
     )

@@ -1,0 +1,164 @@
+"""One fan-out of shard tasks: a round's infer or judge phase, or the tail.
+
+A ``Phase`` says what to run (one ``TaskSpec`` per shard), where its progress and
+quarantine entries go, and how many records each shard holds; ``FanOut`` runs it: it
+skips the shards whose progress record exists (resume), dispatches the rest through the
+``TaskRunner`` with ``dispatch_bounded`` (at most ``runner.limit`` in flight), records a
+progress record per finished task, quarantines a task that exhausted its retries (never
+requeued), and sums the tasks' results into a ``PhaseSummary``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from batch_inference.pipeline.ledger import Ledger
+from batch_inference.pipeline.summaries import PhaseSummary, QuarantineEntry
+from batch_inference.pool import dispatch_bounded
+from batch_inference.pool.protocol import TaskFailed, TaskResult, TaskRunner, TaskSpec
+from batch_inference.storage import JsonlFile
+
+log = logging.getLogger(__name__)
+
+Item = tuple[int, JsonlFile]  # shard index, shard
+
+
+class Reporter(Protocol):
+    """Progress callbacks (the CLI draws bars from them); all optional no-ops by default."""
+
+    def phase_started(self, name: str, total_records: int) -> None: ...
+
+    def shard_done(self, name: str, records: int, counts: dict[str, int]) -> None: ...
+
+    def phase_ended(self, name: str) -> None: ...
+
+
+class NullReporter:
+    def phase_started(self, name: str, total_records: int) -> None:
+        pass
+
+    def shard_done(self, name: str, records: int, counts: dict[str, int]) -> None:
+        pass
+
+    def phase_ended(self, name: str) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What one fan-out runs: a task per shard of ``items``."""
+
+    round: int
+    kind: Literal["infer", "judge", "tail"]
+    step: str  # its ledger entry and progress folder (RunLayout.step_name, or "tail")
+    items: list[Item]
+    records: dict[int, int]  # records per shard index (a quarantined shard's count)
+    make_task: Callable[[int, JsonlFile], TaskSpec]
+    quarantine_url: Callable[[int], str]  # where shard i's quarantine entry goes
+    input_url: str
+    output_url: str
+    after: Callable[[int, TaskResult], dict[str, Any]] | None = None  # blocking, per finished task (tail split)
+
+    @property
+    def label(self) -> str:
+        return "tail" if self.kind == "tail" else f"round {self.round} {self.kind}"
+
+
+class FanOut:
+    """Runs one ``Phase`` to its ``PhaseSummary`` (idempotent: finished shards are skipped)."""
+
+    def __init__(self, phase: Phase, runner: TaskRunner, ledger: Ledger, reporter: Reporter,
+                 storage_options: dict[str, Any] | None) -> None:
+        self.phase, self.runner, self.ledger, self.reporter = phase, runner, ledger, reporter
+        self.storage_options = storage_options
+        self.done: dict[int, dict[str, Any]] = {}
+        self.quarantined: list[QuarantineEntry] = []
+        self._last_start = 0.0
+
+    async def run(self) -> PhaseSummary:
+        phase = self.phase
+        self.done = await asyncio.to_thread(self.ledger.progress, phase.step, [i for i, _ in phase.items])
+        todo = [it for it in phase.items if it[0] not in self.done]
+        self.reporter.phase_started(phase.label, sum(phase.records.values()))
+        for rec in self.done.values():
+            self.reporter.shard_done(phase.label, int(rec["records_in"]), rec["counts"])
+        retried_before = self.runner.retried
+        t0 = self._last_start = time.perf_counter()
+        await dispatch_bounded(todo, self._run_one, self._finished, self._failed, limit=max(1, self.runner.limit))
+        wall = time.perf_counter() - t0
+        self.reporter.phase_ended(phase.label)
+        return self._summary(todo, wall=wall, drain=(wall - (self._last_start - t0)) if todo else 0.0,
+                             task_retries=self.runner.retried - retried_before)
+
+    async def _run_one(self, item: Item) -> dict[str, Any]:
+        index, shard = item
+        self._last_start = time.perf_counter()
+        result = await self.runner.run_task(self.phase.make_task(index, shard))
+        for warning in result.warnings:
+            log.warning("%s shard %s: %s", self.phase.label, shard.url, warning)
+        rec = {**result.model_dump(mode="json"), "index": index, "input": shard.url}
+        if self.phase.after is not None:
+            rec["after"] = await asyncio.to_thread(self.phase.after, index, result)
+        await asyncio.to_thread(self._remove, self.phase.quarantine_url(index))  # an earlier interrupted call's
+        await asyncio.to_thread(self.ledger.write_progress, self.phase.step, index, rec)
+        return rec
+
+    def _finished(self, rec: dict[str, Any]) -> None:
+        self.done[int(rec["index"])] = rec
+        self.reporter.shard_done(self.phase.label, int(rec["records_in"]), rec["counts"])
+
+    async def _failed(self, item: Item, exc: BaseException) -> None:
+        if not isinstance(exc, TaskFailed):
+            # Cancellation, Ctrl-C, or the driver's own storage failing (e.g. writing the
+            # progress record of a task that succeeded): not the shard's fault, never
+            # quarantined; the run stops and a re-run resumes.
+            raise exc
+        index, shard = item
+        await asyncio.to_thread(self._discard_outputs, exc.spec)
+        entry = QuarantineEntry(shard=shard.url, phase=self.phase.kind, error=str(exc),
+                                records=self.phase.records.get(index, 0), task_id=exc.spec.task_id, round=self.phase.round)
+        # Never requeued: a deterministic failure would loop until max_rounds.
+        log.error("quarantined %s shard %s: %s", self.phase.label, shard.url, exc)
+        async with self._file(self.phase.quarantine_url(index)).writer() as w:
+            await w.write(entry.as_dict())
+        self.quarantined.append(entry)
+        self.reporter.shard_done(self.phase.label, entry.records, {})
+
+    def _summary(self, todo: list[Item], *, wall: float, drain: float, task_retries: int) -> PhaseSummary:
+        recs = [self.done[i] for i in sorted(self.done)]
+        counts: dict[str, int] = {}
+        for rec in recs:
+            for k, v in rec["counts"].items():
+                counts[k] = counts.get(k, 0) + int(v)
+        records_in = sum(int(x["records_in"]) for x in recs)
+        phase = self.phase
+        return PhaseSummary(
+            round=phase.round, phase=phase.kind, input_url=phase.input_url, output_url=phase.output_url,
+            shards=len(phase.items), shards_run=len(todo), records_in=records_in, counts=counts,
+            tokens_in=sum(int(x["tokens_in"]) for x in recs), tokens_out=sum(int(x["tokens_out"]) for x in recs),
+            engine_busy_s=sum(float(x["engine_busy_s"]) for x in recs), wall_s=wall, drain_s=drain,
+            longest_task_s=max((float(self.done[i]["wall_s"]) for i, _ in todo if i in self.done), default=0.0),
+            avg_fill=sum(float(x["avg_fill"]) * int(x["records_in"]) for x in recs) / (records_in or 1),
+            cached_tasks=sum(1 for x in recs if x.get("cached")), task_retries=task_retries,
+            quarantined=sorted(self.quarantined, key=lambda q: q.shard),
+            workers=len({str(x["worker"]) for x in recs}),
+            warnings=[w for x in recs for w in x.get("warnings", [])],
+        )
+
+    def _file(self, url: str) -> JsonlFile:
+        return JsonlFile(url, storage_options=self.storage_options)
+
+    def _remove(self, url: str) -> None:
+        if (f := self._file(url)).exists_sync():
+            f.fs.rm(f.path)
+
+    def _discard_outputs(self, spec: TaskSpec) -> None:
+        """A quarantined task's records are all ``failed``: no partial output may count too."""
+        for key, url in spec.outputs.items():
+            if key != "checkpoint":
+                self._remove(url)
