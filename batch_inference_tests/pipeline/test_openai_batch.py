@@ -143,3 +143,31 @@ async def test_export_command_from_a_run_url(tmp_path: Path) -> None:
     assert all(e["error"]["code"] == "exhausted" for e in errors)
     unfinished = CliRunner().invoke(cli, ["export", str(tmp_path / "out" / "nope")])
     assert unfinished.exit_code == 1 and "not a pipeline run" in unfinished.output
+
+
+async def test_in_place_max_attempts_and_quarantined_shards_are_errors(tmp_path: Path) -> None:
+    lines = [chat_line(f"r{i}", f"q{i}") for i in range(40)]
+    spec = openai_spec(tmp_path, lines, strategy="in_place", max_attempts=2, approval=0.3)
+    summary = await run_pipeline(spec)
+    exported = export_openai_batch(PipelineRun(spec))
+    errors = read_jsonl(exported.errors_url)
+    assert exported.errors_by_code == {"max_attempts": summary.max_attempts} and summary.max_attempts > 0
+    assert all("not approved after 2 attempt(s)" in e["error"]["message"] for e in errors)
+
+    # one judge shard fails for good: its records are quarantined, each an error line
+    from batch_inference.pipeline import open_runner
+    from batch_inference_tests.pipeline.helpers import FailingShardRunner
+
+    (tmp_path / "q").mkdir()
+    spec = openai_spec(tmp_path / "q", lines, run="quarantined", shard_records=20, max_rounds=1)
+    async with open_runner(spec) as pool:
+        runner = FailingShardRunner(pool, shard_name="round-00/inferred/part-00001.jsonl.zst", kind="judge")
+        summary = await run_pipeline(spec, runner=runner)
+    assert summary.status == "quarantined" and summary.failed == 20
+    exported = export_openai_batch(PipelineRun(spec))
+    errors = read_jsonl(exported.errors_url)
+    assert exported.errors_by_code["shard_quarantined"] == 20 and exported.requests == 40
+    quarantined = [e for e in errors if e["error"]["code"] == "shard_quarantined"]
+    assert all("device lost" in e["error"]["message"] for e in quarantined)
+    ids = [e["custom_id"] for e in errors] + [x["custom_id"] for x in read_jsonl(exported.output_url)]
+    assert sorted(ids) == sorted(x["custom_id"] for x in lines)
