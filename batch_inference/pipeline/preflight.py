@@ -98,11 +98,12 @@ def _check_chat_template(spec: PipelineSpec) -> None:
                         "(infer.messages, records with messages, or judge.chat); use a text infer.template, or a model with one")
 
 
-def preflight(spec: PipelineSpec, *, full: bool = False) -> Plan:
+def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = None) -> Plan:
     """Raise ``SpecError`` if the spec cannot run; else the ``Plan``. Blocking (reads the input's start).
 
     ``full`` also reads the whole input: counts records and shards, and runs the OpenAI Batch
-    file checks the sharding pass would (duplicate custom_ids included).
+    file checks the sharding pass would (duplicate custom_ids included). ``sharded``: a
+    resumed run's committed shards (already native records) are checked instead of the input.
     """
     judge = _build_judge(spec)
     try:
@@ -110,8 +111,8 @@ def preflight(spec: PipelineSpec, *, full: bool = False) -> Plan:
     except ValueError as exc:
         raise SpecError(f"{_prompt_key(spec)}: {exc}") from None
     so = spec.storage_options or None
-    head = inputs.first_records(spec.input, max(spec.preflight_records, 1), so)
-    fmt, detected = inputs.resolve_format(spec, head)
+    head = inputs.first_records(sharded or spec.input, max(spec.preflight_records, 1), so)
+    fmt, detected = ("jsonl", False) if sharded else inputs.resolve_format(spec, head)
     reader = inputs.openai_reader(spec) if fmt == "openai_batch" else None
     if reader is not None:
         head = [reader.convert(rec, pos) for pos, rec in enumerate(head)]

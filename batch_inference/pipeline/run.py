@@ -484,7 +484,9 @@ async def run_pipeline(
     """
     from batch_inference.pipeline.preflight import preflight
 
-    await asyncio.to_thread(preflight, spec)
+    probe = PipelineRun(spec)
+    resumed = await asyncio.to_thread(lambda: probe.ledger.read("shard") is not None and probe._dir(probe.layout.sharded).manifest() is not None)
+    await asyncio.to_thread(preflight, spec, sharded=probe.layout.sharded if resumed else None)
     if runner is not None:
         return await drive_retrying(PipelineRun(spec, runner, reporter=reporter), retries=retries, backoff_s=backoff_s)
     from batch_inference.pipeline.runner import open_runner

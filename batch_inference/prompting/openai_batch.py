@@ -68,9 +68,9 @@ class OpenAIBatchReader:
         if not isinstance(cid, str) or not cid:
             self._problem("custom_id must be a non-empty string", cid if cid is not None else f"line {pos + 1}")
             cid = f"line-{pos + 1}"
-        extra = sorted(set(line) - LINE_KEYS)
+        extra = line.keys() - LINE_KEYS  # (set views: the common, clean line costs no sort)
         if extra:
-            self._problem(f"unsupported line keys {extra}", cid)
+            self._problem(f"unsupported line keys {sorted(extra)}", cid)
         if line.get("method", "POST") != "POST":
             self._problem(f"method {line.get('method')!r} (only POST)", cid)
         url = line.get("url")
@@ -83,7 +83,8 @@ class OpenAIBatchReader:
         if not isinstance(body, dict):
             self._problem("body must be an object", cid)
             body = {}
-        for name in sorted(set(body) - BODY_FIELDS[kind]):
+        unsupported = body.keys() - BODY_FIELDS[kind]
+        for name in sorted(unsupported) if unsupported else ():
             self._problem(f"unsupported body field {name!r} for {url}", cid)
         model = body.get("model")
         if self.models is not None and model is not None and model not in self.models:

@@ -103,3 +103,11 @@ def test_validate_command(tmp_path: Path) -> None:
     spec_path.write_text(yaml.safe_dump(bad))
     result = CliRunner().invoke(cli, ["validate", str(spec_path)])
     assert result.exit_code == 1 and "judge.kwargs: rule 'min_length' does not accept kwargs ['n']" in result.output
+
+
+async def test_a_resumed_run_is_checked_on_its_shards(tmp_path: Path) -> None:
+    spec = PipelineSpec.parse(spec_dict(tmp_path, records=50))
+    first = await run_pipeline(spec)
+    (tmp_path / "input.jsonl").unlink()  # the drop may be gone once sharded
+    again = await run_pipeline(spec)
+    assert again.records == first.records == 50
