@@ -12,6 +12,7 @@ the spec key and the record:
 * no prompt source (no template, and records have neither ``messages`` nor ``prompt``);
 * a rule judge that needs a record field the records lack (``KeyError``);
 * chat prompts on a model whose tokenizer has no chat template (``engine.model``);
+* records asking for ``response_format`` on an engine that cannot constrain (``engine.kind``);
 * an OpenAI Batch file's own problems (``prompting.openai_batch``) when ``full`` is set.
 
 A record's own bad values (``bad_messages``, ``bad_sampling``) are that record's error at
@@ -132,6 +133,9 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
             record_errors.append(str(exc))
             continue
         chat = chat or isinstance(request.prompt, ChatPrompt)
+        if request.params.response_format is not None and not spec.engine.structured_output:
+            raise SpecError(f"engine.kind: record {rec['id']!r} asks for response_format, but engine kind "
+                            f"{spec.engine.kind!r} cannot constrain generation (vLLM's structured outputs can)")
         if isinstance(judge, LLMJudge):
             try:
                 judge.prompt(rec, SAMPLE_RESULT)

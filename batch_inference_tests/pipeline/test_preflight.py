@@ -111,3 +111,11 @@ async def test_a_resumed_run_is_checked_on_its_shards(tmp_path: Path) -> None:
     (tmp_path / "input.jsonl").unlink()  # the drop may be gone once sharded
     again = await run_pipeline(spec)
     assert again.records == first.records == 50
+
+
+def test_records_asking_for_structured_output_on_an_engine_that_cannot(tmp_path: Path) -> None:
+    src = tmp_path / "fmt.jsonl"
+    src.write_bytes(orjson.dumps({"id": "j1", "prompt": "json please", "response_format": {"type": "json_object"}}) + b"\n")
+    data = spec_dict(tmp_path, input=str(src))
+    with pytest.raises(SpecError, match="engine.kind: record 'j1' asks for response_format, but engine kind 'simulated'"):
+        preflight(PipelineSpec.parse(data))
