@@ -96,8 +96,8 @@ def export_openai_batch(run: PipelineRun, out: str | None = None) -> ExportSumma
             for row in _rows(source.urls, so):
                 bad.write(error(str(row["id"]), *_failure(source.state, row, spec.max_rounds)))
         for q in run.quarantined():
-            for row in _rows((q["shard"],), so, is_dir=False):
-                bad.write(error(str(row["id"]), "shard_quarantined", f"shard_quarantined: {q['error']}"))
+            for row in _rows((q.shard,), so, is_dir=False):
+                bad.write(error(str(row["id"]), "shard_quarantined", f"shard_quarantined: {q.error}"))
     total = counts["output"] + counts["errors"]
     if total != shard.records:
         raise ExportError(f"run {spec.run!r}: exported {total} requests ({counts['output']} output, {counts['errors']} "

@@ -24,6 +24,7 @@ from batch_inference.pipeline.summaries import (
     Decision,
     JudgedRound,
     PhaseSummary,
+    QuarantineEntry,
     RecompactSummary,
     RunSummary,
     ShardSummary,
@@ -354,8 +355,8 @@ class PipelineRun:
             phases.append(tail)
         return r, phases, decisions, tail
 
-    def quarantined(self) -> list[dict[str, Any]]:
-        """Every quarantined shard entry of the run (``shard``, ``error``, ``records``, ...)."""
+    def quarantined(self) -> list[QuarantineEntry]:
+        """Every quarantined shard entry of the run."""
         return [q for p in self._recorded()[1] for q in p.quarantined]
 
     def terminal_sources(self) -> list[IdSource]:
