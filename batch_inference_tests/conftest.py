@@ -5,4 +5,5 @@ pytest_plugins = [
     "batch_inference_tests.fixtures.models",
     "batch_inference_tests.fixtures.pool",
     "batch_inference_tests.fixtures.postgres",
+    "batch_inference_tests.fixtures.seaweedfs",
 ]

@@ -148,6 +148,21 @@ def iter_blocks(
             line_no += len(lines)
 
 
+def create_refused(exc: BaseException) -> bool:
+    """Whether an exclusive create (``fs.open(path, "xb")``) failed because the object exists.
+
+    Locally that is ``FileExistsError``. On S3 it is HTTP 412 to ``If-None-Match: *``;
+    s3fs turns that into ``FileExistsError`` only when the error body names the condition
+    (AWS, moto), otherwise into ``OSError(EINVAL)`` (SeaweedFS answers a plain 412).
+    """
+    if isinstance(exc, FileExistsError):
+        return True
+    response = getattr(exc.__cause__, "response", None) or {}
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code == "PreconditionFailed" or status == 412
+
+
 def check_on_error(on_error: str) -> None:
     if on_error not in ("raise", "quarantine"):
         raise ValueError(f"on_error must be 'raise' or 'quarantine', not {on_error!r}")

@@ -593,11 +593,13 @@ class _DirSession:
                     f.write(self._lock_body())
                 self._last_beat = time.monotonic()
                 return
-            except FileExistsError:
-                holder = self._read_lock()
-                if holder is not None and not self._stale(holder):
-                    raise ConcurrentWriteError(self.dir.url, holder, "directory is being written by another writer") from None
-                fs.rm(self.lock_path)  # a dead writer's lock
+            except OSError as exc:
+                if not _io.create_refused(exc):
+                    raise
+            holder = self._read_lock()
+            if holder is not None and not self._stale(holder):
+                raise ConcurrentWriteError(self.dir.url, holder, "directory is being written by another writer") from None
+            fs.rm(self.lock_path)  # a dead writer's lock
         raise ConcurrentWriteError(self.dir.url, self._read_lock(), "could not take the directory lock")
 
     def _heartbeat(self) -> None:
