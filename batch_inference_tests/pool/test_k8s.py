@@ -21,7 +21,7 @@ MODELS = {"Secret": "V1Secret", "ConfigMap": "V1ConfigMap", "Deployment": "V1Dep
 
 def _launcher(**kw: Any) -> K8sLauncher:
     kw.setdefault("image", "ghcr.io/example/batch-inference:0.1.0")
-    return K8sLauncher(json.loads((DEPLOY / "engine.json").read_text()), **kw)
+    return K8sLauncher(json.loads((DEPLOY.parent / "engine.json").read_text()), **kw)
 
 
 def _roundtrip(obj: dict[str, Any]) -> Any:

@@ -80,6 +80,7 @@ class K8sLauncher:
         self.scaledown_ttl_s = scaledown_ttl_s
         self._apps = apps_api
         self._core = core_api
+        self._endpoints_seen = False
 
     # -- manifests ------------------------------------------------------------------
 
@@ -211,15 +212,28 @@ class K8sLauncher:
             if len(endpoints) >= want:
                 return endpoints
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name}: {len(endpoints)}/{want} workers ready after {wait_s:.0f}s")
+                missing = "" if self._endpoints_seen else (
+                    f" (no Endpoints {self.namespace}/{self.name} yet: is the pool's Service deployed?)")
+                raise TimeoutError(f"{self.name}: {len(endpoints)}/{want} workers ready after {wait_s:.0f}s{missing}")
             time.sleep(poll_s)
 
     def endpoints(self, *, via: str = "pods") -> list[str]:
         """Ready workers: one ``http://podIP:port`` each (``via="service"``: the Service's DNS name)."""
         if via == "service":
             return [f"http://{self.name}.{self.namespace}.svc.cluster.local:{self.port}"]
+        from kubernetes.client.exceptions import ApiException
+
         _, core = self._apis()
-        eps = core.read_namespaced_endpoints(name=self.name, namespace=self.namespace)
+        try:
+            eps = core.read_namespaced_endpoints(name=self.name, namespace=self.namespace)
+        except ApiException as exc:
+            # The endpoints controller creates a Service's Endpoints a moment after the
+            # Service (and deletes them with it): until then no worker is ready, which is
+            # not an error (seen on a real API server on first up() and right after down()).
+            if exc.status == 404:
+                return []
+            raise
+        self._endpoints_seen = True
         out = []
         for subset in getattr(eps, "subsets", None) or []:
             ports = [p.port for p in (subset.ports or []) if p.name in ("http", None)] or [self.port]

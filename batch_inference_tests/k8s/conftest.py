@@ -1,0 +1,69 @@
+"""The Kubernetes control plane fixture (``make test-infra``): one cluster for the session.
+
+``k8s`` starts etcd, kube-apiserver and kube-controller-manager in a network namespace
+of their own plus the test node agent with 4 GPUs; every process is stopped by PID and
+every namespace removed at the end, also when a test fails. ``namespace(live=...)``
+gives a test its own Kubernetes namespace: ``live`` ones (prefix ``live-``) have their
+pods' commands run for real by the node agent; the others are reported Running only.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from batch_inference_tests.fixtures.infra import require
+from batch_inference_tests.k8s.cluster import K8sCluster, binaries_missing
+
+LIVE_PREFIX = "live-"
+
+
+@pytest.fixture(scope="session")
+def k8s() -> Iterator[K8sCluster]:
+    missing = binaries_missing()
+    require(not missing, f"Kubernetes control plane not built/installed ({', '.join(missing)})")
+    require(os.geteuid() == 0 and shutil.which("ip") is not None, "network namespaces need root and iproute2")
+    cluster = K8sCluster()
+    try:
+        cluster.start()
+        cluster.start_agent(run_prefixes=(LIVE_PREFIX,), gpus=4)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def namespace(k8s: K8sCluster) -> Iterator[Callable[..., str]]:
+    """``namespace(live=False) -> name``: a fresh Kubernetes namespace, deleted at teardown."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(k8s.api_client())
+    made: list[str] = []
+
+    def make(live: bool = False) -> str:
+        name = f"{LIVE_PREFIX if live else 'cfg-'}{uuid.uuid4().hex[:8]}"
+        core.create_namespace({"metadata": {"name": name}})
+        made.append(name)
+        return name
+
+    yield make
+    for name in made:  # everything in it; its pods' GPUs are free again once it is gone
+        core.delete_namespace(name)
+    for name in made:
+        wait_until(lambda: name not in {n.metadata.name for n in core.list_namespace().items}, 90, f"namespace {name} to go")
+
+
+def wait_until(predicate: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.2) -> object:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(poll_s)
