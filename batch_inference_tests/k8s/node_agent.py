@@ -264,11 +264,11 @@ class NodeAgent:
         c = pod.spec.containers[0]
         scratch = local.dir / f"scratch-{local.restarts}"
         spec = {"argv": [*c.command, *(c.args or [])], "env": self._env(pod), "workingDir": c.working_dir,
-                "mounts": self._volumes(pod, local), "scratch": str(scratch)}
+                "mounts": self._volumes(pod, local), "scratch": str(scratch), "hostname": pod.metadata.name[:63]}
         (local.dir / "spec.json").write_text(json.dumps(spec))
         logfile = (local.dir / "container.log").open("ab")
         local.proc = subprocess.Popen(
-            ["ip", "netns", "exec", local.netns, "unshare", "--mount", "--propagation", "private",
+            ["ip", "netns", "exec", local.netns, "unshare", "--mount", "--uts", "--propagation", "private",
              sys.executable, "-m", "batch_inference_tests.k8s.pod_exec", str(local.dir / "spec.json")],
             stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})

@@ -118,6 +118,8 @@ class FakeCluster:
         return client.V1Secret(data=data)
 
     def read_namespaced_endpoints(self, name: str, namespace: str) -> client.V1Endpoints:
+        if ("Service", name) not in self.objects:  # the endpoints controller makes them after the Service
+            raise ApiException(status=404, reason="NotFound")
         subset = client.V1EndpointSubset(
             addresses=[client.V1EndpointAddress(ip=ip) for ip in self.ready_ips],
             not_ready_addresses=[client.V1EndpointAddress(ip=ip) for ip in self.not_ready_ips],
@@ -167,6 +169,8 @@ def test_service_endpoint_and_client() -> None:
     fake = FakeCluster()
     fake.ready_ips = ["10.1.0.5"]
     launcher = _launcher(apps_api=fake, core_api=fake, token="abc", concurrency=7)
+    assert launcher.endpoints() == []  # no Service, no Endpoints (404): no ready worker, not an error
+    fake.objects[("Service", launcher.name)] = {}
     assert launcher.endpoints(via="service") == ["http://batch-inference-worker.default.svc.cluster.local:8700"]
     pool = launcher.client()
     assert pool.endpoints == ["http://10.1.0.5:8700"] and pool.token == "abc" and pool.limit == 7
