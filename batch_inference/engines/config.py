@@ -64,13 +64,15 @@ class SimulatedOptions(BaseModel):
 
 
 class VllmOptions(BaseModel):
-    """Options passed to ``vllm.LLM``; ``extra`` goes through verbatim."""
+    """Options passed to vLLM's engine arguments; ``extra`` goes through verbatim."""
 
     model_config = ConfigDict(extra="forbid")
 
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     tensor_parallel_size: int = Field(1, ge=1)
     enforce_eager: bool = False
+    streaming: bool = Field(True, description="continuous batching through AsyncLLM (false: one blocking LLM.generate per batch)")
+    max_in_flight: int | None = Field(None, ge=1, description="streaming: requests kept in the engine (default 2 x max_num_seqs)")
     extra: dict[str, Any] = Field(default_factory=dict)
 
 

@@ -13,7 +13,9 @@ def build_engine(config: EngineConfig | dict[str, Any]) -> Engine | StreamingEng
     """Build the engine a config names (a dict is validated into ``EngineConfig`` first).
 
     Most kinds build a blocking ``Engine``; ``is_streaming(engine)`` tells the caller
-    when it got a ``StreamingEngine`` (the simulated decode model with continuous scheduling).
+    when it got a ``StreamingEngine`` (vLLM by default, the simulated decode model with
+    continuous scheduling), which must then be started on the event loop that will
+    drive it (``await engine.start()``); the pool's ``EngineHost`` does this.
     """
     cfg = config if isinstance(config, EngineConfig) else EngineConfig.model_validate(config)
     if cfg.kind == "simulated":
@@ -29,7 +31,7 @@ def build_engine(config: EngineConfig | dict[str, Any]) -> Engine | StreamingEng
 
         return TransformersEngine.from_config(cfg)
     if cfg.kind == "vllm":
-        from batch_inference.engines.vllm_engine import VllmEngine
+        from batch_inference.engines.vllm_engine import VllmEngine, VllmStreamingEngine
 
-        return VllmEngine.from_config(cfg)
+        return VllmStreamingEngine.from_config(cfg) if cfg.vllm.streaming else VllmEngine.from_config(cfg)
     raise ValueError(f"unknown engine kind {cfg.kind!r}")  # unreachable: pydantic checks kind

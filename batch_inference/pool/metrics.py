@@ -8,7 +8,7 @@ from typing import Any
 _METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("engine_loads", "batch_inference_engine_loads_total", "counter", "Engine builds in this process (1 when healthy)"),
     ("model_load_time_s", "batch_inference_model_load_seconds", "gauge", "Seconds the engine took to load"),
-    ("engine_busy_s", "batch_inference_engine_busy_seconds_total", "counter", "Seconds spent inside engine.generate"),
+    ("engine_busy_s", "batch_inference_engine_busy_seconds_total", "counter", "Seconds the engine had work (in generate / a request in flight)"),
     ("uptime_s", "batch_inference_uptime_seconds", "gauge", "Seconds since the worker started"),
     ("idle_s", "batch_inference_idle_seconds", "gauge", "Seconds since the last task ended (0 while busy)"),
     ("concurrency", "batch_inference_task_slots", "gauge", "Task slots"),
@@ -25,6 +25,13 @@ _METRICS: tuple[tuple[str, str, str, str], ...] = (
     ("avg_fill", "batch_inference_batcher_avg_fill", "gauge", "Average batch cost / token budget"),
     ("records_per_s", "batch_inference_batcher_records_per_second", "gauge", "Records through the batcher per second"),
     ("tokens_per_s", "batch_inference_tokens_per_second", "gauge", "Prompt + completion tokens per second"),
+    # "is the GPU full?": output tokens/s against the engine's own ceiling, and the engine's occupancy
+    ("output_tokens_per_s", "batch_inference_output_tokens_per_second", "gauge", "Completion tokens per second"),
+    ("in_flight", "batch_inference_requests_in_flight", "gauge", "Requests in a streaming engine now"),
+    ("capacity", "batch_inference_requests_capacity", "gauge", "Requests the worker keeps in a streaming engine"),
+    ("engine_running", "batch_inference_engine_running_requests", "gauge", "Sequences the engine is decoding (its own count)"),
+    ("engine_waiting", "batch_inference_engine_waiting_requests", "gauge", "Requests waiting in the engine's scheduler"),
+    ("kv_cache_usage", "batch_inference_engine_kv_cache_usage", "gauge", "Fraction of the engine's KV cache in use"),
 )
 
 _RECENT: tuple[tuple[str, str], ...] = (

@@ -15,8 +15,10 @@ import logging
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
+from batch_inference.engines import EngineDeadError
 from batch_inference.pool.engine_host import EngineHost
 from batch_inference.pool.protocol import TaskResult, TaskSpec
 from batch_inference.pool.tasks import TaskContext, run_task
@@ -48,6 +50,10 @@ class Busy(Refused):
 
 class Draining(Refused):
     """The worker is shutting down and takes no new tasks."""
+
+
+class EngineDead(Refused):
+    """The worker's engine died: this worker can run nothing; another can (retryable)."""
 
 
 class Abandoned(Refused):
@@ -90,6 +96,10 @@ class WorkerRuntime:
         self.running: dict[str, tuple[TaskSpec, asyncio.Task[TaskResult]]] = {}
         self.finished: OrderedDict[str, tuple[TaskSpec, TaskResult]] = OrderedDict()
         self.draining = False
+        # Set once the engine died: the worker is unhealthy, refuses new tasks and exits
+        # (its tasks are retried elsewhere); ``on_engine_dead`` lets the server stop.
+        self.engine_dead: str | None = None
+        self.on_engine_dead: Callable[[str], None] | None = None
         self.started_at = time.monotonic()
         self.last_activity = time.monotonic()
         self.counters = {"completed": 0, "failed": 0, "cached": 0, "refused": 0, "abandoned": 0,
@@ -120,6 +130,9 @@ class WorkerRuntime:
             if run_spec != spec:
                 raise SpecConflict(f"task {spec.task_id} is running with a different spec")
             return await self._join(task)
+        if self.engine_dead is not None:
+            self.counters["refused"] += 1
+            raise EngineDead(f"worker {self.name}: engine dead ({self.engine_dead})")
         if self.draining:
             self.counters["refused"] += 1
             raise Draining(f"worker {self.name} is shutting down")
@@ -149,6 +162,10 @@ class WorkerRuntime:
         ctx = TaskContext(spec, self.host, storage_options, checkpoint_interval_s=self.checkpoint_interval_s)
         try:
             counts = await run_task(ctx)
+        except EngineDeadError as exc:
+            self.counters["failed"] += 1
+            self.mark_engine_dead(exc)
+            raise
         except asyncio.CancelledError:
             self.counters["abandoned"] += 1
             log.warning("task %s abandoned (shutdown); no output was committed", spec.task_id)
@@ -178,6 +195,15 @@ class WorkerRuntime:
             self.finished.popitem(last=False)
         return result
 
+    def mark_engine_dead(self, exc: BaseException) -> None:
+        """Record that the engine is gone (first cause wins) and tell the server, once."""
+        if self.engine_dead is not None:
+            return
+        self.engine_dead = f"{type(exc).__name__}: {exc}"
+        log.error("worker %s: engine dead (%s); unhealthy, its tasks go to other workers", self.name, self.engine_dead)
+        if self.on_engine_dead is not None:
+            self.on_engine_dead(self.engine_dead)
+
     async def drain(self, grace_s: float) -> list[str]:
         """Stop taking tasks; let running ones finish within ``grace_s``, then abandon the rest.
 
@@ -202,19 +228,32 @@ class WorkerRuntime:
         return 0.0 if self.running else time.monotonic() - self.last_activity
 
     def stats(self) -> dict[str, Any]:
-        """Everything ``/stats`` shows: batcher figures (lifetime and recent), tasks, engine."""
+        """Everything ``/stats`` shows: batcher or stream figures, tasks, engine occupancy.
+
+        "Is the engine full?" is answered by ``output_tokens_per_s`` (against the engine's
+        own ceiling, bench/engine_ceiling.py) and ``occupancy`` (the engine's running and
+        waiting requests, KV-cache use); ``utilization`` and ``avg_fill`` only say whether
+        the engine was being fed (docs/pool.md "Is the GPU full?").
+        """
         host = self.host
         batcher = host.batcher.stats.as_dict() if host.batcher is not None else None
+        stream = host.gate.stats.as_dict() if host.gate is not None else None
+        feed = batcher or stream
+        occupancy = host.occupancy()
         uptime = time.monotonic() - self.started_at
         tokens = self.counters["tokens_in"] + self.counters["tokens_out"]
-        wall = batcher["wall_time_s"] if batcher else 0.0
+        wall = feed["wall_time_s"] if feed else 0.0
+        tokens_out = stream["output_tokens"] if stream else self.counters["tokens_out"]
         return {
             "worker": self.name,
             "pid": os.getpid(),
             "engine": getattr(host.engine, "name", None),
+            "mode": "stream" if stream else "batch",
             "engine_loads": host.loads,
+            "engine_dead": self.engine_dead,
             "model_load_time_s": host.load_time_s,
-            "engine_busy_s": host.engine_busy_s,  # wall time inside generate calls, measured here
+            # wall time the engine had work (inside generate calls / a request in flight), measured here
+            "engine_busy_s": host.engine_busy,
             # the engine's own account of its model time, when it keeps one (the simulated engine's cost model)
             "engine_model_busy_s": getattr(host.engine, "busy_s", None),
             "uptime_s": uptime,
@@ -230,9 +269,16 @@ class WorkerRuntime:
             "records_done": self.counters["records"],
             "tokens_in": self.counters["tokens_in"],
             "tokens_out": self.counters["tokens_out"],
-            "utilization": batcher["utilization"] if batcher else 0.0,
-            "avg_fill": batcher["avg_fill"] if batcher else 0.0,
-            "records_per_s": batcher["records_per_s"] if batcher else 0.0,
+            "output_tokens_per_s": tokens_out / wall if wall > 0 else 0.0,
+            "utilization": feed["utilization"] if feed else 0.0,
+            "avg_fill": feed["avg_fill"] if feed else 0.0,
+            "records_per_s": feed["records_per_s"] if feed else 0.0,
             "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+            "in_flight": stream["in_flight"] if stream else None,
+            "capacity": stream["capacity"] if stream else None,
+            "engine_running": occupancy.running if occupancy else None,
+            "engine_waiting": occupancy.waiting if occupancy else None,
+            "kv_cache_usage": occupancy.kv_cache_usage if occupancy else None,
             "batcher": batcher,
+            "stream": stream,
         }

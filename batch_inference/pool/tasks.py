@@ -1,8 +1,8 @@
 """The shard tasks a worker runs: infer, judge and retry (docs/ARCHITECTURE.md "Shard tasks").
 
 Every task streams its input shard in ``chunk_size`` chunks, submits each chunk's prompts
-to the worker's ONE shared batcher (so records of all concurrent tasks merge into full
-batches), gathers with ``return_exceptions=True`` so one bad record never fails the
+to the worker's ONE engine host (its shared batcher merges records of all concurrent
+tasks into full batches; a streaming engine's gate lets them flow straight in), gathers with ``return_exceptions=True`` so one bad record never fails the
 shard, and writes one output shard per output key through the storage layer's atomic
 writer: a retried task rewrites its whole output, and a killed one leaves none.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batch_inference import rows
-from batch_inference.engines import Completion, supports_structured_output
+from batch_inference.engines import Completion, EngineDeadError, supports_structured_output
 from batch_inference.engines.base import unconstrained_error
 from batch_inference.judges import JudgeConfig, LLMJudge, Verdict, build_judge
 from batch_inference.pool.engine_host import EngineHost, GenRequest
@@ -87,11 +87,14 @@ class TaskContext:
             yield chunk
 
     async def generate(self, requests: Sequence[Request | BaseException]) -> list[Completion | BaseException]:
-        """Run requests through the shared batcher; an exception in stays an exception out.
+        """Run requests through the worker's engine host; an exception in stays an exception out.
 
         A constrained request (``response_format``) on an engine that cannot constrain
         fails here with that reason: it is never run unconstrained; one cut short by
         ``max_tokens`` (not schema-valid) fails as ``truncated_output`` (retryable).
+        ``EngineDeadError`` is raised, never returned: a dead engine is the worker's
+        fault, not the records', so the task fails and is retried on another worker.
+        Cancelled (the task was abandoned), every request still in the engine is cancelled.
         """
         out: list[Completion | BaseException] = list(requests)  # type: ignore[arg-type]
         constrained_ok = supports_structured_output(self.host.engine)
@@ -102,11 +105,20 @@ class TaskContext:
                     out[i] = Completion.failed(unconstrained_error(getattr(self.host.engine, "name", "?")))
                 else:
                     live.append(i)
-        tokens = await self.host.count_tokens([requests[i].prompt for i in live])  # type: ignore[union-attr]
+        prompts = [requests[i].prompt for i in live]  # type: ignore[union-attr]
+        # a streaming engine tokenises for itself; the batcher needs exact costs first
+        tokens = [0] * len(prompts) if self.host.streaming else await self.host.count_tokens(prompts)
         gen = [GenRequest(requests[i].prompt, requests[i].params, n) for i, n in zip(live, tokens)]  # type: ignore[union-attr]
         futures = await self.host.submit(gen)
-        done = await asyncio.gather(*futures, return_exceptions=True)
+        try:
+            done = await asyncio.gather(*futures, return_exceptions=True)
+        except asyncio.CancelledError:
+            for f in futures:
+                f.cancel()
+            raise
         for i, request, result in zip(live, gen, done):
+            if isinstance(result, EngineDeadError):
+                raise result
             if isinstance(result, Completion):
                 self.meter.add(request, result)
                 if request.params.response_format is not None and result.finish_reason == "length":
@@ -172,7 +184,7 @@ async def run_infer(ctx: TaskContext) -> dict[str, int]:
 
 
 class Judging:
-    """One task's judge: LLM judges go through the shared batcher, rule judges run off-loop."""
+    """One task's judge: LLM judges go through the engine host (batcher or stream), rule judges run off-loop."""
 
     def __init__(self, ctx: TaskContext, config: JudgeConfig) -> None:
         self.ctx = ctx
@@ -364,6 +376,8 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
         prompts = [_request(builder, s.record, s.prior + s.attempt) for s in wave]
         try:
             done = await ctx.generate(prompts)
+        except EngineDeadError:
+            raise  # the worker's fault: the task is retried elsewhere and resumes from its checkpoints
         except Exception as exc:  # e.g. the tokenizer failed for the wave: each sample's own error
             for s in wave:
                 s.error(_error_text(exc))
@@ -386,6 +400,8 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
     async def judge_wave(wave: list[_Sample], ckpt: CheckpointBuffer) -> None:
         try:
             verdicts = await judging.verdicts([s.record for s in wave], [s.result for s in wave])  # type: ignore[misc]
+        except EngineDeadError:
+            raise
         except Exception as exc:
             for s in wave:
                 s.error(_error_text(exc))

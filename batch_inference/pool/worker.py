@@ -33,7 +33,7 @@ import yaml
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from batch_inference.engines import EngineConfig
+from batch_inference.engines import EngineConfig, EngineDeadError
 from batch_inference.judges.rules import BUILTIN_RULES
 from batch_inference.pool.engine_host import BatcherOptions, EngineHost
 from batch_inference.pool.metrics import prometheus_text
@@ -152,6 +152,8 @@ def create_app(runtime: WorkerRuntime, settings: WorkerSettings, *, config_id: s
                                f"this worker allows (--allow-rule-module)", retryable=False)
         try:
             result = await runtime.run(spec)
+        except EngineDeadError as exc:  # the worker's fault, never the shard's: another worker retries it
+            return _error(503, f"task {spec.task_id}: worker {runtime.name} engine dead: {exc}", retryable=True)
         except Refused as exc:
             return _error(exc.status, str(exc), retryable=exc.retryable)
         except (TaskInputError, MalformedRecordError, CorruptShardError, FileNotFoundError) as exc:
@@ -165,9 +167,11 @@ def create_app(runtime: WorkerRuntime, settings: WorkerSettings, *, config_id: s
         return web.Response(body=result.model_dump_json(), content_type="application/json")
 
     async def health(request: web.Request) -> web.Response:
-        body = {"status": "draining" if runtime.draining else "ok", "worker": runtime.name, "pid": os.getpid(),
-                "config_hash": config_id, "engine_loads": runtime.host.loads, "tasks_running": len(runtime.running)}
-        return web.json_response(body, status=503 if runtime.draining else 200)
+        status = "unhealthy" if runtime.engine_dead else "draining" if runtime.draining else "ok"
+        body = {"status": status, "worker": runtime.name, "pid": os.getpid(), "config_hash": config_id,
+                "engine_loads": runtime.host.loads, "tasks_running": len(runtime.running),
+                **({"engine_dead": runtime.engine_dead} if runtime.engine_dead else {})}
+        return web.json_response(body, status=200 if status == "ok" else 503)
 
     async def stats(request: web.Request) -> web.Response:
         return web.json_response({**runtime.stats(), "config_hash": config_id})
@@ -230,6 +234,9 @@ async def serve(
         reason["why"] = reason["why"] or why
         stop.set()
 
+    # A dead engine cannot come back in this process: stop (grace 0 below: nothing can
+    # finish) and exit non-zero, so the launcher replaces the worker.
+    runtime.on_engine_dead = lambda why: request_stop(f"engine dead: {why}")
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, request_stop, sig.name)
@@ -244,11 +251,13 @@ async def serve(
                  runtime.name, reason["why"] or "exit", len(runtime.running), settings.grace_s)
         if watcher is not None:
             watcher.cancel()
-        abandoned = await runtime.drain(settings.grace_s)
+        abandoned = await runtime.drain(0.0 if runtime.engine_dead else settings.grace_s)
         if abandoned:
             log.warning("abandoned %d task(s) (the dispatcher retries them): %s", len(abandoned), ", ".join(abandoned))
         await runner.cleanup()
         await host.close()
+    if runtime.engine_dead:
+        raise SystemExit(f"worker {runtime.name}: engine dead ({runtime.engine_dead})")
 
 
 async def _idle_watch(runtime: WorkerRuntime, ttl_s: float, request_stop: Any) -> None:

