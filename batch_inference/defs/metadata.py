@@ -64,6 +64,9 @@ def phase_metadata(summary: PhaseSummary | RoundView) -> dict[str, Any]:
         "utilization": dg.MetadataValue.float(rate(summary.engine_busy_s, wall)),
         "avg_fill": dg.MetadataValue.float(round(fill, 4)),
         "records_per_s": dg.MetadataValue.float(round(records / wall, 2) if wall else 0.0),
+        # "is the engine full?": what it delivered (compare with bench/engine_ceiling.py), and
+        # its own occupancy (engine.*); utilization and avg_fill only say it was fed
+        "output_tokens_per_s": dg.MetadataValue.float(round(summary.output_tokens_per_s, 1)),
         "wall_s": dg.MetadataValue.float(round(wall, 3)),
         "drain_s": dg.MetadataValue.float(round(summary.drain_s, 3)),
         "shards": dg.MetadataValue.int(shards),
@@ -74,6 +77,8 @@ def phase_metadata(summary: PhaseSummary | RoundView) -> dict[str, Any]:
     }
     for key, value in extra.items():
         meta[f"count.{key}"] = dg.MetadataValue.int(int(value))
+    for key, value in summary.engine.items():
+        meta[f"engine.{key}"] = dg.MetadataValue.text(value) if isinstance(value, str) else dg.MetadataValue.float(float(value))
     return meta
 
 

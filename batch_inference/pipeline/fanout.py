@@ -5,7 +5,8 @@ quarantine entries go, and how many records each shard holds; ``FanOut`` runs it
 skips the shards whose progress record exists (resume), dispatches the rest through the
 ``TaskRunner`` with ``dispatch_bounded`` (at most ``runner.limit`` in flight), records a
 progress record per finished task, quarantines a task that exhausted its retries (never
-requeued), and sums the tasks' results into a ``PhaseSummary``.
+requeued), samples the engine's occupancy while the tasks run, and sums their results into a
+``PhaseSummary``.
 """
 
 from __future__ import annotations
@@ -89,11 +90,12 @@ class FanOut:
             self.reporter.shard_done(phase.label, int(rec["records_in"]), rec["counts"])
         retried_before = self.runner.retried
         t0 = self._last_start = time.perf_counter()
-        await dispatch_bounded(todo, self._run_one, self._finished, self._failed, limit=max(1, self.runner.limit))
+        async with OccupancySampler(self.runner) as occupancy:
+            await dispatch_bounded(todo, self._run_one, self._finished, self._failed, limit=max(1, self.runner.limit))
         wall = time.perf_counter() - t0
         self.reporter.phase_ended(phase.label)
         return self._summary(todo, wall=wall, drain=(wall - (self._last_start - t0)) if todo else 0.0,
-                             task_retries=self.runner.retried - retried_before)
+                             task_retries=self.runner.retried - retried_before, engine=occupancy.figures())
 
     async def _run_one(self, item: Item) -> dict[str, Any]:
         index, shard = item
@@ -129,7 +131,8 @@ class FanOut:
         self.quarantined.append(entry)
         self.reporter.shard_done(self.phase.label, entry.records, {})
 
-    def _summary(self, todo: list[Item], *, wall: float, drain: float, task_retries: int) -> PhaseSummary:
+    def _summary(self, todo: list[Item], *, wall: float, drain: float, task_retries: int,
+                 engine: dict[str, Any] | None = None) -> PhaseSummary:
         recs = [self.done[i] for i in sorted(self.done)]
         counts: dict[str, int] = {}
         for rec in recs:
@@ -148,6 +151,8 @@ class FanOut:
             quarantined=sorted(self.quarantined, key=lambda q: q.shard),
             workers=len({str(x["worker"]) for x in recs}),
             warnings=[w for x in recs for w in x.get("warnings", [])],
+            output_tokens_per_s=sum(int(x["tokens_out"]) for x in recs) / wall if wall > 0 else 0.0,
+            engine=engine or {},
         )
 
     def _file(self, url: str) -> JsonlFile:
@@ -162,3 +167,58 @@ class FanOut:
         for key, url in spec.outputs.items():
             if key != "checkpoint":
                 self._remove(url)
+
+
+class OccupancySampler:
+    """Samples the runner's engine occupancy (its ``stats()``) while a phase runs.
+
+    Streaming engines report running/waiting requests, in-flight/capacity and KV-cache
+    use; the phase records their means (summed over workers; KV use averaged). A runner
+    without ``stats`` (or a blocking engine) records only the feed mode.
+    """
+
+    def __init__(self, runner: Any, interval_s: float = 1.0) -> None:
+        self.runner = runner
+        self.interval_s = interval_s
+        self.samples: list[list[dict[str, Any]]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> OccupancySampler:
+        if callable(getattr(self.runner, "stats", None)):
+            self._task = asyncio.create_task(self._loop())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                stats = self.runner.stats()
+                stats = await stats if asyncio.iscoroutine(stats) else stats
+            except Exception:  # noqa: BLE001 - figures only: a worker that does not answer is skipped
+                continue
+            workers = [w for w in (stats.get("workers") or {}).values() if w] if "workers" in stats else [stats]
+            self.samples.append(workers)
+
+    def figures(self) -> dict[str, Any]:
+        workers = [w for sample in self.samples for w in sample]
+        if not workers:
+            return {}
+        out: dict[str, Any] = {"mode": "stream" if any(w.get("mode") == "stream" for w in workers) else "batch",
+                               "samples": len(self.samples)}
+        for key in ("engine_running", "engine_waiting", "in_flight"):
+            per_sample = [sum(w[key] for w in sample if w.get(key) is not None) for sample in self.samples
+                          if any(w.get(key) is not None for w in sample)]
+            if per_sample:
+                out[f"mean_{key}"] = round(sum(per_sample) / len(per_sample), 2)
+        capacity = [sum(w.get("capacity") or 0 for w in sample) for sample in self.samples]
+        if any(capacity):
+            out["capacity"] = max(capacity)
+        kv = [w["kv_cache_usage"] for w in workers if w.get("kv_cache_usage") is not None]
+        if kv:
+            out["mean_kv_cache_usage"] = round(sum(kv) / len(kv), 4)
+        return out

@@ -94,8 +94,13 @@ def _s(x: Any) -> str:
     return f"{float(x):.2f}" if x is not None else "-"
 
 
+def _rate(tokens_per_s: float) -> str:
+    return f"{tokens_per_s:,.0f}" if tokens_per_s else "-"
+
+
 def ledger_table(view: LedgerView, title: str) -> Table:
-    """Per round (and tail): the funnel, tokens, engine time, wall, fill, and the decision.
+    """Per round (and tail): the funnel, tokens, engine time, wall, output tokens/s (the
+    inference phase's: what the engine delivered), fill, and the decision.
 
     "in" is the round's pending records (quarantined shards included); "failed" the records
     of its quarantined shards; the funnel is approved / in (``RoundView.approval``).
@@ -103,24 +108,25 @@ def ledger_table(view: LedgerView, title: str) -> Table:
     table = Table(title=title, show_lines=False)
     for col, justify in [("phase", "left"), ("in", "right"), ("approved", "right"), ("rejected", "right"),
                          ("failed", "right"), ("funnel", "left"), ("tokens in/out", "right"),
-                         ("engine s", "right"), ("wall s", "right"), ("fill", "right"), ("next", "left")]:
+                         ("engine s", "right"), ("wall s", "right"), ("out tok/s", "right"), ("fill", "right"),
+                         ("next", "left")]:
         table.add_column(col, justify=justify, no_wrap=col in ("funnel", "tokens in/out"))  # type: ignore[arg-type]
     if s := view.shard:
         note = f"{s.shards} shards" + (f", {s.duplicate_ids} dup ids" if s.duplicate_ids else "")
-        table.add_row("shard", _n(s.records), "", "", "", "", "", "", _s(s.wall_s), "", note)
+        table.add_row("shard", _n(s.records), "", "", "", "", "", "", _s(s.wall_s), "", "", note)
     for rnd in view.rounds:
         judged = rnd.judge is not None
         table.add_row(f"round {rnd.round}", _n(rnd.records_in), _n(rnd.approved if judged else None),
                       _n(rnd.rejected if judged else None), _n(rnd.records_quarantined),
                       f"{_bar(rnd.approval)} {rnd.approval:.0%}", f"{_k(rnd.tokens_in)}/{_k(rnd.tokens_out)}",
-                      _s(rnd.engine_busy_s), _s(rnd.wall_s), _s(rnd.avg_fill),
+                      _s(rnd.engine_busy_s), _s(rnd.wall_s), _rate(rnd.output_tokens_per_s), _s(rnd.avg_fill),
                       rnd.decision.kind if rnd.decision else "…")
     if t := view.tail:
         approval = rate(t.approved, t.records_total)
         table.add_row(f"tail (from {t.round})", _n(t.records_total), _n(t.approved),
                       f"{_n(t.counts.get('max_attempts', 0))}*", _n(t.records_quarantined + t.counts.get("error", 0)),
                       f"{_bar(approval)} {approval:.0%}", f"{_k(t.tokens_in)}/{_k(t.tokens_out)}", _s(t.engine_busy_s),
-                      _s(t.wall_s), _s(t.avg_fill), "")
+                      _s(t.wall_s), _rate(t.output_tokens_per_s), _s(t.avg_fill), "")
     return table
 
 

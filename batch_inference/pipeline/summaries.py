@@ -114,6 +114,11 @@ class PhaseSummary(_Summary):
     quarantined: list[QuarantineEntry] = field(default_factory=list)
     workers: int = 0  # distinct workers that ran its tasks (0: recorded before this was)
     warnings: list[str] = field(default_factory=list)  # what its tasks reported (TaskResult.warnings)
+    # "Is the engine full?": what it delivered, and its own occupancy sampled while the phase
+    # ran (streaming engines: mean running/waiting/in-flight, summed over workers; KV use
+    # averaged). utilization (engine_busy_s / wall_s) and avg_fill only say it was fed.
+    output_tokens_per_s: float = 0.0
+    engine: dict[str, Any] = field(default_factory=dict)
 
     _nested: ClassVar[dict[str, Any]] = {"quarantined": _entries}
 
@@ -236,6 +241,16 @@ class RoundView:
     def approval(self) -> float:
         """Approved / the round's input: the share of its pending set it cleared."""
         return rate(self.approved, self.records_in)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        """What the engine delivered in the round's inference phase (its generation)."""
+        return self.infer.output_tokens_per_s if self.infer else 0.0
+
+    @property
+    def engine(self) -> dict[str, Any]:
+        """The engine's occupancy while the round's inference phase ran."""
+        return self.infer.engine if self.infer else {}
 
     @property
     def tokens_in(self) -> int:

@@ -193,6 +193,7 @@ class PoolClient:
             "tasks_completed": sum(s["tasks_completed"] for s in live),
             "records_done": sum(s["records_done"] for s in live),
             "tokens_per_s": sum(s["tokens_per_s"] for s in live),
+            "output_tokens_per_s": sum(s.get("output_tokens_per_s", 0.0) for s in live),
             "records_per_s": sum(s["records_per_s"] for s in live),
             "utilization": (sum(s["utilization"] for s in live) / len(live)) if live else 0.0,
             "avg_fill": (sum(s["avg_fill"] * s["engine_busy_s"] for s in live) / busy) if busy else 0.0,
