@@ -119,7 +119,7 @@ def test_response_format_reaches_vllm_as_structured_outputs(fake_vllm, monkeypat
     assert vllm_sampling_kwargs(SamplingParams(response_format=ResponseFormat("json_object")))["structured_outputs"] == (
         "SO", {"json_object": True})
     assert "structured_outputs" not in vllm_sampling_kwargs(SamplingParams())
-    engine = build_engine({"kind": "vllm", "model": "/m", "max_model_len": 64})
+    engine = build_engine({"kind": "vllm", "model": "/m", "max_model_len": 64, "vllm": {"streaming": False}})  # the fake LLM
     assert engine.structured_output
     out = engine.generate([ChatPrompt((("user", "hi"),))], SamplingParams(max_tokens=2))  # the fake tokenizer has no template
     assert out[0].error.startswith("chat_template_error: the model's tokenizer has no chat template")

@@ -57,6 +57,7 @@ class _ConstrainingHost:
     """A host whose engine says it constrains; every completion is cut at max_tokens."""
 
     engine = type("E", (), {"structured_output": True, "name": "fake"})()
+    streaming = False  # fed like a blocking engine: prompt tokens counted first
 
     async def count_tokens(self, prompts):
         return [3 for _ in prompts]
