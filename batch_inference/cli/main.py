@@ -17,6 +17,7 @@ _COMMAND_MODULES: dict[str, tuple[str, ...]] = {
     "batch_inference.cli.engine_cmds": ("make_model",),
     "batch_inference.cli.pool_cmds": ("worker", "pool"),
     "batch_inference.cli.pipeline_cmds": ("run", "status", "validate", "export"),
+    "batch_inference.cli.plan_cmds": ("plan", "profile"),
     "batch_inference.cli.demo_cmds": ("demo",),
 }
 

@@ -207,38 +207,8 @@ class PipelineRun:
             raise StepOrderError("strategy 'in_place' has no rounds to decide: run tail(0)")
         infer = PhaseSummary.from_dict(self._require(self.layout.step_name(r, "infer"), f"run infer({r}) first"))
         judge = PhaseSummary.from_dict(self._require(self.layout.step_name(r, "judge"), f"run judge({r}) first"))
-        approved, rejected = judge.approved, judge.rejected
-        records_in = infer.records_total
-        rounds_left = self.spec.max_rounds - (r + 1)
-        attempts_left = self.spec.max_attempts - (r + 1)
-        figures: dict[str, Any] = {"records_in": records_in, "approved": approved, "rejected": rejected,
-                                   "quarantined": infer.records_quarantined + judge.records_quarantined,
-                                   "rounds_left": rounds_left, "attempts_left": attempts_left}
-        if rejected == 0:
-            kind, reason = "done", "nothing rejected"
-        elif attempts_left <= 0:
-            kind, reason = "exhausted", f"max_attempts ({self.spec.max_attempts}) reached with {rejected} rejected"
-        elif self.spec.strategy == "hybrid":
-            last = self.ledger.read(self.layout.step_name(r, "recompact")) if r > 0 else None
-            recompact_s = float(last["wall_s"]) if last else 0.0
-            switch, reason, more = choose_crossover(
-                self.spec.crossover, round=r, records_in=records_in, approved=approved, rejected=rejected,
-                wall_s=infer.wall_s + judge.wall_s,
-                engine_s=_per_worker(infer, self.spec.pool.replicas) + _per_worker(judge, self.spec.pool.replicas),
-                overhead_s=_gap(infer) + _gap(judge), recompact_s=recompact_s,
-                rounds_left=rounds_left, attempts_left=attempts_left,
-            )
-            figures.update(more)
-            if switch or rounds_left <= 0:
-                kind = "tail"
-                reason = reason if switch else f"max_rounds ({self.spec.max_rounds}) reached: {rejected} to in-place retry"
-            else:
-                kind = "next_round"
-        elif rounds_left <= 0:
-            kind, reason = "exhausted", f"max_rounds ({self.spec.max_rounds}) reached with {rejected} still rejected"
-        else:
-            kind, reason = "next_round", f"{rejected} rejected"
-        decision = Decision(round=r, kind=kind, reason=reason, figures=figures)  # type: ignore[arg-type]
+        last = self.ledger.read(self.layout.step_name(r, "recompact")) if r > 0 and self.spec.strategy == "hybrid" else None
+        decision = decide_round(self.spec, r, infer, judge, recompact_s=float(last["wall_s"]) if last else 0.0)
         self.ledger.write(name, decision.as_dict())
         return decision
 
@@ -419,6 +389,42 @@ class PipelineRun:
         if exhausted:
             log.warning("run %s: %d record(s) exhausted max_rounds: see %s", self.spec.run, exhausted, self.layout.exhausted)
         return summary
+
+
+def decide_round(spec: PipelineSpec, r: int, infer: PhaseSummary, judge: PhaseSummary, *, recompact_s: float = 0.0) -> Decision:
+    """What follows round ``r`` given its two phases' figures (pure: ``PipelineRun.decide``
+    reads them from the ledger; the scale simulation builds them in virtual time).
+    ``recompact_s`` is the last recompaction's wall (the next one's estimate)."""
+    approved, rejected = judge.approved, judge.rejected
+    records_in = infer.records_total
+    rounds_left = spec.max_rounds - (r + 1)
+    attempts_left = spec.max_attempts - (r + 1)
+    figures: dict[str, Any] = {"records_in": records_in, "approved": approved, "rejected": rejected,
+                               "quarantined": infer.records_quarantined + judge.records_quarantined,
+                               "rounds_left": rounds_left, "attempts_left": attempts_left}
+    if rejected == 0:
+        kind, reason = "done", "nothing rejected"
+    elif attempts_left <= 0:
+        kind, reason = "exhausted", f"max_attempts ({spec.max_attempts}) reached with {rejected} rejected"
+    elif spec.strategy == "hybrid":
+        switch, reason, more = choose_crossover(
+            spec.crossover, round=r, records_in=records_in, approved=approved, rejected=rejected,
+            wall_s=infer.wall_s + judge.wall_s,
+            engine_s=_per_worker(infer, spec.pool.replicas) + _per_worker(judge, spec.pool.replicas),
+            overhead_s=_gap(infer) + _gap(judge), recompact_s=recompact_s,
+            rounds_left=rounds_left, attempts_left=attempts_left,
+        )
+        figures.update(more)
+        if switch or rounds_left <= 0:
+            kind = "tail"
+            reason = reason if switch else f"max_rounds ({spec.max_rounds}) reached: {rejected} to in-place retry"
+        else:
+            kind = "next_round"
+    elif rounds_left <= 0:
+        kind, reason = "exhausted", f"max_rounds ({spec.max_rounds}) reached with {rejected} still rejected"
+    else:
+        kind, reason = "next_round", f"{rejected} rejected"
+    return Decision(round=r, kind=kind, reason=reason, figures=figures)  # type: ignore[arg-type]
 
 
 def _per_worker(phase: PhaseSummary, fallback: int) -> float:

@@ -1,0 +1,93 @@
+"""The planner and the profile: input size, tokens, per-strategy figures, the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import orjson
+import pytest
+from click.testing import CliRunner
+
+from batch_inference.cli.main import cli
+from batch_inference.pipeline import PipelineSpec
+from batch_inference.pipeline.plan import EngineProfile, input_size, judge_prompt_tokens, make_plan, measure_profile
+
+
+def write_input(path: Path, n: int) -> Path:
+    path.write_bytes(b"".join(orjson.dumps({"id": str(i), "prompt": f"question number {i}"}) + b"\n" for i in range(n)))
+    return path
+
+
+def spec_dict(tmp_path: Path, n: int = 600, **kw: object) -> dict:
+    return {
+        "run": "plan-test", "input": str(write_input(tmp_path / "in.jsonl", n)), "output": str(tmp_path / "out"),
+        "engine": {"kind": "simulated", "simulated": {"approval_rate": 0.5, "output_tokens": 8, "latency_a_s": 0.0,
+                                                      "latency_b_s": 1e-6}},
+        "infer": {"template": "Q: {prompt}", "sampling": {"max_tokens": 8, "seed": 1}},
+        "judge": {"kind": "llm", "template": "Is {result} right? Reply APPROVED or REJECTED.", "max_tokens": 2},
+        "strategy": "hybrid", "max_rounds": 3, "max_attempts": 3, "shard_records": 100, "chunk_size": 50,
+        "pool": {"concurrency": 4, "retries": 0}, **kw,
+    }
+
+
+def test_input_size_counts_a_file_and_reads_a_manifest(tmp_path: Path) -> None:
+    spec = PipelineSpec.parse(spec_dict(tmp_path, 321))
+    size = input_size(spec, sample=10)
+    assert size.records == 321 and size.how == "counted" and len(size.sample) == 10
+
+
+def test_judge_prompt_tokens_follow_the_template(tmp_path: Path) -> None:
+    spec = PipelineSpec.parse(spec_dict(tmp_path))
+    literal = len("Is  right? Reply APPROVED or REJECTED.") / 4
+    assert judge_prompt_tokens(spec, 10, 7) == pytest.approx(literal + 7)  # {result} only, not {prompt}
+    rule = PipelineSpec.parse({**spec_dict(tmp_path), "judge": {"kind": "rule", "callable": "json_valid"}})
+    assert judge_prompt_tokens(rule, 10, 7) == 0.0
+
+
+def test_plan_prices_every_strategy_with_its_assumptions(tmp_path: Path) -> None:
+    spec = PipelineSpec.parse(spec_dict(tmp_path, shard_records=2_000))
+    plan = make_plan(spec, gpu_hour_price=2.0, records=1_000_000)
+    assert [s.strategy for s in plan.strategies] == ["rounds", "in_place", "hybrid"] and plan.chosen == "hybrid"
+    for s in plan.strategies:
+        assert s.wall_s > s.engine_s > 0 and s.gpu_hours > 0 and s.cost == pytest.approx(2.0 * s.gpu_hours)
+        assert s.approved + s.unfinished == 1_000_000 and s.tokens_in > 0 and s.tokens_out > 0
+    assert any("prompt tokens" in a and "simulated engine's tokenizer" in a for a in plan.assumptions)
+    assert any("approval per attempt: 0.500" in a for a in plan.assumptions)
+    meta = plan.metadata()
+    assert meta["plan.strategy"] == "hybrid" and meta["plan.records"] == 1_000_000 and "plan.phase.round 0 infer.wall_s" in meta
+    gpu = make_plan(spec, gpus=8, gpu_profile="h200-llama-8b", records=1_000_000, strategies=("hybrid",))
+    assert gpu.replicas == 8 and any("h200-llama-8b" in a for a in gpu.assumptions)
+
+
+async def test_a_measured_profile_drives_the_plan(tmp_path: Path) -> None:
+    spec = PipelineSpec.parse(spec_dict(tmp_path, 400))
+    prof = await measure_profile(spec, records=400, workdir=str(tmp_path / "work"))
+    assert prof.infer_s > 0 and prof.judge_s > 0 and prof.tail_attempt_s > 0
+    assert prof.output_tokens == pytest.approx(8, abs=0.5) and 0.3 < (prof.approval or 0) < 0.7
+    assert prof.measured["records"] == 400 and "reshard_records_per_s" in prof.overheads
+    prof.save(tmp_path / "p.json")
+    assert EngineProfile.load(tmp_path / "p.json") == prof
+    with pytest.raises(ValueError, match="not an engine profile"):
+        (tmp_path / "bad.json").write_text(json.dumps({"nope": 1}))
+        EngineProfile.load(tmp_path / "bad.json")
+
+
+def test_cli_profile_then_plan(tmp_path: Path) -> None:
+    import yaml
+
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(spec_dict(tmp_path, 400)))
+    runner = CliRunner()
+    res = runner.invoke(cli, ["profile", str(spec_path), "--records", "400", "--out", str(tmp_path / "prof.json")])
+    assert res.exit_code == 0, res.output
+    assert "wrote" in res.output and (tmp_path / "prof.json").exists()
+    res = runner.invoke(cli, ["plan", str(spec_path), "--profile", str(tmp_path / "prof.json"), "--gpu-hour-price", "3", "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert {s["strategy"] for s in data["strategies"]} == {"rounds", "in_place", "hybrid"} and data["records"] == 400
+    res = runner.invoke(cli, ["plan", str(spec_path), "--records", "200000", "--engine-profile", "h200-llama-8b", "--gpus", "32"])
+    assert res.exit_code == 0, res.output
+    assert "assumptions" in res.output and "GPU-h" in res.output
+    res = runner.invoke(cli, ["plan", str(spec_path), "--engine-profile", "tpu-v9"])
+    assert res.exit_code != 0 and "unknown engine profile" in res.output

@@ -1,0 +1,101 @@
+"""The scale simulation: virtual time, the capacity math, conservation, the real decision code."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from batch_inference.engines.decode_model import PROFILES
+from batch_inference.pipeline import PipelineSpec
+from batch_inference.pipeline.scale import Cluster, EngineRates, Overheads, VirtualClockLoop, Workload, engine_rates, run_virtual, simulate
+
+RATES = EngineRates(infer_s=0.005, judge_s=0.003, infer_latency_s=5.0, judge_latency_s=0.5, infer_tokens_out=115,
+                    steps_per_record=0.12, calls_per_record=0.036, scheduling="continuous", profile="test")
+
+
+def spec(strategy: str = "rounds", **kw: object) -> PipelineSpec:
+    return PipelineSpec.parse({
+        "run": "t", "input": "sim://in", "output": "sim://out", "engine": {"kind": "simulated"},
+        "infer": {"template": "{prompt}"}, "judge": {"kind": "llm", "template": "{prompt} {result}"},
+        "strategy": strategy, "max_rounds": 5, "max_attempts": 5, "shard_records": 2_000,
+        "pool": {"replicas": 4, "concurrency": 5}, **kw,
+    })
+
+
+def test_virtual_clock_jumps_instead_of_sleeping() -> None:
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(asyncio.sleep(3600), asyncio.sleep(7200))
+        return loop.time()
+
+    import time
+
+    t0 = time.perf_counter()
+    assert run_virtual(main) == pytest.approx(7200)
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_a_deadlock_raises_instead_of_hanging() -> None:
+    async def main() -> None:
+        await asyncio.get_running_loop().create_future()
+
+    with pytest.raises(RuntimeError, match="deadlock"):
+        run_virtual(main)
+    assert isinstance(VirtualClockLoop(), asyncio.AbstractEventLoop)
+
+
+def test_one_pass_follows_the_capacity_math() -> None:
+    w = Workload(records=400_000, approval=0.9)
+    res = simulate(spec(), w, RATES, phases="one_round", overheads=Overheads(phase_launch_s=0, task_s=0, driver_task_s=0))
+    assert res.waves == pytest.approx(400_000 / 2_000 / 20)  # 200 shards over 4 x 5 slots
+    # the engine work is exact: every record inferred and judged once, on 4 replicas
+    assert res.engine_s == pytest.approx(400_000 * (RATES.infer_s + RATES.judge_s), rel=1e-6)
+    infer = next(r for r in res.rounds if r.name == "round 0 infer")
+    assert infer.wall_s >= 400_000 * RATES.infer_s / 4  # no faster than 4 engines at full rate
+    assert res.approved + res.unfinished == 400_000
+    assert res.model_calls == pytest.approx(400_000 * RATES.calls_per_record)
+
+
+@pytest.mark.parametrize("strategy", ["rounds", "in_place", "hybrid"])
+def test_every_record_ends_in_one_terminal_state(strategy: str) -> None:
+    w = Workload(records=200_000, approval=0.5)
+    res = simulate(spec(strategy), w, RATES)
+    assert res.approved + res.unfinished + res.quarantined == 200_000
+    assert 0.9 < res.approved / 200_000 < 1.0  # 1 - 0.5^5 ~ 0.97
+    if strategy != "in_place":
+        assert res.decisions and res.decisions[0].round == 0
+        assert res.decisions[-1].kind in ("exhausted", "tail", "done")
+
+
+def test_hybrid_decisions_are_the_pipelines_rule() -> None:
+    """Huge per-round overheads make rounds pay badly: the real rule hands over after round 0;
+    with none, and in-place attempts costlier than a round's, it keeps to rounds."""
+    w = Workload(records=200_000, approval=0.5)
+    slow = Overheads(phase_launch_s=3_000, round_gap_s=3_000)
+    res = simulate(spec("hybrid"), w, RATES, overheads=slow)
+    assert res.decisions[0].kind == "tail" and "projected rounds" in res.decisions[0].reason
+    costly = spec("hybrid", crossover={"in_place_cost_factor": 2.0})
+    fast = simulate(costly, w, RATES, overheads=Overheads(phase_launch_s=0, round_gap_s=0, task_s=0, object_s=0))
+    assert fast.decisions[0].kind == "next_round"
+
+
+def test_preemption_redoes_whole_shards_in_rounds_and_little_in_place() -> None:
+    w = Workload(records=400_000, approval=0.5)
+    chaos = Cluster(replicas=4, concurrency=5, preemptions_per_gpu_hour=20.0, seed=5)
+    rounds = simulate(spec("rounds", shard_records=20_000), w, RATES, cluster=chaos)
+    in_place = simulate(spec("in_place", shard_records=20_000), w, RATES, cluster=chaos)
+    assert rounds.preemptions > 0 and in_place.preemptions > 0 and rounds.retries > 0
+    assert rounds.redone_s > 5 * in_place.redone_s
+    for res in (rounds, in_place):
+        assert res.approved + res.unfinished + res.quarantined == 400_000
+
+
+def test_engine_rates_come_from_the_decode_model() -> None:
+    w = Workload(records=1, prompt_tokens=200, output_tokens=100)
+    cont = engine_rates(PROFILES["h200-llama-8b"], w, sample=2_000)
+    old = engine_rates(PROFILES["h200-llama-8b"], w, sample=2_000, scheduling="blocking")
+    assert old.infer_s > 3 * cont.infer_s  # 12,800-token barrier batches vs a full continuous engine
+    assert cont.judge_s < cont.infer_s  # a judge decodes a few tokens
+    assert dataclasses.replace(cont, infer_s=1.0).per_attempt_s == 1.0 + cont.judge_s
