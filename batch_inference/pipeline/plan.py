@@ -5,7 +5,7 @@ a sample), tokenises a sample of prompts with the engine's own tokenizer, takes 
 engine's per-record cost from an ``EngineProfile`` (measured on the target hardware by
 ``measure_profile``, i.e. ``batch-inference profile``, or derived from a calibrated
 decode-step profile), and runs the scale simulation (``pipeline.scale``) once per
-strategy. Every number it prints says where it came from (``Plan.assumptions``).
+strategy. Every number it prints says where it came from (``RunPlan.assumptions``).
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ class StrategyPlan:
 
 
 @dataclass
-class Plan:
+class RunPlan:
     spec_run: str
     records: int
     replicas: int
@@ -264,8 +264,8 @@ def make_plan(
     sample: int = 500,
     overheads: Overheads | None = None,
     strategies: tuple[str, ...] = STRATEGIES,
-) -> Plan:
-    """Plan ``spec`` for each of ``strategies`` (the spec's own is ``Plan.chosen``; keep it in them)."""
+) -> RunPlan:
+    """Plan ``spec`` for each of ``strategies`` (the spec's own is ``RunPlan.chosen``; keep it in them)."""
     notes: list[str] = []
     size = input_size(spec, sample=sample)
     n = records if records is not None else size.records
@@ -330,7 +330,7 @@ def make_plan(
         s = spec.model_copy(update={"strategy": strategy})
         res = simulate(s, w, rates, cluster=cluster, overheads=o)
         plans.append(StrategyPlan.of(res, w, gpu_hour_price, judge_tokens, cluster.replicas))
-    return Plan(spec.run, n, cluster.replicas, cluster.concurrency, gpu_hour_price, plans, notes, spec.strategy)
+    return RunPlan(spec.run, n, cluster.replicas, cluster.concurrency, gpu_hour_price, plans, notes, spec.strategy)
 
 
 # -- measuring a profile -------------------------------------------------------------------------
@@ -432,4 +432,4 @@ def run_measure_profile(spec: PipelineSpec, **kw: Any) -> EngineProfile:
     return asyncio.run(measure_profile(spec, **kw))
 
 
-__all__ = ["EngineProfile", "Plan", "StrategyPlan", "input_size", "make_plan", "measure_profile", "PROFILES"]
+__all__ = ["EngineProfile", "RunPlan", "StrategyPlan", "input_size", "make_plan", "measure_profile", "PROFILES"]
