@@ -8,6 +8,7 @@ import orjson
 
 from batch_inference.pipeline import CrossoverRule, PipelineRun, choose_crossover, run_pipeline
 from batch_inference.pipeline.crossover import expected_attempts
+from batch_inference_tests.pipeline.helpers import CountingRunner
 
 
 def ledger(spec, name: str) -> dict:
@@ -112,24 +113,13 @@ def _rows(spec, d: str) -> list[dict]:
     return list(JsonlDir(str(path)).iter_records_sync()) if path.exists() else []
 
 
-class _TwoWorkers:
+class _TwoWorkers(CountingRunner):
     """A runner whose tasks come back from two workers (as from two ``endpoints``)."""
 
-    def __init__(self, inner) -> None:
-        self.inner, self.n = inner, 0
-
-    @property
-    def limit(self) -> int:
-        return self.inner.limit
-
-    @property
-    def retried(self) -> int:
-        return self.inner.retried
-
     async def run_task(self, spec):
-        result = await self.inner.run_task(spec)
-        self.n += 1
-        return result.model_copy(update={"worker": f"w{self.n % 2}"})
+        result = await super().run_task(spec)
+        self.calls["returned"] += 1
+        return result.model_copy(update={"worker": f"w{self.calls['returned'] % 2}"})
 
 
 async def test_crossover_divides_engine_time_by_the_workers_that_ran_the_round(make_spec) -> None:
