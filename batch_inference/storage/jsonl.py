@@ -14,6 +14,7 @@ import inspect
 import os
 import re
 import socket
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
@@ -154,8 +155,20 @@ async def _aiter_records(
     """
     loads, decode_error = orjson.loads, orjson.JSONDecodeError
     blocks = _shard_blocks(list_shards)
+    # A reader cancelled while its thread is inside next() must not close the generator
+    # under it ("generator already executing"): both take this lock, so close waits.
+    lock = threading.Lock()
+
+    def step() -> tuple[str, int, list[bytes]] | None:
+        with lock:
+            return next(blocks, None)
+
+    def close() -> None:
+        with lock:
+            blocks.close()
+
     try:
-        while (item := await asyncio.to_thread(next, blocks, None)) is not None:
+        while (item := await asyncio.to_thread(step)) is not None:
             url, first, lines = item
             it = iter(lines)
             for raw in it:
@@ -172,7 +185,7 @@ async def _aiter_records(
                     n = first + len(lines) - it.__length_hint__() - 1
                     await _deliver(_io._bad_line(raw, n, url, None, on_error), quarantine)
     finally:
-        await asyncio.to_thread(blocks.close)
+        await asyncio.to_thread(close)
 
 
 async def _deliver(entry: dict | None, quarantine: QuarantineSink | None) -> None:

@@ -410,3 +410,29 @@ async def test_dir_lock_heartbeat_is_refreshed_while_writing(tmp_path, monkeypat
         await w.write_many(recs(40_000))  # several blocks
         assert orjson.loads(lock.read_bytes())["heartbeat"] > first
     assert not lock.exists()
+
+
+async def test_a_reader_cancelled_mid_read_raises_cancelled_not_a_generator_error(tmp_path, monkeypatch) -> None:
+    """Ctrl-C while the reading thread is inside a chunk: the reader ends with CancelledError
+    (seen before as ``ValueError: generator already executing`` from closing it under the thread)."""
+    import time as _time
+
+    url = str(tmp_path / "slow.jsonl")
+    await write_file(url, recs(10))
+    real = jsonl._shard_blocks
+
+    def slow(list_shards):
+        for item in real(list_shards):
+            _time.sleep(0.3)  # the thread is busy in next() when the cancel lands
+            yield item
+
+    monkeypatch.setattr(jsonl, "_shard_blocks", slow)
+
+    async def consume() -> list[dict]:
+        return [r async for r in JsonlFile(url).iter_records()]
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
