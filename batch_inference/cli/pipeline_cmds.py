@@ -34,6 +34,7 @@ def run(spec_path: Path, strategy: str | None, run_name: str | None) -> None:
         raise click.ClickException(str(exc)) from None
     console = output_console()
     console.print(f"run [bold]{spec.run}[/] ({spec.strategy}) -> {spec.output}/{spec.run}")
+    _say_input_format(console, spec)
     try:
         with RichReporter(console) as reporter:
             summary = asyncio.run(run_pipeline(spec, reporter=reporter))
@@ -49,6 +50,20 @@ def run(spec_path: Path, strategy: str | None, run_name: str | None) -> None:
     for line in run_lines(view):
         console.print(line)
     raise SystemExit(EXIT.get(summary.status, 1))
+
+
+def _say_input_format(console: object, spec: object) -> None:
+    """Say so when the input is detected as an OpenAI Batch file (input_format: auto)."""
+    from batch_inference.pipeline import SpecError
+    from batch_inference.pipeline.inputs import resolve_format
+
+    try:
+        fmt, detected = resolve_format(spec)  # type: ignore[arg-type]
+    except (SpecError, OSError):  # a resumed run's drop may be gone: the run itself says what matters
+        return
+    if detected:
+        console.print(f"input {spec.input} is an OpenAI Batch file (detected; input_format auto): "  # type: ignore[attr-defined]
+                      "custom_id becomes the record id; `batch-inference export` writes the output + error files")
 
 
 @click.command("status")

@@ -29,6 +29,7 @@ def test_openai_batch_run_ends_in_the_export_asset(defs, instance, tmp_path) -> 
     assert start_run(defs, instance, start_run_config(str(spec_path))).success
     result = drive(defs, instance)
     assert history(result)[-1] == ("results_job", "oai") and all(r.success for r in result.launched)
+    assert latest(instance, dg.AssetKey("sharded"), "oai")["input_format"] == "openai_batch"
     meta = latest(instance, OPENAI_EXPORT, "oai")
     res = latest(instance, RESULTS, "oai")
     assert meta["requests"] == 30 and meta["answered"] == res["approved"] and meta["failed_requests"] == 30 - res["approved"]

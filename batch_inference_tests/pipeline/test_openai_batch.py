@@ -129,13 +129,19 @@ async def test_model_aliases_and_unchecked_models(tmp_path: Path) -> None:
     assert (await PipelineRun(spec).shard()).records == 1
 
 
-async def test_export_command_from_a_run_url(tmp_path: Path) -> None:
+def test_export_command_from_a_run_url(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
     from batch_inference.cli.main import cli
 
+    import yaml
+
     spec = openai_spec(tmp_path, [chat_line(f"r{i}", "q") for i in range(30)], max_rounds=1)
-    await run_pipeline(spec)
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(spec.public_dict() | {"storage_options": {}}))
+    ran = CliRunner().invoke(cli, ["run", str(spec_path)])
+    assert ran.exit_code in (0, 3), ran.output
+    assert "is an OpenAI Batch file (detected; input_format auto)" in " ".join(ran.output.split())
     result = CliRunner().invoke(cli, ["export", f"{spec.output}/{spec.run}", "--out", str(tmp_path / "exp")])
     assert result.exit_code == 0, result.output
     out, errors = read_jsonl(str(tmp_path / "exp" / "output.jsonl")), read_jsonl(str(tmp_path / "exp" / "errors.jsonl"))

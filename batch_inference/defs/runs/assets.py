@@ -68,6 +68,7 @@ def sharded(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.M
         "shards": dg.MetadataValue.int(summary.shards),
         "ids_assigned": dg.MetadataValue.int(summary.ids_assigned),
         "duplicate_ids": dg.MetadataValue.int(summary.duplicate_ids),
+        "input_format": dg.MetadataValue.text(summary.input_format),
         "records_per_s": dg.MetadataValue.float(round(summary.records / wall, 1) if wall else 0.0),
         "wall_s": dg.MetadataValue.float(round(wall, 3)),
         "strategy": dg.MetadataValue.text(spec.strategy),
