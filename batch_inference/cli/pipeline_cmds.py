@@ -96,6 +96,13 @@ def status(target: str, storage_options: str | None, as_json: bool) -> None:
     console.print(ledger_table(view, f"run {layout.run} ({layout.root})"))
     for line in run_lines(view):
         console.print(line)
+    if (recorded := ledger.read("plan")) is not None:
+        from batch_inference.pipeline.plan import measured_phases, planned_vs_actual
+
+        console.print(f"planned ({recorded.get('chosen')}) vs actual wall, s:")
+        for name, planned, actual in planned_vs_actual(recorded, measured_phases(ledger)):
+            ratio = f"  ({actual / planned:.2f}x)" if planned and actual is not None else ""
+            console.print(f"  {name:<22} {'-' if planned is None else f'{planned:,.1f}':>10} {'-' if actual is None else f'{actual:,.1f}':>10}{ratio}")
 
 
 @click.command("validate")

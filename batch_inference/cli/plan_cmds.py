@@ -56,8 +56,9 @@ def profile(spec_path: Path, records: int, out: Path) -> None:
 @click.option("--approval", type=float, help="P(approved) per attempt (default: measured by the profile, else 0.5)")
 @click.option("--records", type=int, help="input size (default: the manifest, a count, or an estimate from a sample)")
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")
+@click.option("--record", is_flag=True, help="write the plan into the run's ledger (status and the ETA show planned vs actual)")
 def plan(spec_path: Path, gpus: int | None, price: float | None, profile_path: Path | None, gpu_profile: str | None,
-         approval: float | None, records: int | None, as_json: bool) -> None:
+         approval: float | None, records: int | None, as_json: bool, record: bool) -> None:
     """Price SPEC before running it: tokens, engine time, wall, waves, GPU-hours and cost per strategy."""
     from rich.console import Console
     from rich.table import Table
@@ -70,6 +71,10 @@ def plan(spec_path: Path, gpus: int | None, price: float | None, profile_path: P
         p = make_plan(spec, gpus=gpus, gpu_hour_price=price, profile=prof, gpu_profile=gpu_profile, approval=approval, records=records)
     except (ValueError, OSError) as exc:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+    if record:
+        from batch_inference.pipeline import Ledger, RunLayout
+
+        Ledger(RunLayout(spec.output, spec.run), spec.storage_options).write("plan", p.as_dict())
     if as_json:
         click.echo(json.dumps(p.as_dict(), indent=2))
         return

@@ -34,7 +34,7 @@ class Reporter(Protocol):
 
     def phase_started(self, name: str, total_records: int) -> None: ...
 
-    def shard_done(self, name: str, records: int, counts: dict[str, int]) -> None: ...
+    def shard_done(self, name: str, records: int, counts: dict[str, int], tokens_out: int = 0) -> None: ...
 
     def phase_ended(self, name: str) -> None: ...
 
@@ -43,7 +43,7 @@ class NullReporter:
     def phase_started(self, name: str, total_records: int) -> None:
         pass
 
-    def shard_done(self, name: str, records: int, counts: dict[str, int]) -> None:
+    def shard_done(self, name: str, records: int, counts: dict[str, int], tokens_out: int = 0) -> None:
         pass
 
     def phase_ended(self, name: str) -> None:
@@ -86,7 +86,7 @@ class FanOut:
         self.done = await asyncio.to_thread(self.ledger.progress, phase.step, [i for i, _ in phase.items])
         todo = [it for it in phase.items if it[0] not in self.done]
         self.reporter.phase_started(phase.label, sum(phase.records.values()))
-        for rec in self.done.values():
+        for rec in self.done.values():  # resumed shards: done before this call, no throughput to show
             self.reporter.shard_done(phase.label, int(rec["records_in"]), rec["counts"])
         retried_before = self.runner.retried
         t0 = self._last_start = time.perf_counter()
@@ -112,7 +112,7 @@ class FanOut:
 
     def _finished(self, rec: dict[str, Any]) -> None:
         self.done[int(rec["index"])] = rec
-        self.reporter.shard_done(self.phase.label, int(rec["records_in"]), rec["counts"])
+        self.reporter.shard_done(self.phase.label, int(rec["records_in"]), rec["counts"], tokens_out=int(rec.get("tokens_out", 0)))
 
     async def _failed(self, item: Item, exc: BaseException) -> None:
         if not isinstance(exc, TaskFailed):

@@ -9,7 +9,16 @@ import os
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, Task, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
@@ -34,6 +43,14 @@ class _RateColumn(ProgressColumn):
         return Text(f"{speed:,.0f} rec/s" if speed else "- rec/s", style="cyan")
 
 
+class _TokensColumn(ProgressColumn):
+    """Output tokens/s of the phase so far (what the engine delivered, not how often it was called)."""
+
+    def render(self, task: Task) -> Text:
+        tokens, elapsed = task.fields.get("tokens_out", 0), task.finished_time or task.elapsed
+        return Text(f"{tokens / elapsed:,.0f} tok/s" if tokens and elapsed else "", style="magenta")
+
+
 class _ApprovalColumn(ProgressColumn):
     def render(self, task: Task) -> Text:
         approved, judged = task.fields.get("approved", 0), task.fields.get("judged", 0)
@@ -41,12 +58,15 @@ class _ApprovalColumn(ProgressColumn):
 
 
 class RichReporter:
-    """A progress bar per phase: records done / total, records/s, approval so far."""
+    """A progress bar per phase: records done / total, records/s, output tokens/s, approval so
+    far, elapsed and the phase's ETA (from its measured throughput); after each round, the
+    run's ETA (``round_decided``: the decision's ``eta_run_s``, the remaining pending set
+    simulated at the round's measured throughput) and the plan's figure when one was recorded."""
 
     def __init__(self, console: Console | None = None) -> None:
         self.progress = Progress(
-            TextColumn("[bold]{task.description:<14}"), BarColumn(), MofNCompleteColumn(), _RateColumn(),
-            _ApprovalColumn(), TimeElapsedColumn(), console=console, transient=False,
+            TextColumn("[bold]{task.description:<14}"), BarColumn(), MofNCompleteColumn(), _RateColumn(), _TokensColumn(),
+            _ApprovalColumn(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console, transient=False,
         )
         self._tasks: dict[str, Any] = {}
 
@@ -58,21 +78,37 @@ class RichReporter:
         self.progress.stop()
 
     def phase_started(self, name: str, total_records: int) -> None:
-        self._tasks[name] = self.progress.add_task(name, total=max(total_records, 0), approved=0, judged=0)
+        self._tasks[name] = self.progress.add_task(name, total=max(total_records, 0), approved=0, judged=0, tokens_out=0)
 
-    def shard_done(self, name: str, records: int, counts: dict[str, int]) -> None:
+    def shard_done(self, name: str, records: int, counts: dict[str, int], tokens_out: int = 0) -> None:
         task_id = self._tasks.get(name)
         if task_id is None:
             return
         task = self.progress._tasks[task_id]
         approved = task.fields.get("approved", 0) + int(counts.get("approved", 0))
         judged = task.fields.get("judged", 0) + sum(int(counts.get(k, 0)) for k in ("approved", "rejected", "max_attempts"))
-        self.progress.update(task_id, advance=records, approved=approved, judged=judged)
+        self.progress.update(task_id, advance=records, approved=approved, judged=judged,
+                             tokens_out=task.fields.get("tokens_out", 0) + tokens_out)
 
     def phase_ended(self, name: str) -> None:
         task_id = self._tasks.get(name)
         if task_id is not None:
             self.progress.update(task_id, completed=self.progress._tasks[task_id].total)
+
+    def round_decided(self, r: int, kind: str, figures: dict[str, Any]) -> None:
+        """One line after each round: what follows, and the run's ETA (and plan) if known."""
+        eta, planned = figures.get("eta_run_s"), figures.get("planned_run_wall_s")
+        text = f"round {r} -> {kind}"
+        if eta is not None:
+            text += f"; run ETA {_clock(float(eta))}"
+        if planned is not None:
+            text += f" (planned run wall {_clock(float(planned))})"
+        self.progress.console.print(text)
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
 def _bar(fraction: float, width: int = 8) -> str:

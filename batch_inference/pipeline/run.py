@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 from batch_inference.pipeline import inputs, passes
@@ -208,9 +209,24 @@ class PipelineRun:
         infer = PhaseSummary.from_dict(self._require(self.layout.step_name(r, "infer"), f"run infer({r}) first"))
         judge = PhaseSummary.from_dict(self._require(self.layout.step_name(r, "judge"), f"run judge({r}) first"))
         last = self.ledger.read(self.layout.step_name(r, "recompact")) if r > 0 and self.spec.strategy == "hybrid" else None
-        decision = decide_round(self.spec, r, infer, judge, recompact_s=float(last["wall_s"]) if last else 0.0)
+        recompact_s = float(last["wall_s"]) if last else 0.0
+        decision = decide_round(self.spec, r, infer, judge, recompact_s=recompact_s)
+        decision = replace(decision, figures={**decision.figures, **self._eta(r, infer, judge, decision.kind, recompact_s)})
         self.ledger.write(name, decision.as_dict())
         return decision
+
+    def _eta(self, r: int, infer: PhaseSummary, judge: PhaseSummary, kind: str, recompact_s: float) -> dict[str, Any]:
+        """The run's ETA from this round's measured throughput, and the plan's figure when one was recorded."""
+        from batch_inference.pipeline.plan import eta_after_round
+
+        out: dict[str, Any] = {}
+        try:
+            out["eta_run_s"] = round(eta_after_round(self.spec, r, infer, judge, kind, recompact_s=recompact_s), 1)
+        except Exception as exc:  # an estimate must never stop a run
+            log.warning("run %s: no ETA after round %d: %s", self.spec.run, r, exc)
+        if (plan := self.ledger.read("plan")) is not None:
+            out["planned_run_wall_s"] = next((s["wall_s"] for s in plan.get("strategies", []) if s["strategy"] == self.spec.strategy), None)
+        return out
 
     # -- step: recompact ------------------------------------------------------------
 
@@ -449,6 +465,8 @@ async def drive(run: PipelineRun) -> RunSummary:
         await run.infer(r)
         await run.judge(r)
         decision = await asyncio.to_thread(run.decide, r)
+        if (decided := getattr(run.reporter, "round_decided", None)) is not None:
+            decided(r, decision.kind, decision.figures)
         if decision.kind == "next_round":
             await run.recompact(r)
             r += 1

@@ -167,6 +167,18 @@ def test_starting_a_run_twice_is_refused(defs, instance, write_spec):
     assert spec["run"] == "once-again" and yaml.safe_dump(spec)
 
 
+def test_the_start_job_records_the_plan_and_rounds_show_eta_and_planned_wall(defs, instance, write_spec):
+    path = str(write_spec("planned", records=40))
+    assert start_run(defs, instance, start_run_config(path)).success
+    meta = latest(instance, SOURCE, "planned")
+    assert meta["plan.records"] == 40 and meta["plan.wall_s"] > 0 and "plan.error" not in meta
+    assert "approval per attempt" in meta["plan.assumptions"]
+    drive(defs, instance)
+    rejected = latest(instance, REJECTED, "planned|r00")
+    assert rejected["planned_run_wall_s"] == pytest.approx(meta["plan.wall_s"], abs=0.06)  # metadata rounds to 0.1 s
+    assert rejected["eta_run_s"] >= 0 and rejected["decision_figures"]["eta_run_s"] == rejected["eta_run_s"]
+
+
 def test_steps_of_an_unstarted_run_name_the_fix(defs, instance):
     instance.add_dynamic_partitions(RUNS.name, ["ghost"])
     result = defs.resolve_job_def("shard_job").execute_in_process(instance=instance, partition_key="ghost", raise_on_error=False)

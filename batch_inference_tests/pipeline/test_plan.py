@@ -91,3 +91,35 @@ def test_cli_profile_then_plan(tmp_path: Path) -> None:
     assert "assumptions" in res.output and "GPU-h" in res.output
     res = runner.invoke(cli, ["plan", str(spec_path), "--engine-profile", "tpu-v9"])
     assert res.exit_code != 0 and "unknown engine profile" in res.output
+
+
+async def test_progress_bars_show_tokens_and_the_run_eta(tmp_path: Path) -> None:
+    import io
+
+    from rich.console import Console
+
+    from batch_inference.pipeline import run_pipeline
+    from batch_inference.pipeline.report import RichReporter
+
+    spec = PipelineSpec.parse(spec_dict(tmp_path, 300, strategy="rounds"))
+    out = io.StringIO()
+    with RichReporter(Console(file=out, width=200, force_terminal=False)) as reporter:
+        await run_pipeline(spec, reporter=reporter)
+    text = out.getvalue()
+    assert "tok/s" in text and "eta" in text
+    assert "round 0 -> next_round; run ETA 0:00:" in text
+
+
+def test_a_recorded_plan_shows_planned_vs_actual_in_status(tmp_path: Path) -> None:
+    import yaml
+
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(spec_dict(tmp_path, 300, strategy="rounds")))
+    runner = CliRunner()
+    res = runner.invoke(cli, ["plan", str(spec_path), "--record"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(cli, ["run", str(spec_path)])
+    assert res.exit_code in (0, 3), res.output
+    res = runner.invoke(cli, ["status", str(spec_path)])
+    assert res.exit_code == 0, res.output
+    assert "planned (rounds) vs actual wall" in res.output and "round 0 infer" in res.output

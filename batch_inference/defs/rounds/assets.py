@@ -121,6 +121,9 @@ def judge(context: dg.AssetExecutionContext, pool: PoolResource, storage: Storag
         "decision": dg.MetadataValue.text(decision.kind),
         "decision_reason": dg.MetadataValue.text(decision.reason),
         "decision_figures": dg.MetadataValue.json(decision.figures),
+        # the run's ETA from this round's throughput, next to what the start job planned
+        **{k: dg.MetadataValue.float(float(decision.figures[k])) for k in ("eta_run_s", "planned_run_wall_s")
+           if decision.figures.get(k) is not None},
         "strategy": dg.MetadataValue.text(spec.strategy),
         "funnel": dg.MetadataValue.md(funnel_markdown(judged.view)),
         **pool.describe(spec),

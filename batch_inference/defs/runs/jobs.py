@@ -23,6 +23,8 @@ class StartRunConfig(dg.Config):
     run: str | None = Field(None, description="run name (overrides the spec's): the run's partition and folder")
     input: str | None = Field(None, description="input URL (overrides the spec's), e.g. tonight's drop")
     output: str | None = Field(None, description="output base URL (overrides the storage resource's base_url, which overrides the spec's)")
+    plan: bool = Field(True, description="price the run (pipeline.plan) and record the plan: metadata here, ledger for planned vs actual")
+    plan_profile: str | None = Field(None, description="an engine profile from `batch-inference profile` for the plan")
 
 
 @dg.op(name="start_run", tags=CPU_OP_TAGS)
@@ -45,6 +47,7 @@ def start_pipeline_run_op(context: dg.OpExecutionContext, config: StartRunConfig
     ).records:
         raise dg.Failure(f"pipeline run {spec.run!r} was already started; give the new run another name (`run:` in the config)")
     context.instance.add_dynamic_partitions(RUNS.name, [spec.run])
+    planned = _plan_metadata(context, spec, config) if config.plan else {}
     context.log_event(dg.AssetMaterialization(
         asset_key=SOURCE,
         partition=spec.run,
@@ -59,9 +62,29 @@ def start_pipeline_run_op(context: dg.OpExecutionContext, config: StartRunConfig
             "spec_path": dg.MetadataValue.path(config.spec_path),
             "input_format": dg.MetadataValue.text(plan.input_format),
             "preflight": dg.MetadataValue.md("\n".join(f"    {line}" for line in plan.lines())),
+            **planned,
         },
     ))
     context.log.info("started pipeline run %s over %s; the round sensor takes it from here", spec.run, spec.input)
+
+
+def _plan_metadata(context: dg.OpExecutionContext, spec: object, config: StartRunConfig) -> dict:
+    """The run's plan (its own strategy) as metadata, and written to its ledger; a plan that
+    cannot be made is logged, never a reason not to start."""
+    from batch_inference.pipeline import Ledger, RunLayout
+    from batch_inference.pipeline.plan import EngineProfile, make_plan
+
+    try:
+        profile = EngineProfile.load(config.plan_profile) if config.plan_profile else None
+        p = make_plan(spec, profile=profile, strategies=(spec.strategy,))  # type: ignore[attr-defined]
+        Ledger(RunLayout(spec.output, spec.run), spec.storage_options).write("plan", p.as_dict())  # type: ignore[attr-defined]
+    except Exception as exc:
+        context.log.warning("no plan for run %s: %s: %s", spec.run, type(exc).__name__, exc)  # type: ignore[attr-defined]
+        return {"plan.error": dg.MetadataValue.text(f"{type(exc).__name__}: {exc}")}
+    meta = {k: dg.MetadataValue.float(float(v)) if isinstance(v, float) else dg.MetadataValue.int(v) if isinstance(v, int)
+            else dg.MetadataValue.text(str(v)) for k, v in p.metadata().items()}
+    meta["plan.assumptions"] = dg.MetadataValue.md("\n".join(f"- {a}" for a in p.assumptions))
+    return meta
 
 
 @dg.job(name="start_pipeline_run", tags={"batch_inference/compute": "cpu"},
