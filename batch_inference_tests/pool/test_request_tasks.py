@@ -86,3 +86,25 @@ async def test_constrained_output_cut_by_max_tokens_is_an_error_not_a_result(tmp
                                     Request("y", SamplingParams(max_tokens=5))])
     assert cut.error == "truncated_output: max_tokens 5 reached before the constrained output was complete"
     assert free.error is None and free.finish_reason == "length"
+
+
+async def test_chat_judge_through_the_tiny_models_chat_template(tmp_path: Path, tiny_model_dir: Path, inprocess_pool) -> None:
+    """A chat LLM judge's prompt is one user turn (plus its system turn) rendered by the chat template."""
+    from batch_inference.judges import JudgeConfig
+    from batch_inference.pool import TaskSpec
+
+    _write(tmp_path / "inf.jsonl", [{"id": f"a{i}", "q": "2+2?", "result": "4", "error": None} for i in range(3)])
+    judge = JudgeConfig(kind="llm", template="Q: {q} A: {result}. APPROVED or REJECTED?", chat=True, system="strict", max_tokens=2)
+    engine = {"kind": "transformers", "model": str(tiny_model_dir), "device": "cpu"}
+    spec = TaskSpec(task_id="j", kind="judge", input_url=str(tmp_path / "inf.jsonl"), judge=judge,
+                    outputs={"approved": str(tmp_path / "ok.jsonl"), "rejected": str(tmp_path / "no.jsonl")})
+    async with inprocess_pool(engine) as pool:
+        result = await pool.run_task(spec)
+    from transformers import AutoTokenizer
+
+    want = AutoTokenizer.from_pretrained(tiny_model_dir).apply_chat_template(
+        [{"role": "system", "content": "strict"}, {"role": "user", "content": "Q: 2+2? A: 4. APPROVED or REJECTED?"}],
+        add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert result.records_in == 3 and result.tokens_in == 3 * len(want)  # exactly the template's tokens
+    rows = read_rows(tmp_path / "ok.jsonl") + read_rows(tmp_path / "no.jsonl")
+    assert len(rows) == 3 and all(r["verdict"] is not None for r in rows)  # random weights: a verdict or unparseable
