@@ -30,6 +30,7 @@ from batch_inference.judges import LLMJudge, MissingFieldError, RuleJudge, build
 from batch_inference.pipeline import inputs
 from batch_inference.pipeline.spec import PipelineSpec, SpecError
 from batch_inference.prompting import RequestBuilder, RequestError
+from batch_inference.rows import ErrorKind
 from batch_inference.storage import ReshardReport
 
 SAMPLE_RESULT = "preflight result"  # what judge templates and rules see as {result}
@@ -127,7 +128,7 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
         except MissingFieldError as exc:
             raise SpecError(f"{_prompt_key(spec)}: {exc}") from None
         except RequestError as exc:
-            if exc.kind == "bad_request" and spec.infer.source == "record":
+            if exc.kind is ErrorKind.BAD_REQUEST and spec.infer.source == "record":
                 raise SpecError(f"infer: no template or messages, and record {exc.record_id!r} has neither 'messages' nor "
                                 "a string 'prompt' (set infer.template, e.g. 'Answer: {question}')") from None
             record_errors.append(str(exc))

@@ -19,10 +19,11 @@ from pydantic import ValidationError
 from batch_inference.engines.base import ChatPrompt, Prompt, ResponseFormat, SamplingParams
 from batch_inference.judges.templates import PromptTemplate
 from batch_inference.prompting.config import InferConfig, ResponseFormatConfig
+from batch_inference.rows import ErrorKind
 
 ROLES = ("system", "developer", "user", "assistant")
 SAMPLING_KEYS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "min_tokens", "n")
-REQUEST_ERROR_KINDS = ("bad_messages", "bad_sampling", "bad_request")
+REQUEST_ERROR_KINDS = (ErrorKind.BAD_MESSAGES, ErrorKind.BAD_SAMPLING, ErrorKind.BAD_REQUEST)
 
 _SEED_MODULUS = 2**31 - 1  # fits every engine's seed type (torch, numpy, vLLM)
 
@@ -37,11 +38,11 @@ def derive_seed(base: int | None, record_id: str, attempt: int) -> int:
 class RequestError(ValueError):
     """A record that cannot become a request; ``str()`` is ``"<kind>: record '<id>': <why>"``."""
 
-    def __init__(self, kind: str, record_id: Any, why: str) -> None:
+    def __init__(self, kind: ErrorKind, record_id: Any, why: str) -> None:
         self.kind = kind
         self.record_id = record_id
         self.why = why
-        super().__init__(f"{kind}: record {record_id!r}: {why}")
+        super().__init__(kind.tag(f"record {record_id!r}: {why}"))
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,10 @@ def _content(value: Any, record_id: Any, where: str) -> str:
         for j, part in enumerate(value):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise RequestError("bad_messages", record_id, f"{where}.content[{j}]: only text parts are supported, got {kind!r}")
+                raise RequestError(ErrorKind.BAD_MESSAGES, record_id, f"{where}.content[{j}]: only text parts are supported, got {kind!r}")
             texts.append(part["text"])
         return "".join(texts)
-    raise RequestError("bad_messages", record_id, f"{where}.content must be a string or a list of text parts, got {type(value).__name__}")
+    raise RequestError(ErrorKind.BAD_MESSAGES, record_id, f"{where}.content must be a string or a list of text parts, got {type(value).__name__}")
 
 
 def parse_messages(value: Any, record_id: Any, *, system: str | None = None) -> ChatPrompt:
@@ -74,20 +75,20 @@ def parse_messages(value: Any, record_id: Any, *, system: str | None = None) -> 
     """
     if not isinstance(value, list) or not value:
         got = "an empty list" if value == [] else type(value).__name__
-        raise RequestError("bad_messages", record_id, f"'messages' must be a non-empty list of {{role, content}}, got {got}")
+        raise RequestError(ErrorKind.BAD_MESSAGES, record_id, f"'messages' must be a non-empty list of {{role, content}}, got {got}")
     turns: list[tuple[str, str]] = []
     for i, msg in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(msg, dict):
-            raise RequestError("bad_messages", record_id, f"{where} must be an object, got {type(msg).__name__}")
+            raise RequestError(ErrorKind.BAD_MESSAGES, record_id, f"{where} must be an object, got {type(msg).__name__}")
         role = msg.get("role")
         if role not in ROLES:
-            raise RequestError("bad_messages", record_id, f"{where}.role {role!r} is not one of {', '.join(ROLES)}")
+            raise RequestError(ErrorKind.BAD_MESSAGES, record_id, f"{where}.role {role!r} is not one of {', '.join(ROLES)}")
         if "content" not in msg or msg["content"] is None:
-            raise RequestError("bad_messages", record_id, f"{where} has no content")
+            raise RequestError(ErrorKind.BAD_MESSAGES, record_id, f"{where} has no content")
         extra = sorted(set(msg) - {"role", "content", "name"})
         if extra:
-            raise RequestError("bad_messages", record_id, f"{where}: unsupported message keys {extra} (tool calls are not supported)")
+            raise RequestError(ErrorKind.BAD_MESSAGES, record_id, f"{where}: unsupported message keys {extra} (tool calls are not supported)")
         turns.append(("system" if role == "developer" else role, _content(msg["content"], record_id, where)))
     if system is not None and turns[0][0] != "system":
         turns.insert(0, ("system", system))
@@ -122,7 +123,7 @@ class RequestBuilder:
             return parse_messages(record["messages"], rid, system=self.config.system)
         if isinstance(record.get("prompt"), str):
             return record["prompt"]
-        raise RequestError("bad_request", rid, "has neither 'messages' (chat) nor a string 'prompt', and infer has no template")
+        raise RequestError(ErrorKind.BAD_REQUEST, rid, "has neither 'messages' (chat) nor a string 'prompt', and infer has no template")
 
     def params(self, record: dict[str, Any], attempt: int) -> SamplingParams:
         """This attempt's sampling: the spec's, the record's overrides within limits, a derived seed."""
@@ -143,17 +144,17 @@ class RequestBuilder:
         field = self.config.sampling_field
         limits = self.config.limits
         if not isinstance(value, dict):
-            raise RequestError("bad_sampling", rid, f"{field!r} must be an object, got {type(value).__name__}")
+            raise RequestError(ErrorKind.BAD_SAMPLING, rid, f"{field!r} must be an object, got {type(value).__name__}")
         unknown = sorted(set(value) - set(SAMPLING_KEYS))
         if unknown:
-            raise RequestError("bad_sampling", rid, f"{field}: unsupported keys {unknown} (supported: {', '.join(SAMPLING_KEYS)})")
+            raise RequestError(ErrorKind.BAD_SAMPLING, rid, f"{field}: unsupported keys {unknown} (supported: {', '.join(SAMPLING_KEYS)})")
         v = dict(value)
         n = v.pop("n", 1)
         if n != 1:
-            raise RequestError("bad_sampling", rid, f"{field}.n is {n!r}: one completion per request is supported (n = 1)")
+            raise RequestError(ErrorKind.BAD_SAMPLING, rid, f"{field}.n is {n!r}: one completion per request is supported (n = 1)")
         if "max_completion_tokens" in v:
             if "max_tokens" in v and v["max_tokens"] != v["max_completion_tokens"]:
-                raise RequestError("bad_sampling", rid, f"{field}: max_tokens and max_completion_tokens disagree")
+                raise RequestError(ErrorKind.BAD_SAMPLING, rid, f"{field}: max_tokens and max_completion_tokens disagree")
             v["max_tokens"] = v.pop("max_completion_tokens")
         checks = {
             "max_tokens": lambda x: isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= limits.max_tokens,
@@ -169,17 +170,17 @@ class RequestBuilder:
                   "top_p": "a number in (0, 1]", "seed": "an integer", "stop": "a string or a list of strings"}
         for key, ok in checks.items():
             if key in v and not ok(v[key]):
-                raise RequestError("bad_sampling", rid, f"{field}.{key} is {v[key]!r}: must be {bounds[key]}")
+                raise RequestError(ErrorKind.BAD_SAMPLING, rid, f"{field}.{key} is {v[key]!r}: must be {bounds[key]}")
         stop = v.get("stop", self.base.stop)
         stop = [stop] if isinstance(stop, str) else stop
         if stop is not None and len(stop) > limits.stop:
-            raise RequestError("bad_sampling", rid, f"{field}.stop has {len(stop)} strings > limits.stop {limits.stop}")
+            raise RequestError(ErrorKind.BAD_SAMPLING, rid, f"{field}.stop has {len(stop)} strings > limits.stop {limits.stop}")
         seed = v.pop("seed", self.base_seed)
         updates = {k: (tuple(stop) if k == "stop" and stop is not None else v[k]) for k in v}
         try:
             return replace(self.base, **updates), seed
         except ValueError as exc:  # e.g. min_tokens > max_tokens
-            raise RequestError("bad_sampling", rid, f"{field}: {exc}") from None
+            raise RequestError(ErrorKind.BAD_SAMPLING, rid, f"{field}: {exc}") from None
 
     def _response_format(self, value: Any, rid: Any) -> ResponseFormat | None:
         if value is None:
@@ -189,4 +190,4 @@ class RequestBuilder:
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(x) for x in first["loc"])
-            raise RequestError("bad_request", rid, f"response_format{'.' + where if where else ''}: {first['msg']}") from None
+            raise RequestError(ErrorKind.BAD_REQUEST, rid, f"response_format{'.' + where if where else ''}: {first['msg']}") from None
