@@ -103,7 +103,7 @@ class K8sCluster:
         self.port = 0  # the API server as the test process sees it: https://127.0.0.1:<port>
         self.tokens = {name: uuid.uuid4().hex for name in ("admin", "controller-manager", "node-agent", "pipeline")}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self._listener: socket.socket | None = None
+        self._listeners: list[socket.socket] = []
         self._netns_made = False
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -116,12 +116,7 @@ class K8sCluster:
             f.write(f'{self.tokens["node-agent"]},node-agent,node-agent,"system:masters"\n')
             f.write(f'{self.tokens["pipeline"]},pipeline,pipeline\n')  # no groups: only what RBAC grants it
         self._network()
-        self._listener = socket.socket()
-        self._listener.bind(("127.0.0.1", 0))
-        self._listener.listen(128)
-        self.port = self._listener.getsockname()[1]
-        self._spawn("forward", [sys.executable, "-m", "batch_inference_tests.k8s.forward", "--fd", str(self._listener.fileno()),
-                                "--to", f"127.0.0.1:{API_PORT}"], pass_fds=(self._listener.fileno(),))
+        self.port = self.forward(API_PORT)
         self._spawn("etcd", ["etcd", "--name", "bi", "--data-dir", str(self.root / "etcd"),
                              "--listen-client-urls", "http://127.0.0.1:2379", "--advertise-client-urls", "http://127.0.0.1:2379",
                              "--listen-peer-urls", "http://127.0.0.1:2380", "--initial-advertise-peer-urls", "http://127.0.0.1:2380",
@@ -176,8 +171,9 @@ class K8sCluster:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        if self._listener is not None:
-            self._listener.close()
+        for listener in self._listeners:
+            listener.close()
+        self._listeners.clear()
         if self._netns_made:
             for ns in sh("ip", "netns", "list").split("\n"):
                 name = ns.split(" ")[0]
@@ -194,6 +190,18 @@ class K8sCluster:
         sh("ip", "-n", self.netns, "addr", "add", f"{GATEWAY}/24", "dev", "br0")
         sh("ip", "-n", self.netns, "link", "set", "br0", "up")
 
+    def forward(self, target_port: int, listen_port: int = 0) -> int:
+        """Make ``127.0.0.1:<target_port>`` inside the cluster namespace reachable from the test
+        process at ``127.0.0.1:<returned port>`` (``forward.py``); stopped with the cluster."""
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", listen_port))
+        listener.listen(128)
+        self._listeners.append(listener)
+        self._spawn(f"forward-{target_port}", [sys.executable, "-m", "batch_inference_tests.k8s.forward",
+                                               "--fd", str(listener.fileno()), "--to", f"127.0.0.1:{target_port}"],
+                    pass_fds=(listener.fileno(),))
+        return listener.getsockname()[1]
+
     def in_netns(self, argv: list[str]) -> list[str]:
         """``argv`` run inside the cluster's network namespace."""
         return ["ip", "netns", "exec", self.netns, *argv]
@@ -205,6 +213,11 @@ class K8sCluster:
         log.close()
         self.procs[name] = proc
         return proc
+
+    def pod_log(self, uid: str, chars: int = 3000) -> str:
+        """The tail of what a pod's process printed (the node agent keeps it while the pod lives)."""
+        path = self.root / "node" / "pods" / uid / "container.log"
+        return path.read_text(errors="replace")[-chars:] if path.exists() else f"(no log for pod {uid})"
 
     def log_tail(self, name: str, chars: int = 3000) -> str:
         path = self.root / f"{name}.log"

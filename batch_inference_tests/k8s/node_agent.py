@@ -190,7 +190,7 @@ class NodeAgent:
     def _start(self, pod: Any) -> LocalPod:
         local = LocalPod(pod.metadata.uid, pod.metadata.namespace, pod.metadata.name, self.free_ips.pop(0))
         c = pod.spec.containers[0]
-        local.runnable = pod.metadata.namespace.startswith(self.run_prefixes) and bool(c.command)
+        local.runnable = pod.metadata.namespace.startswith(self.run_prefixes) and bool(c.command or c.args)
         if not local.runnable:
             local.ready = True
             return local
@@ -263,7 +263,8 @@ class NodeAgent:
         assert local.dir is not None and local.netns is not None
         c = pod.spec.containers[0]
         scratch = local.dir / f"scratch-{local.restarts}"
-        spec = {"argv": [*c.command, *(c.args or [])], "env": self._env(pod), "workingDir": c.working_dir,
+        # no image: an unset command means an image without an ENTRYPOINT (args run as they are)
+        spec = {"argv": [*(c.command or []), *(c.args or [])], "env": self._env(pod), "workingDir": c.working_dir,
                 "mounts": self._volumes(pod, local), "scratch": str(scratch), "hostname": pod.metadata.name[:63]}
         (local.dir / "spec.json").write_text(json.dumps(spec))
         logfile = (local.dir / "container.log").open("ab")

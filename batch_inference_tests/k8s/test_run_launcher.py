@@ -114,3 +114,63 @@ def test_the_k8s_run_launcher_creates_the_run_job_and_follows_it(k8s: K8sCluster
     result = wait_until(lambda: (h := launcher.check_run_worker_health(running)).status == WorkerStatus.FAILED and h, 60, "FAILED")
     assert "no active pods" in (result.msg or "") or "failed" in (result.msg or "")
     assert instance.run_monitoring_max_resume_run_attempts == 3
+
+
+def test_a_run_pod_executes_its_dagster_run_on_the_cluster(k8s: K8sCluster, namespace, tmp_path: Path, monkeypatch) -> None:
+    """The whole way: the run Job's pod runs ``dagster api execute_run`` (the node agent runs the
+    container's args in the pod's network namespace), which loads this project's definitions,
+    executes ``start_pipeline_run`` and writes its events to the instance's Postgres, reached
+    from the pod at the cluster address, as a run pod reaches its database."""
+    import sys
+
+    from batch_inference.definitions import defs as project_defs
+    from batch_inference_tests.defs.conftest import simulated_spec, write_input
+    from batch_inference_tests.fixtures.infra import free_port
+    from batch_inference_tests.k8s.cluster import GATEWAY
+
+    ns = namespace(live=True)
+    pg = PostgresServer(port=free_port(), listen=f"127.0.0.1,{GATEWAY}", wrap=k8s.in_netns)  # on the cluster network
+    try:
+        pg.start()
+        k8s.forward(pg.port, listen_port=pg.port)  # and at the same port on this side, for the test's instance
+        db = pg.create_database()
+        for key, value in pg.env(db).items():
+            monkeypatch.setenv(key, value)
+        config = deploy_instance_config(pg, keep=("storage", "run_launcher", "telemetry"))
+        launcher_config = config["run_launcher"]["config"]
+        launcher_config.update(job_namespace=ns, load_incluster_config=False, kubeconfig_file=str(k8s.kubeconfig_file()),
+                               env_secrets=[], env_vars=[f"DAGSTER_PG_HOST={GATEWAY}", f"DAGSTER_PG_USER={pg.env(db)['DAGSTER_PG_USER']}",
+                                                         f"DAGSTER_PG_DB={db}", "BATCH_INFERENCE_POOL_MODE=inprocess"])
+        home = tmp_path / "dagster_home"
+        home.mkdir()
+        (home / "dagster.yaml").write_text(yaml.safe_dump(config))
+        core = client.CoreV1Api(k8s.api_client())
+        core.create_namespaced_service_account(ns, {"metadata": {"name": launcher_config["service_account_name"]}})
+        core.create_namespaced_secret(ns, {"metadata": {"name": launcher_config["postgres_password_secret"]},
+                                           "stringData": {"postgresql-password": pg.env(db)["DAGSTER_PG_PASSWORD"]}})
+        spec_path = tmp_path / "spec.yaml"
+        spec_path.write_text(yaml.safe_dump(simulated_spec("in-a-pod", write_input(tmp_path / "in.jsonl", 40), tmp_path / "runs")))
+        monkeypatch.setenv("DAGSTER_HOME", str(home))
+        with dg.DagsterInstance.get() as instance:
+            origin = JobPythonOrigin("start_pipeline_run", RepositoryPythonOrigin(
+                executable_path=sys.executable, code_pointer=ModuleCodePointer("batch_inference.definitions", "defs", None),
+                container_image=IMAGE))
+            run = instance.create_run_for_job(
+                project_defs.resolve_job_def("start_pipeline_run"), job_code_origin=origin, status=dg.DagsterRunStatus.STARTING,
+                run_config={"ops": {"start_run": {"config": {"spec_path": str(spec_path)}}}})
+            instance.run_launcher.launch_run(LaunchRunContext(dagster_run=run, workspace=None))
+            try:
+                done = wait_until(lambda: (r := instance.get_run_by_id(run.run_id)).is_finished and r, 90, "the run to finish")
+            except AssertionError:
+                pod = _pod(k8s, ns, run)
+                raise AssertionError(f"pod {pod and pod.status.phase}: {pod and k8s.pod_log(pod.metadata.uid)}\n"
+                                     f"{k8s.log_tail('node-agent')}") from None
+            events = [e.dagster_event.event_type_value for e in instance.all_logs(run.run_id) if e.dagster_event]
+            assert done.status == dg.DagsterRunStatus.SUCCESS, events[-5:]
+            assert "ASSET_MATERIALIZATION" in events  # source_dataset[in-a-pod], written from the pod
+            wait_until(lambda: instance.run_launcher.check_run_worker_health(done).status == WorkerStatus.SUCCESS, 60,
+                       "the run Job to succeed")
+            pod = _pod(k8s, ns, run)
+            assert pod is not None and pod.status.pod_ip.startswith("10.244.0.")
+    finally:
+        pg.stop()
