@@ -6,9 +6,9 @@ machine needs changed: the Postgres port, a kubeconfig instead of in-cluster con
 the test's own job namespace. Launching a run creates the run's Job through the real
 API server (its admission checks the ServiceAccount; its validation the pod spec Dagster
 builds); the Job controller makes the pod, the node agent binds it and reports it
-Running; ``check_run_worker_health`` follows the Job. The run worker's command (``dagster
-api execute_run``) is not executed: the pod is a status, and the test plays the
-container's exit (the node agent's ``exit-code`` annotation).
+Running; ``check_run_worker_health`` follows the Job. In the first test the pod is a
+status only and the test plays the container's exit (the node agent's ``exit-code``
+annotation); in the last one the pod runs ``dagster api execute_run`` for real.
 """
 
 from __future__ import annotations
