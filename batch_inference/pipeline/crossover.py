@@ -15,7 +15,9 @@ worker):
 * ``n`` = rounds still needed (until fewer than one record is expected, at most the
   rounds and attempts left); ``S = sum_{j<n} (1-a)^j`` record-attempts per rejected
   record by rounds, ``E = (1 - (1-a)^k) / a`` with ``k`` attempts left in place.
-* by rounds: ``n F + c R S``; in place: ``n F - (n - 1) O + f c R E`` where
+* by rounds: ``n F + c R S`` (plus, when ``max_rounds`` stops the rounds before the
+  attempts run out, the tail the hybrid then runs: ``f c R (1-a)^n E'`` with the attempts
+  left after them); in place: ``n F - (n - 1) O + f c R E`` where
   ``f = in_place_cost_factor`` is what one in-place record-attempt costs relative to a
   round's (per-sample loop, checkpoints, chunk stragglers; ``bench/strategies.py``
   measures it on this machine).
@@ -78,6 +80,11 @@ def choose_crossover(
     n = max(0, min(rounds_left, attempts_left, needed))
     s = sum((1 - approval) ** j for j in range(n))
     cost_rounds = n * fixed + per_record * rejected * s
+    # a hybrid stopped by max_rounds before its attempts run out hands the rest to the tail:
+    # project that too, or rounds look cheaper than they are (bench/reports/scale_sim.md)
+    rest = rejected * (1 - approval) ** n if 0 < approval < 1 else 0.0
+    if rounds_left < attempts_left and n == rounds_left and rest >= 1:
+        cost_rounds += factor * per_record * rest * expected_attempts(approval, attempts_left - n)
     cost_in_place = n * fixed - max(0, n - 1) * avoidable + factor * per_record * rejected * e
     figures = {
         "round": round,
