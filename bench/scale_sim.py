@@ -181,15 +181,15 @@ def defaults_section(lines: list[str], w: Workload, rates: EngineRates) -> None:
         "",
         f"Best: {best_name} ({hours(best.wall_s)} h); the rule's run is {hybrid.wall_s / best.wall_s:.3f}x of it. Round 0's "
         f"projection: rounds {d0.figures.get('projected_rounds_s')} s vs in-place {d0.figures.get('projected_in_place_s')} s "
-        f"over {d0.figures.get('rounds_projected')} more round(s). Two things keep the rule from the crossover here. "
-        "(1) Found by this simulation and fixed: with `max_rounds` < `max_attempts` the rule projected rounds only up "
-        "to `max_rounds`, leaving out the in-place tail the hybrid runs for the rest, so rounds looked cheaper than in "
-        "place (at 2M records: 710 s vs 810 s at round 0); `choose_crossover` now adds that tail. (2) Not fixed: what "
-        "makes rounds dear at scale is outside what the rule measures. A round's Dagster launches, pod starts and "
-        "sensor tick happen between the steps it times, and at round 0 no recompaction has been measured yet; "
-        "inside the steps the GPUs are full (wall ~ engine time), so the per-round cost it sees is ~0 and the two "
-        "projections tie; the tie keeps rounds. A configured per-round overhead (or the planner's) in the rule would "
-        "move the hand-over to round 0 here.",
+        f"over {d0.figures.get('rounds_projected')} more round(s), so the rule "
+        + ("hands over after round 0. " if d0.kind == "tail" else "keeps to rounds. ")
+        + "Found by this simulation and fixed: with `max_rounds` < `max_attempts` the rule projected rounds only up to "
+        "`max_rounds`, leaving out the in-place tail the hybrid then runs for the rest, so rounds looked cheaper than "
+        "in place and it kept rounds to the cap (at 2M records: 710 s vs 810 s at round 0, 1.375x of the best); "
+        "`choose_crossover` now adds that tail. What remains outside the rule: a round's Dagster launches, pod starts "
+        "and sensor tick happen between the steps it times, and at round 0 no recompaction has been measured yet, so "
+        "where the GPUs are full inside the steps the two projections nearly tie (at 2M records they tie exactly "
+        "and the tie keeps rounds).",
         "",
     ]
 
