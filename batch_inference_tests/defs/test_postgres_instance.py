@@ -9,6 +9,7 @@ crash recovery works on it. The server is started by the ``postgres`` fixture.
 from __future__ import annotations
 
 import datetime as dt
+import os
 from pathlib import Path
 
 import dagster as dg
@@ -17,9 +18,11 @@ import pytest
 from batch_inference.defs.driver import drive
 from batch_inference.defs.keys import RESULTS
 from batch_inference.defs.runs.schedules import build_pipeline_schedule
+from batch_inference.storage import JsonlFile
 from batch_inference_tests.defs.conftest import write_input
 from batch_inference_tests.defs.pg_instance import deploy_instance_home
 from batch_inference_tests.fixtures.postgres import PostgresServer
+from batch_inference_tests.fixtures.seaweedfs import SeaweedServer
 
 pytestmark = pytest.mark.infra
 
@@ -30,6 +33,25 @@ def pg_instance(tmp_path: Path, postgres: PostgresServer, monkeypatch: pytest.Mo
     for key, value in postgres.env(db).items():
         monkeypatch.setenv(key, value)
     home = deploy_instance_home(tmp_path / "dagster_home", postgres)
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    with dg.DagsterInstance.get() as instance:
+        yield instance
+
+
+@pytest.fixture
+def pg_s3_instance(tmp_path: Path, postgres: PostgresServer, seaweedfs: SeaweedServer,
+                   monkeypatch: pytest.MonkeyPatch) -> dg.DagsterInstance:
+    """The same plus the deploy file's compute logs (S3ComputeLogManager) on SeaweedFS, set up
+    through the environment variables the file reads (credentials: boto3's own chain)."""
+    db = postgres.create_database()
+    bucket = seaweedfs.make_bucket()[5:]
+    env = {**postgres.env(db), "DAGSTER_LOGS_BUCKET": bucket, "AWS_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL_S3": seaweedfs.endpoint_url, "AWS_ACCESS_KEY_ID": seaweedfs.key,
+           "AWS_SECRET_ACCESS_KEY": seaweedfs.secret}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    keep = ("storage", "run_queue", "run_monitoring", "compute_logs", "telemetry")
+    home = deploy_instance_home(tmp_path / "dagster_home", postgres, keep=keep)
     monkeypatch.setenv("DAGSTER_HOME", str(home))
     with dg.DagsterInstance.get() as instance:
         yield instance
@@ -55,7 +77,9 @@ def _count(postgres: PostgresServer, instance: dg.DagsterInstance, sql: str) -> 
 
 
 @pytest.mark.slow
-def test_a_whole_pipeline_runs_through_dagster_on_postgres(pg_instance, postgres, defs, write_spec, tmp_path) -> None:
+def test_a_whole_pipeline_runs_through_dagster_on_postgres(pg_s3_instance, postgres, seaweedfs, defs, write_spec,
+                                                           tmp_path) -> None:
+    pg_instance = pg_s3_instance
     spec_path = write_spec("base", records=10, approval=0.5)
     write_input(tmp_path / "drops" / "20261129" / "prompts.jsonl", 60, prefix="night-")
     schedule = build_pipeline_schedule(str(spec_path), cron_schedule="0 2 * * *",
@@ -81,6 +105,13 @@ def test_a_whole_pipeline_runs_through_dagster_on_postgres(pg_instance, postgres
     assert _count(postgres, pg_instance, "SELECT count(*) FROM event_logs WHERE dagster_event_type = 'ASSET_MATERIALIZATION'") >= 10
     assert _count(postgres, pg_instance, "SELECT count(*) FROM dynamic_partitions WHERE partitions_def_name = 'round_numbers'") >= 2
     assert _count(postgres, pg_instance, "SELECT count(*) FROM asset_check_executions WHERE execution_status = 'SUCCEEDED'") >= 1
+    # every run's step output went to S3 (compute_logs of the deploy file), readable back through the instance
+    from dagster_aws.s3.compute_log_manager import S3ComputeLogManager
+
+    assert isinstance(pg_instance.compute_log_manager, S3ComputeLogManager)
+    fs = JsonlFile(f"s3://{os.environ['DAGSTER_LOGS_BUCKET']}/x", storage_options=seaweedfs.storage_options).fs
+    keys = fs.find(f"{os.environ['DAGSTER_LOGS_BUCKET']}/dagster/compute-logs")
+    assert {k.split("/")[4] for k in keys} >= {r.run_id for r in result.launched}, keys[:5]  # .../storage/<run id>/...
 
 
 @pytest.mark.slow
