@@ -20,6 +20,8 @@ import dagster as dg
 
 from batch_inference.defs.jobs import ASSET_JOBS
 from batch_inference.defs.pool.resources import PoolResource
+from batch_inference.defs.review.assets import reviewed
+from batch_inference.defs.review.checks import review_age
 from batch_inference.defs.rounds.assets import inferred, judge, pending
 from batch_inference.defs.rounds.checks import quarantine_empty, round_conservation
 from batch_inference.defs.rounds.sensors import round_sensor
@@ -29,8 +31,8 @@ from batch_inference.defs.runs.jobs import start_pipeline_run
 from batch_inference.defs.runs.schedules import build_pipeline_schedule
 from batch_inference.defs.storage.resources import StorageResource
 
-ASSETS = [source_dataset, sharded, pending, inferred, judge, tail_retry, results, openai_batch_export]
-CHECKS = [round_conservation, quarantine_empty, run_checks]
+ASSETS = [source_dataset, sharded, pending, inferred, judge, reviewed, tail_retry, results, openai_batch_export]
+CHECKS = [round_conservation, quarantine_empty, review_age, run_checks]
 
 
 def pool_from_env(env: os._Environ[str] | dict[str, str] = os.environ) -> PoolResource:

@@ -27,6 +27,9 @@ class Status(StrEnum):
     MAX_ATTEMPTS = "max_attempts"  # tail: every attempt rejected (tail/unfinished/)
     EXHAUSTED = "exhausted"  # rounds: still rejected at max_rounds (exhausted/)
     FAILED = "failed"  # a permanent error (round-NN/failed-records/) or a quarantined shard
+    # Not terminal: a terminal-state-to-be. The record waits in a round's review queue
+    # (round-NN/review/queue/) for a human verdict; conservation counts it as awaiting.
+    AWAITING_REVIEW = "awaiting_review"
 
 
 TERMINAL_STATES: tuple[Status, ...] = (Status.APPROVED, Status.EXHAUSTED, Status.MAX_ATTEMPTS, Status.FAILED)
@@ -86,9 +89,9 @@ PERMANENT: frozenset[ErrorKind] = frozenset({
 
 
 # Fields a task writes (infer: result, error, finish_reason, usage; judge: verdict,
-# rejection, status, round; retry: status, result, error, verdict). ``id`` and
-# ``attempts`` travel with the record across rounds and are never stripped.
-RESULT_FIELDS: tuple[str, ...] = ("result", "error", "finish_reason", "usage", "verdict", "rejection", "status", "round")
+# rejection, status, round; retry: status, result, error, verdict; human review: review).
+# ``id`` and ``attempts`` travel with the record across rounds and are never stripped.
+RESULT_FIELDS: tuple[str, ...] = ("result", "error", "finish_reason", "usage", "verdict", "rejection", "status", "round", "review")
 
 
 def strip_results(record: Mapping[str, Any]) -> dict[str, Any]:

@@ -72,10 +72,13 @@ def tick(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str | None,
     keys are validated when each job runs instead.
     """
     sensor = defs.resolve_sensor_def(sensor_name)
-    context = dg.build_sensor_context(instance=instance, cursor=cursor, definitions=defs, sensor_name=sensor_name)
+    context = dg.build_sensor_context(instance=instance, cursor=cursor, definitions=defs, sensor_name=sensor_name,
+                                      resources=dict(defs.resources or {}))
     data = sensor(context)
     if not isinstance(data, dg.SensorResult):
         raise TypeError(f"sensor {sensor_name} returned {type(data).__name__}, expected a SensorResult")
+    for event in data.asset_events or []:  # observations and check evaluations the sensor reports
+        instance.report_runless_asset_event(event)
     for request in data.dynamic_partitions_requests or []:
         if isinstance(request, dg.AddDynamicPartitionsRequest):
             instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))

@@ -24,6 +24,7 @@ from batch_inference.defs.keys import (
     PENDING,
     REJECTED,
     RESULTS,
+    REVIEWED,
     SHARDED,
     TAIL_RETRY,
 )
@@ -48,4 +49,9 @@ results_job = dg.define_asset_job(
     description="Finalize a run: terminal sets, the conservation proof, the ledger (and the OpenAI Batch export of an OpenAI Batch input).",
 )
 
-ASSET_JOBS = [shard_job, round_job, tail_job, results_job]
+review_job = dg.define_asset_job(
+    "review_job", selection=dg.AssetSelection.assets(REVIEWED), tags=NO_DAGSTER_RETRIES,
+    description="Close a round's human review (its queue is empty or its timeout policy applies) and decide what follows.",
+)
+
+ASSET_JOBS = [shard_job, round_job, tail_job, results_job, review_job]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from batch_inference.judges.config import JudgeConfig, build_judge
+from batch_inference.judges.config import EscalateRule, JudgeConfig, build_judge
 from batch_inference.judges.llm import LLMJudge, parse_keyword, parse_score
 from batch_inference.judges.rules import BUILTIN_RULES, RuleJudge
 from batch_inference.judges.templates import MissingFieldError, PromptTemplate
@@ -10,6 +10,7 @@ from batch_inference.judges.verdicts import Verdict
 
 __all__ = [
     "BUILTIN_RULES",
+    "EscalateRule",
     "JudgeConfig",
     "LLMJudge",
     "MissingFieldError",

@@ -9,14 +9,54 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from batch_inference.engines.base import SamplingParams
 from batch_inference.judges.llm import VERDICT_FORMAT, LLMJudge
 from batch_inference.judges.rules import RuleJudge
+from batch_inference.judges.verdicts import Verdict
 
 
-class JudgeConfig(BaseModel):
-    """``kind: llm`` needs ``template``; ``kind: rule`` needs ``callable`` (built-in name or ``module:fn``)."""
+class EscalateRule(BaseModel):
+    """Which automated verdicts go to people instead of standing (any listed condition).
+
+    ``score_between: [lo, hi]``: a score judge's score in the band (inclusive: unsure);
+    ``reasons``: a verdict whose reason starts with one of these (e.g.
+    ``unparseable_verdict``, ``judge_error``, ``rule_error``, a rule's own reason);
+    ``rejected`` / ``approved``: every automated rejection / approval.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["llm", "rule"]
+    score_between: tuple[float, float] | None = None
+    reasons: list[str] = Field(default_factory=list)
+    rejected: bool = False
+    approved: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> EscalateRule:
+        if self.score_between is not None and self.score_between[0] > self.score_between[1]:
+            raise ValueError(f"escalate.score_between: low {self.score_between[0]} > high {self.score_between[1]}")
+        if self.score_between is None and not self.reasons and not self.rejected and not self.approved:
+            raise ValueError("escalate: name at least one of score_between, reasons, rejected, approved")
+        return self
+
+    def matches(self, verdict: Verdict) -> bool:
+        """True when this verdict is one people decide."""
+        if self.score_between is not None and verdict.score is not None:
+            lo, hi = self.score_between
+            if lo <= verdict.score <= hi:
+                return True
+        if any(verdict.reason.startswith(prefix) for prefix in self.reasons):
+            return True
+        return (self.rejected and not verdict.approved) or (self.approved and verdict.approved)
+
+
+class JudgeConfig(BaseModel):
+    """``kind: llm`` needs ``template``; ``kind: rule`` needs ``callable`` (built-in name or ``module:fn``).
+
+    ``kind: human`` sends every inferred record to the review queue (no automated
+    judge); ``escalate`` on an llm or rule judge sends the verdicts it matches there.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["llm", "rule", "human"]
     # llm
     template: str | None = Field(None, description="judge prompt; {field} from the record, {result} the inference result")
     parse: Literal["keyword", "score", "json"] = Field(
@@ -29,9 +69,18 @@ class JudgeConfig(BaseModel):
     # rule
     callable: str | None = Field(None, description="regex | exact_match | json_valid | min_length | module:fn")
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    # human review
+    escalate: EscalateRule | None = Field(None, description="llm/rule: the verdicts people decide instead")
+
+    @property
+    def reviews(self) -> bool:
+        """Whether some records of a round may wait for a human verdict."""
+        return self.kind == "human" or self.escalate is not None
 
     @model_validator(mode="after")
     def _check(self) -> JudgeConfig:
+        if self.kind == "human" and self.escalate is not None:
+            raise ValueError("a human judge reviews every record: 'escalate' is for llm and rule judges")
         if self.kind == "llm" and not self.template:
             raise ValueError("an llm judge needs 'template' (use {result} for the inference result)")
         if self.system is not None and not self.chat:
@@ -44,6 +93,8 @@ class JudgeConfig(BaseModel):
 def build_judge(cfg: JudgeConfig | dict[str, Any]) -> LLMJudge | RuleJudge:
     """Build the judge a config names; bad templates, imports or kwargs fail here, not per record."""
     cfg = cfg if isinstance(cfg, JudgeConfig) else JudgeConfig.model_validate(cfg)
+    if cfg.kind == "human":
+        raise ValueError("a human judge has no automated judge to build: its records go to the review queue")
     if cfg.kind == "llm":
         assert cfg.template is not None
         fmt = VERDICT_FORMAT if cfg.parse == "json" else None

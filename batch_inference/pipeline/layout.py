@@ -80,6 +80,36 @@ class RunLayout:
         """Rejected records of round ``r`` whose error is permanent (``status: failed``, reason)."""
         return join(self.round_dir(r), "failed-records")
 
+    # -- human review (a round whose judge escalates to people) ------------------------
+    def review_dir(self, r: int) -> str:
+        return join(self.round_dir(r), "review")
+
+    def review_queue(self, r: int) -> str:
+        """Rows waiting for a human verdict (``status: awaiting_review``), one shard per judge shard."""
+        return join(self.review_dir(r), "queue")
+
+    def verdicts(self, r: int) -> str:
+        """The append-only verdict log: one small segment per write, never rewritten."""
+        return join(self.review_dir(r), "verdicts")
+
+    def leases(self, r: int) -> str:
+        """One JSON object per record a reviewer holds (expires; removed on verdict)."""
+        return join(self.review_dir(r), "leases")
+
+    REVIEWED_REJECTED_PREFIX = "review-"
+
+    @staticmethod
+    def reviewed_prefix(r: int) -> str:
+        """The name prefix of round ``r``'s human-approved shards in ``results/`` (within ``approved_prefix``)."""
+        return f"round-{r:02d}-review-"
+
+    def reviewed_approved_shard(self, r: int, index: int) -> str:
+        return join(self.results, part(index, f"{self.reviewed_prefix(r)}part"))
+
+    def reviewed_rejected_shard(self, r: int, index: int) -> str:
+        """Beside the judge's rejected shards: the next round (or the tail) takes them alike."""
+        return join(self.rejected(r), part(index, f"{self.REVIEWED_REJECTED_PREFIX}part"))
+
     def approved_shard(self, r: int, index: int) -> str:
         """Approved rows go straight into results (no copy pass), named by round."""
         return join(self.results, part(index, f"{self.approved_prefix(r)}part"))
@@ -147,7 +177,8 @@ class RunLayout:
         """A round step's ledger entry (and progress folder) name: ``round-00-infer``.
 
         ``step`` is infer, judge or decision of round ``r``, or recompact (the entry of the
-        pass that made pending(r)). The run-level entries are ``shard``, ``tail``, ``run``
+        pass that made pending(r)), or review-open / review-seal / review (its human review:
+        opened, sealed, closed). The run-level entries are ``shard``, ``tail``, ``run``
         and ``spec`` (``SHARD``, ``TAIL``, ``RUN``, ``SPEC``).
         """
         return f"round-{r:02d}-{step}"

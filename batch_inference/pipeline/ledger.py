@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 
 S = TypeVar("S")
 BUCKET_IDS = 250_000  # input ids per bucket held in memory at once during the check
-TERMINAL_STATES = tuple(str(s) for s in rows.TERMINAL_STATES)
+# ``awaiting_review`` is a terminal-state-to-be: records of an open review queue.
+TERMINAL_STATES = (*(str(s) for s in rows.TERMINAL_STATES), str(rows.Status.AWAITING_REVIEW))
 
 
 class ConservationError(RuntimeError):

@@ -71,7 +71,9 @@ class Plan:
         return out
 
 
-def _build_judge(spec: PipelineSpec) -> LLMJudge | RuleJudge:
+def _build_judge(spec: PipelineSpec) -> LLMJudge | RuleJudge | None:
+    if spec.judge.kind == "human":  # people judge: nothing automated to build or try
+        return None
     try:
         return build_judge(spec.judge)
     except ValueError as exc:
@@ -137,6 +139,8 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
         if request.params.response_format is not None and not spec.engine.structured_output:
             raise SpecError(f"engine.kind: record {rec['id']!r} asks for response_format, but engine kind "
                             f"{spec.engine.kind!r} cannot constrain generation (vLLM's structured outputs can)")
+        if judge is None:
+            continue
         if isinstance(judge, LLMJudge):
             try:
                 judge.prompt(rec, SAMPLE_RESULT)
@@ -152,8 +156,11 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
     if full:
         n_records = _count(spec, reader)
         n_shards = math.ceil(n_records / spec.shard_records) if n_records else 0
-    judge_text = (f"llm ({spec.judge.parse}{', chat' if spec.judge.chat else ''})" if spec.judge.kind == "llm"
+    judge_text = ("human (review queue)" if spec.judge.kind == "human"
+                  else f"llm ({spec.judge.parse}{', chat' if spec.judge.chat else ''})" if spec.judge.kind == "llm"
                   else f"rule {spec.judge.callable} {spec.judge.kwargs or ''}".rstrip())
+    if spec.judge.escalate is not None:
+        judge_text += " + escalate to people"
     return Plan(
         run=spec.run, input=spec.input, input_format=fmt, format_detected=detected,
         engine=f"{spec.engine.kind}{':' + spec.engine.model if spec.engine.model else ''}",

@@ -169,7 +169,10 @@ def ledger_table(view: LedgerView, title: str) -> Table:
 def run_lines(view: LedgerView) -> list[str]:
     """The run's verdict in a few lines (status, terminal counts, conservation)."""
     if not (r := view.run):
-        return ["run not finalized yet (re-run `batch-inference run SPEC` to resume)"]
+        waiting = [f"round {x.round}: {x.judge.counts['review']} record(s) sent to human review "
+                   "(`batch-inference review SPEC` serves the page; the run goes on once they are decided)"
+                   for x in view.rounds if x.judge is not None and x.judge.counts.get("review") and x.decision is None]
+        return [*waiting, "run not finalized yet (re-run `batch-inference run SPEC` to resume)"]
     c = r.conservation
     lines = [f"round {d.round} -> {d.kind}: {d.reason}" for d in (x.decision for x in view.rounds) if d]
     lines += [

@@ -15,7 +15,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from batch_inference.pipeline import inputs, passes
+from batch_inference.pipeline import inputs, passes, review
 from batch_inference.pipeline.crossover import choose_crossover
 from batch_inference.pipeline.fanout import FanOut, Item, NullReporter, Phase, Reporter
 from batch_inference.pipeline.layout import RunLayout, part
@@ -32,7 +32,7 @@ from batch_inference.pipeline.summaries import (
     StepOutcome,
 )
 from batch_inference.pipeline.transient import is_transient
-from batch_inference.pool.protocol import TaskResult, TaskRunner, TaskSpec
+from batch_inference.pool.protocol import REVIEW_OUTPUT, TaskResult, TaskRunner, TaskSpec
 from batch_inference.storage import JsonlDir, JsonlFile
 from batch_inference.storage.urls import join
 
@@ -166,9 +166,12 @@ class PipelineRun:
         written = {i: int(rec["records_in"]) for i, rec in inferred.items()}
 
         def make(index: int, shard: JsonlFile) -> TaskSpec:
+            outputs = {"approved": self.layout.approved_shard(r, index), "rejected": join(self.layout.rejected(r), part(index))}
+            if self.spec.judge.reviews:
+                outputs[REVIEW_OUTPUT] = join(self.layout.review_queue(r), part(index))
             return TaskSpec(
                 task_id=self.layout.task_id(r, "judge", index), kind="judge", input_url=shard.url,
-                outputs={"approved": self.layout.approved_shard(r, index), "rejected": join(self.layout.rejected(r), part(index))},
+                outputs=outputs,
                 judge=self.spec.judge, infer=self.spec.infer, chunk_size=self.spec.chunk_size, round=r,
                 storage_options_ref=self.spec.pool.storage_options_ref,
             )
@@ -179,6 +182,8 @@ class PipelineRun:
             input_url=self.layout.inferred(r), output_url=self.layout.rejected(r),
         ))
         await asyncio.to_thread(self._check_round, r, written)
+        if summary.counts.get(REVIEW_OUTPUT, 0):
+            await asyncio.to_thread(review.open_queue, self.ledger, r, summary.counts[REVIEW_OUTPUT])
         await asyncio.to_thread(self.ledger.write, name, summary.as_dict())
         return summary
 
@@ -187,15 +192,79 @@ class PipelineRun:
         return list(range(len(man.shards))) if man else []
 
     def _check_round(self, r: int, inferred: dict[int, int]) -> None:
-        """approved + rejected == inferred for every judged shard, or fail naming the shards."""
+        """approved + rejected (+ awaiting review) == inferred for every judged shard, or fail naming the shards."""
         judged = self.ledger.progress(self.layout.step_name(r, "judge"), sorted(inferred))
         bad = []
         for i, rec in judged.items():
             c = rec["counts"]
-            if int(c.get("approved", 0)) + int(c.get("rejected", 0)) != inferred[i] or int(rec["records_in"]) != inferred[i]:
-                bad.append(f"{join(self.layout.inferred(r), part(i))} (inferred {inferred[i]}, approved {c.get('approved', 0)}, rejected {c.get('rejected', 0)})")
+            split = int(c.get("approved", 0)) + int(c.get("rejected", 0)) + int(c.get(REVIEW_OUTPUT, 0))
+            if split != inferred[i] or int(rec["records_in"]) != inferred[i]:
+                waiting = f", awaiting review {c.get(REVIEW_OUTPUT, 0)}" if REVIEW_OUTPUT in c else ""
+                bad.append(f"{join(self.layout.inferred(r), part(i))} (inferred {inferred[i]}, approved {c.get('approved', 0)}, "
+                           f"rejected {c.get('rejected', 0)}{waiting})")
         if bad:
-            raise ConservationError(f"run {self.spec.run!r} round {r}: approved + rejected != inferred for shard(s): " + "; ".join(bad), {"shards": bad})
+            terms = "approved + rejected + awaiting review" if self.spec.judge.reviews else "approved + rejected"
+            raise ConservationError(f"run {self.spec.run!r} round {r}: {terms} != inferred for shard(s): " + "; ".join(bad), {"shards": bad})
+
+    # -- step: human review -----------------------------------------------------------
+
+    def needs_review(self, r: int) -> bool:
+        """Whether judge(r) sent records to people (sync, cheap: the ledger)."""
+        judge = self.ledger.read_as(self.layout.step_name(r, "judge"), PhaseSummary)
+        return bool(judge and judge.counts.get(REVIEW_OUTPUT, 0))
+
+    def review_status(self, r: int, *, now: float | None = None) -> review.ReviewStatus:
+        """Round ``r``'s review: done, left, by reviewer, age, whether it can close (blocking, sensor-safe)."""
+        return review.status(self.spec, self.layout, self.ledger, r, now=now)
+
+    async def resolve_review(self, r: int, *, now: float | None = None) -> review.ReviewSummary:
+        """Close round ``r``'s review once its queue is empty or its timeout policy decides the rest.
+
+        Raises :class:`review.ReviewPending` while records wait.
+        """
+        return await asyncio.to_thread(review.resolve, self.spec, self.layout, self.ledger, r, now=now)
+
+    async def wait_for_review(self, r: int) -> review.ReviewSummary:
+        """Poll (``review.poll_s``) until round ``r``'s review can close, then close it."""
+        said = None
+        while True:
+            st = await asyncio.to_thread(self.review_status, r)
+            if st.resolved or st.resolvable:
+                return await self.resolve_review(r)
+            if st.text != said:
+                log.info("run %s round %d: %s (review page: `batch-inference review`)", self.spec.run, r, st.text)
+                said = st.text
+            await asyncio.sleep(self.spec.review.poll_s)
+
+    def round_counts(self, r: int) -> dict[str, int]:
+        """Every count of round ``r``, streamed from its shards (blocking); quarantine from the ledger.
+
+        ``awaiting`` is the review queue while the review is open; once it is resolved the
+        reviewed rows count in ``approved`` / ``rejected`` instead, so
+        inferred = approved + rejected + awaiting + judge_quarantined at every moment.
+        """
+        def files(url: str) -> list[JsonlFile]:
+            d = self._dir(url)
+            return d.shards() if d.exists_sync() else []
+
+        def count(fs: list[JsonlFile]) -> int:
+            return sum(sum(1 for _ in f.iter_records_sync()) for f in fs)
+
+        resolved = self.ledger.read(review.ledger_resolved(r)) is not None
+        prefix, reviewed = self.layout.approved_prefix(r), self.layout.reviewed_prefix(r)
+        infer = self.ledger.read_as(self.layout.step_name(r, "infer"), PhaseSummary)
+        judge = self.ledger.read_as(self.layout.step_name(r, "judge"), PhaseSummary)
+        return {
+            "pending": count(files(self.layout.pending(r))),
+            "inferred": count(files(self.layout.inferred(r))),
+            "approved": count([f for f in files(self.layout.results)
+                               if f.name.startswith(prefix) and (resolved or not f.name.startswith(reviewed))]),
+            "rejected": count([f for f in files(self.layout.rejected(r))
+                               if resolved or not f.name.startswith(self.layout.REVIEWED_REJECTED_PREFIX)]),
+            "awaiting": 0 if resolved else count(files(self.layout.review_queue(r))),
+            "infer_quarantined": infer.records_quarantined if infer else 0,
+            "judge_quarantined": judge.records_quarantined if judge else 0,
+        }
 
     # -- step: decide ---------------------------------------------------------------
 
@@ -210,7 +279,13 @@ class PipelineRun:
         judge = PhaseSummary.from_dict(self._require(self.layout.step_name(r, "judge"), f"run judge({r}) first"))
         last = self.ledger.read(self.layout.step_name(r, "recompact")) if r > 0 and self.spec.strategy == "hybrid" else None
         recompact_s = float(last["wall_s"]) if last else 0.0
-        decision = decide_round(self.spec, r, infer, judge, recompact_s=recompact_s)
+        reviewed = None
+        if judge.counts.get(REVIEW_OUTPUT, 0):
+            reviewed = self.ledger.read(review.ledger_resolved(r))
+            if reviewed is None:
+                raise review.ReviewPending(f"run {self.spec.run!r} round {r}: {judge.counts[REVIEW_OUTPUT]} record(s) sent to "
+                                           f"review; run resolve_review({r}) once the queue is empty")
+        decision = decide_round(self.spec, r, infer, judge, recompact_s=recompact_s, reviewed=reviewed)
         decision = replace(decision, figures={**decision.figures, **self._eta(r, infer, judge, decision.kind, recompact_s)})
         self.ledger.write(name, decision.as_dict())
         return decision
@@ -288,17 +363,25 @@ class PipelineRun:
     # -- whole steps for the Dagster assets (each asset calls one) ---------------------
 
     async def judged_round(self, r: int) -> JudgedRound:
-        """Judge round ``r``, decide what follows it, and return everything about the round."""
-        await self.judge(r)
-        await asyncio.to_thread(self.decide, r)
-        return await asyncio.to_thread(self._judged_round, r)
+        """Judge round ``r``, decide what follows it, and return everything about the round.
 
-    def _judged_round(self, r: int) -> JudgedRound:
+        A round that sent records to people is not decided yet: its ``review`` says where
+        the queue stands (``resolve_review`` then ``decide`` follow once it is done).
+        """
+        await self.judge(r)
+        status = None
+        if await asyncio.to_thread(self.needs_review, r):
+            status = await asyncio.to_thread(self.review_status, r)
+        else:
+            await asyncio.to_thread(self.decide, r)
+        return await asyncio.to_thread(self._judged_round, r, status)
+
+    def _judged_round(self, r: int, status: review.ReviewStatus | None = None) -> JudgedRound:
         view = self.ledger.view()
         prefix = self.layout.approved_prefix(r)
         results = self._dir(self.layout.results)
         shards = [f.url for f in results.shards() if f.name.startswith(prefix)] if results.exists_sync() else []
-        return JudgedRound(round=view.rounds[r], approved_shards=shards, view=view)
+        return JudgedRound(round=view.rounds[r], approved_shards=shards, view=view, review=status)
 
     async def tail_from(self, from_round: int) -> StepOutcome:
         """The tail as the sensor hands it over: repack round ``from_round - 1``'s rejected
@@ -359,6 +442,10 @@ class PipelineRun:
             IdSource("unfinished", (self.layout.tail_unfinished,), status_field=True),
             IdSource("failed", tuple(self.layout.failed_records(i) for i in range(r))),
         ]
+        awaiting = tuple(self.layout.review_queue(i) for i in range(r)
+                         if self.needs_review(i) and self.ledger.read(review.ledger_resolved(i)) is None)
+        if awaiting:  # a terminal-state-to-be: conservation holds while people review
+            sources.append(IdSource(review.AWAITING_REVIEW, awaiting))
         quarantined = [q for p in phases for q in p.quarantined]
         if quarantined:
             sources.append(IdSource("failed", tuple(q.shard for q in quarantined), is_dir=False))
@@ -407,21 +494,34 @@ class PipelineRun:
         return summary
 
 
-def decide_round(spec: PipelineSpec, r: int, infer: PhaseSummary, judge: PhaseSummary, *, recompact_s: float = 0.0) -> Decision:
+def decide_round(spec: PipelineSpec, r: int, infer: PhaseSummary, judge: PhaseSummary, *, recompact_s: float = 0.0,
+                 reviewed: dict[str, Any] | None = None) -> Decision:
     """What follows round ``r`` given its two phases' figures (pure: ``PipelineRun.decide``
     reads them from the ledger; the scale simulation builds them in virtual time).
-    ``recompact_s`` is the last recompaction's wall (the next one's estimate)."""
+    ``recompact_s`` is the last recompaction's wall (the next one's estimate); ``reviewed``
+    the round's closed human review (``ReviewSummary.as_dict()``), whose verdicts count too."""
     approved, rejected = judge.approved, judge.rejected
+    more_figures: dict[str, Any] = {}
+    if reviewed is not None:
+        approved, rejected = approved + int(reviewed["approved"]), rejected + int(reviewed["rejected"])
+        more_figures = {"reviewed": int(reviewed["records"]), "reviewed_approved": int(reviewed["approved"]),
+                        "reviewed_rejected": int(reviewed["rejected"]), "review_timed_out": int(reviewed["timed_out"])}
     records_in = infer.records_total
     rounds_left = spec.max_rounds - (r + 1)
     attempts_left = spec.max_attempts - (r + 1)
     figures: dict[str, Any] = {"records_in": records_in, "approved": approved, "rejected": rejected,
                                "quarantined": infer.records_quarantined + judge.records_quarantined,
-                               "rounds_left": rounds_left, "attempts_left": attempts_left}
+                               "rounds_left": rounds_left, "attempts_left": attempts_left, **more_figures}
     if rejected == 0:
         kind, reason = "done", "nothing rejected"
     elif attempts_left <= 0:
         kind, reason = "exhausted", f"max_attempts ({spec.max_attempts}) reached with {rejected} rejected"
+    elif spec.strategy == "hybrid" and spec.judge.kind == "human":
+        # No in-place tail for a human judge (nobody can approve inside a worker): rounds only.
+        if rounds_left <= 0:
+            kind, reason = "exhausted", f"max_rounds ({spec.max_rounds}) reached with {rejected} rejected (human judge: no in-place tail)"
+        else:
+            kind, reason = "next_round", f"{rejected} rejected (human judge: rounds only)"
     elif spec.strategy == "hybrid":
         switch, reason, more = choose_crossover(
             spec.crossover, round=r, records_in=records_in, approved=approved, rejected=rejected,
@@ -464,6 +564,8 @@ async def drive(run: PipelineRun) -> RunSummary:
     while True:
         await run.infer(r)
         await run.judge(r)
+        if await asyncio.to_thread(run.needs_review, r):
+            await run.wait_for_review(r)
         decision = await asyncio.to_thread(run.decide, r)
         if (decided := getattr(run.reporter, "round_decided", None)) is not None:
             decided(r, decision.kind, decision.figures)

@@ -9,12 +9,13 @@ of ``repr`` and out of :meth:`PipelineSpec.public_dict`, which is what the ledge
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from batch_inference.engines import EngineConfig
 from batch_inference.judges import JudgeConfig
@@ -46,6 +47,44 @@ class CrossoverRule(_Strict):
     compare_cost: bool = True
     min_rounds: int = Field(1, ge=1)
     in_place_cost_factor: float = Field(1.0, gt=0, description="in-place cost of a record-attempt relative to a round's")
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(d|h|m|s)")
+_UNIT_S = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from ``90``, ``"90s"``, ``"30m"``, ``"48h"``, ``"2d"`` or ``"1h30m"``."""
+    if isinstance(value, bool):
+        raise ValueError(f"not a duration: {value!r}")
+    if isinstance(value, (int, float)):
+        return float(value)
+    text = str(value).strip().lower()
+    parts = _DURATION.findall(text)
+    if not parts or _DURATION.sub("", text).strip():
+        raise ValueError(f"not a duration: {value!r} (use seconds or e.g. '90s', '30m', '48h', '2d')")
+    return sum(float(n) * _UNIT_S[u] for n, u in parts)
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration), Field(ge=0)]
+
+
+class ReviewPolicy(_Strict):
+    """Human review at the round boundary (a ``kind: human`` judge, or ``judge.escalate``).
+
+    A round whose judge sent records to people waits until its review queue is empty,
+    or until ``after`` has passed since the queue opened; then ``then`` decides the
+    records still waiting (``reject``: they go to the next round like any rejection,
+    ``approve``: they are approved as the automated judge left them, ``keep_waiting``:
+    the round goes on waiting). A reviewer holds a record for ``lease`` at most.
+    """
+
+    after: Duration | None = Field(None, description="timeout of a round's review queue (e.g. 48h); none: wait for people")
+    then: Literal["reject", "approve", "keep_waiting"] = "keep_waiting"
+    lease: Duration = Field(600.0, gt=0, description="how long a reviewer holds a record before another may take it")
+    warn_after: Duration = Field(86400.0, description="the review-age check warns when the oldest waiting record is older")
+    poll_s: float = Field(5.0, gt=0, description="run_pipeline / `batch-inference run`: how often a waiting round looks again")
+    url: str = Field("http://127.0.0.1:8765", description="where `batch-inference review` serves the page (linked from Dagster)")
 
 
 class PoolSpec(_Strict):
@@ -108,6 +147,7 @@ class PipelineSpec(_Strict):
     shard_records: int = Field(20_000, ge=1)
     chunk_size: int = Field(2_000, ge=1)
     pool: PoolSpec = Field(default_factory=PoolSpec)
+    review: ReviewPolicy = Field(default_factory=ReviewPolicy)
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
 
     @model_validator(mode="after")
@@ -119,6 +159,13 @@ class PipelineSpec(_Strict):
             raise ValueError(f"{' and '.join(wants)}: engine kind {self.engine.kind!r} cannot constrain generation "
                              "to a JSON schema (vLLM's structured outputs can: engine.kind vllm); "
                              "remove it, or check results with a json_valid rule judge instead")
+        return self
+
+    @model_validator(mode="after")
+    def _check_review(self) -> PipelineSpec:
+        if self.judge.kind == "human" and self.strategy == "in_place":
+            raise ValueError("judge.kind 'human' needs a round boundary to review at: use strategy 'rounds' or 'hybrid' "
+                             "(in-place retry loops on one record inside a worker; nobody can approve it there)")
         return self
 
     @model_validator(mode="after")

@@ -309,10 +309,11 @@ class JudgedRound:
     round: RoundView  # both phases and the decision
     approved_shards: list[str]  # results/round-NN-part-* written by this round's judge
     view: LedgerView  # the whole ledger (the funnel so far)
+    review: Any = None  # pipeline.review.ReviewStatus while the round waits for people (then no decision yet)
 
     @property
     def decision(self) -> Decision:
-        assert self.round.decision is not None  # judged_round always decides
+        assert self.round.decision is not None, "a round waiting for review is not decided yet"
         return self.round.decision
 
 

@@ -22,6 +22,8 @@ OUTPUT_KEYS: dict[str, frozenset[str]] = {
     "judge": frozenset({"approved", "rejected"}),
     "retry": frozenset({"output", "checkpoint"}),
 }
+# A judge that escalates to people (or a human judge) also writes the round's review queue.
+REVIEW_OUTPUT = "review"
 
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -48,6 +50,10 @@ class TaskSpec(_Wire):
     @model_validator(mode="after")
     def _check_kind(self) -> TaskSpec:
         want = OUTPUT_KEYS[self.kind]
+        if self.kind == "judge" and self.judge is not None and self.judge.reviews:
+            want = want | {REVIEW_OUTPUT}
+        if self.kind == "retry" and self.judge is not None and self.judge.kind == "human":
+            raise ValueError(f"task {self.task_id!r}: in-place retry has no round boundary for a human judge to review at")
         if set(self.outputs) != want:
             raise ValueError(f"task {self.task_id!r}: kind {self.kind!r} needs outputs {sorted(want)}, got {sorted(self.outputs)}")
         if self.kind in ("infer", "retry") and self.infer is None:

@@ -10,6 +10,7 @@ writer: a retried task rewrites its whole output, and a killed one leaves none.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -20,13 +21,15 @@ from batch_inference.engines import Completion, EngineDeadError, supports_struct
 from batch_inference.engines.base import unconstrained_error
 from batch_inference.judges import JudgeConfig, LLMJudge, Verdict, build_judge
 from batch_inference.pool.engine_host import EngineHost, GenRequest
-from batch_inference.pool.protocol import TaskSpec
+from batch_inference.pool.protocol import REVIEW_OUTPUT, TaskSpec
 from batch_inference.prompting import Request, RequestBuilder, RequestError
 from batch_inference.rows import ErrorKind, Status
 from batch_inference.storage import CheckpointStore, JsonlFile
 
 log = logging.getLogger(__name__)
 
+# The automated "verdict" of a human judge: nothing decided yet.
+HUMAN_REVIEW = "human_review"
 
 
 class TaskInputError(ValueError):
@@ -188,9 +191,12 @@ class Judging:
 
     def __init__(self, ctx: TaskContext, config: JudgeConfig) -> None:
         self.ctx = ctx
-        self.judge = build_judge(config)
+        self.judge = build_judge(config) if config.kind != "human" else None
+        self.escalate = config.escalate
 
     async def verdicts(self, records: Sequence[dict[str, Any]], results: Sequence[str]) -> list[Verdict]:
+        if self.judge is None:  # a human judge: every record waits for a person
+            return [Verdict(False, HUMAN_REVIEW) for _ in records]
         if isinstance(self.judge, LLMJudge):
             judge = self.judge
             requests: list[Request | BaseException] = []
@@ -203,7 +209,12 @@ class Judging:
             return [judge.verdict(c) if isinstance(c, Completion) else Verdict(False, _judge_error(c)) for c in done]
         return await asyncio.to_thread(self._rules, list(records), list(results))
 
+    def escalated(self, verdict: Verdict) -> bool:
+        """Whether people decide this record (a human judge: always)."""
+        return self.judge is None or (self.escalate is not None and self.escalate.matches(verdict))
+
     def _rules(self, records: list[dict[str, Any]], results: list[str]) -> list[Verdict]:
+        assert self.judge is not None and not isinstance(self.judge, LLMJudge)
         out = []
         for record, result in zip(records, results):
             try:
@@ -221,22 +232,35 @@ def _judge_error(exc: BaseException) -> str:
 
 
 async def run_judge(ctx: TaskContext) -> dict[str, int]:
-    """Split inferred rows into approved and rejected; inference errors skip the judge."""
+    """Split inferred rows into approved and rejected (and, when people review, the queue).
+
+    Inference errors skip the judge (rejected: the next round retries them, no person
+    needed); a verdict the spec escalates, or every row for a human judge, goes to the
+    ``review`` output with the automated verdict beside it.
+    """
     spec = ctx.spec
     assert spec.judge is not None
     judging = Judging(ctx, spec.judge)
     counts = {"approved": 0, "rejected": 0}
-    async with ctx.file(spec.outputs["approved"]).writer() as approved, ctx.file(spec.outputs["rejected"]).writer() as rejected:
+    review_url = spec.outputs.get(REVIEW_OUTPUT)
+    if review_url is not None:
+        counts["review"] = 0
+    async with contextlib.AsyncExitStack() as stack:
+        approved = await stack.enter_async_context(ctx.file(spec.outputs["approved"]).writer())
+        rejected = await stack.enter_async_context(ctx.file(spec.outputs["rejected"]).writer())
+        review = await stack.enter_async_context(ctx.file(review_url).writer()) if review_url else None
         async for chunk in ctx.chunks():
             ok = [r for r in chunk if r.get("error") is None and isinstance(r.get("result"), str)]
             verdicts = await judging.verdicts(ok, [r["result"] for r in ok])
             by_id = {id(r): v for r, v in zip(ok, verdicts)}
-            yes, no = [], []
+            yes, no, ask = [], [], []
             for row in chunk:
                 verdict = by_id.get(id(row))
                 if verdict is None:
                     reason = ErrorKind.INFERENCE_ERROR.tag(row.get("error") or "no result")
                     no.append({**row, "rejection": reason, "verdict": None})
+                elif review is not None and judging.escalated(verdict):
+                    ask.append({**row, "status": rows.Status.AWAITING_REVIEW.value, "verdict": verdict.to_dict(), "round": spec.round})
                 elif verdict.approved:
                     base = {k: v for k, v in row.items() if k != "rejection"}
                     yes.append({**base, "status": Status.APPROVED, "verdict": verdict.to_dict(), "round": spec.round})
@@ -246,6 +270,9 @@ async def run_judge(ctx: TaskContext) -> dict[str, int]:
             await rejected.write_many(no)
             counts["approved"] += len(yes)
             counts["rejected"] += len(no)
+            if review is not None:
+                await review.write_many(ask)
+                counts["review"] += len(ask)
     return counts
 
 
@@ -407,6 +434,10 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
                 s.error(_error_text(exc))
             return
         for s, verdict in zip(wave, verdicts):
+            if verdict.approved and judging.escalated(verdict):
+                # No round boundary here for a person to decide at: an approval the spec
+                # wants reviewed does not stand on its own; the record is tried again.
+                verdict = Verdict(False, f"escalated: {verdict.reason} (no review in place)", verdict.score)
             s.verdict = verdict
             if verdict.approved:
                 s.final(ckpt, {"result": s.result, "status": Status.APPROVED, "error": None,

@@ -16,12 +16,14 @@ from batch_inference.defs.metadata import funnel_markdown, location, phase_metad
 from batch_inference.defs.partitions import ROUNDS, parse_round_key, round_label
 from batch_inference.defs.pool.resources import PoolResource
 from batch_inference.defs.recovery import record_worker
+from batch_inference.defs.review.metadata import progress_metadata
 from batch_inference.defs.specs import load_spec
 from batch_inference.defs.steps import run_cpu_step, run_gpu_step
 from batch_inference.defs.storage.resources import StorageResource
 from batch_inference.pipeline.layout import RunLayout
 
 GROUP = "batch_inference"
+REVIEW_DECISION = "review"  # rejected's decision while the round's review queue is open
 
 
 @dg.asset(
@@ -104,7 +106,13 @@ def judge(context: dg.AssetExecutionContext, pool: PoolResource, storage: Storag
     record_worker(context)  # lets the round sensor tell a dead run from a live one
     spec = load_spec(context.instance, key.run, storage)
     judged = run_gpu_step(spec, pool, lambda run: run.judged_round(key.round))
-    rnd, decision = judged.round, judged.decision
+    rnd = judged.round
+    review_meta: dict[str, Any] = {}
+    if judged.review is not None:  # people decide the rest: the round sensor waits on the queue
+        kind, reason, decision_figures = REVIEW_DECISION, judged.review.text, {}
+        review_meta = progress_metadata(judged.review.as_dict(), url=spec.review.url, run=spec.run)
+    else:
+        kind, reason, decision_figures = judged.decision.kind, judged.decision.reason, judged.decision.figures
     layout = RunLayout(spec.output, spec.run)
     figures = phase_metadata(rnd)
     yield dg.MaterializeResult(asset_key=APPROVED, metadata=with_row_count({
@@ -118,14 +126,15 @@ def judge(context: dg.AssetExecutionContext, pool: PoolResource, storage: Storag
         **figures,
         "records": dg.MetadataValue.int(rnd.rejected),
         "uri": location(layout.rejected(key.round)),
-        "decision": dg.MetadataValue.text(decision.kind),
-        "decision_reason": dg.MetadataValue.text(decision.reason),
-        "decision_figures": dg.MetadataValue.json(decision.figures),
+        "decision": dg.MetadataValue.text(kind),
+        "decision_reason": dg.MetadataValue.text(reason),
+        "decision_figures": dg.MetadataValue.json(decision_figures),
         # the run's ETA from this round's throughput, next to what the start job planned
-        **{k: dg.MetadataValue.float(float(decision.figures[k])) for k in ("eta_run_s", "planned_run_wall_s")
-           if decision.figures.get(k) is not None},
+        **{k: dg.MetadataValue.float(float(decision_figures[k])) for k in ("eta_run_s", "planned_run_wall_s")
+           if decision_figures.get(k) is not None},
         "strategy": dg.MetadataValue.text(spec.strategy),
         "funnel": dg.MetadataValue.md(funnel_markdown(judged.view)),
+        **review_meta,
         **pool.describe(spec),
     }))
     quarantined = [q.as_dict() for q in rnd.quarantined]

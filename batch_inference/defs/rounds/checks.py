@@ -1,7 +1,7 @@
 """Per-round checks, recounted from storage (not from what the steps reported).
 
 - ``round_conservation`` (blocking): pending = inferred + infer-quarantined and
-  inferred = approved + rejected + judge-quarantined, every count streamed from the
+  inferred = approved + rejected + awaiting review + judge-quarantined, every count streamed from the
   round's shards. Blocking: the round's run fails, and the round sensor never advances a
   failed round, so a wrong round cannot feed the next one.
 - ``quarantine_empty`` (WARN): no shard of the round was quarantined.
@@ -17,38 +17,15 @@ from batch_inference.defs.specs import load_spec
 from batch_inference.defs.storage.resources import StorageResource
 
 
-def _count(files: list[Any]) -> int:
-    return sum(sum(1 for _ in f.iter_records_sync()) for f in files)
-
-
 def round_counts(spec: Any, r: int) -> dict[str, int]:
-    """Every count of round ``r``, streamed from its shards; quarantine from the ledger."""
-    from batch_inference.pipeline import Ledger, PhaseSummary, RunLayout
-    from batch_inference.storage import JsonlDir
+    """Every count of round ``r``, streamed from its shards (``PipelineRun.round_counts``)."""
+    from batch_inference.pipeline import PipelineRun
 
-    layout = RunLayout(spec.output, spec.run)
-    opts = spec.storage_options
-
-    def shards(url: str) -> list[Any]:
-        d = JsonlDir(url, storage_options=opts)
-        return d.shards() if d.exists_sync() else []
-
-    ledger = Ledger(layout, opts)
-    infer = ledger.read_as(layout.step_name(r, "infer"), PhaseSummary)
-    judge = ledger.read_as(layout.step_name(r, "judge"), PhaseSummary)
-    prefix = layout.approved_prefix(r)
-    return {
-        "pending": _count(shards(layout.pending(r))),
-        "inferred": _count(shards(layout.inferred(r))),
-        "approved": _count([f for f in shards(layout.results) if f.name.startswith(prefix)]),
-        "rejected": _count(shards(layout.rejected(r))),
-        "infer_quarantined": infer.records_quarantined if infer else 0,
-        "judge_quarantined": judge.records_quarantined if judge else 0,
-    }
+    return PipelineRun(spec).round_counts(r)
 
 
 @dg.asset_check(asset=REJECTED, blocking=True, description=(
-    "pending = inferred + quarantined(infer) and inferred = approved + rejected + quarantined(judge), streamed from storage"))
+    "pending = inferred + quarantined(infer) and inferred = approved + rejected + awaiting review + quarantined(judge), streamed from storage"))
 def round_conservation(context: dg.AssetCheckExecutionContext, storage: StorageResource) -> dg.AssetCheckResult:
     key = parse_round_key(context.op_execution_context.partition_key)
     spec = load_spec(context.instance, key.run, storage)
@@ -57,12 +34,13 @@ def round_conservation(context: dg.AssetCheckExecutionContext, storage: StorageR
     except (OSError, ValueError) as exc:  # a shard listed but unreadable is a failed check, named
         return dg.AssetCheckResult(passed=False, description=f"round {key.round_label} of {key.run}: cannot recount: {exc}")
     infer_ok = c["pending"] == c["inferred"] + c["infer_quarantined"]
-    judge_ok = c["inferred"] == c["approved"] + c["rejected"] + c["judge_quarantined"]
+    judge_ok = c["inferred"] == c["approved"] + c["rejected"] + c["awaiting"] + c["judge_quarantined"]
     problems = []
     if not infer_ok:
         problems.append(f"pending {c['pending']} != inferred {c['inferred']} + quarantined {c['infer_quarantined']}")
     if not judge_ok:
-        problems.append(f"inferred {c['inferred']} != approved {c['approved']} + rejected {c['rejected']} + quarantined {c['judge_quarantined']}")
+        problems.append(f"inferred {c['inferred']} != approved {c['approved']} + rejected {c['rejected']} + awaiting review "
+                        f"{c['awaiting']} + quarantined {c['judge_quarantined']}")
     return dg.AssetCheckResult(
         passed=not problems,
         description="; ".join(problems) or f"round {key.round_label}: every record accounted for",

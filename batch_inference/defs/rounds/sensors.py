@@ -9,7 +9,14 @@ decision as metadata) and ``tail_retry``. For each it requests exactly one follo
     rejected[run|rNN]    -> next_round: round_job run|rNN+1 (adding the round label first)
                             tail:       tail_job  (recompact rNN, retry in place from NN+1)
                             done | exhausted: results_job
+                            review: wait on the round's review queue (below)
+    reviewed[run|rNN]    -> as rejected (the decision taken once the review closed)
     tail_retry[run]      -> results_job
+
+A round waiting for people stays in the cursor; every tick reads its review status from
+storage and requests ``review_job`` (which materialises ``reviewed``) once the queue is
+empty or the spec's timeout policy decides the rest; until then the tick says "waiting
+for review (N left)" (``defs.review.sensor``).
 
 A plain ``@sensor`` with the last storage id as its cursor, not an ``@asset_sensor``:
 every event since the cursor is read (paginated), so several rounds landing between two
@@ -33,12 +40,15 @@ from typing import Any
 
 import dagster as dg
 
-from batch_inference.defs.jobs import ASSET_JOBS, results_job, round_job, shard_job, tail_job
-from batch_inference.defs.keys import REJECTED, SHARDED, SOURCE, TAIL_RETRY
+from batch_inference.defs.jobs import ASSET_JOBS, results_job, review_job, round_job, shard_job, tail_job
+from batch_inference.defs.keys import REJECTED, REVIEWED, SHARDED, SOURCE, TAIL_RETRY
 from batch_inference.defs.partitions import ROUND_NUMBERS, RoundKey, parse_round_key
 from batch_inference.defs.recovery import recover
+from batch_inference.defs.review.sensor import review_tick
+from batch_inference.defs.rounds.assets import REVIEW_DECISION
+from batch_inference.defs.storage.resources import StorageResource
 
-WATCHED = (SOURCE, SHARDED, REJECTED, TAIL_RETRY)
+WATCHED = (SOURCE, SHARDED, REJECTED, REVIEWED, TAIL_RETRY)
 PAGE = 100
 MAX_EVENTS_PER_TICK = 500
 RUN_TAG = "batch_inference/run"
@@ -92,7 +102,7 @@ def follow_up(asset_key: dg.AssetKey, partition_key: str, metadata: Mapping[str,
         if _text(metadata, "strategy") == "in_place":
             return _tail_action(partition_key, 0, "strategy in_place: retry every record in place")
         return _round_action(RoundKey(partition_key, 0), "input sharded")
-    if asset_key == REJECTED:
+    if asset_key in (REJECTED, REVIEWED):
         key = parse_round_key(partition_key)
         kind = _text(metadata, "decision")
         why = _text(metadata, "decision_reason") or ""
@@ -102,7 +112,9 @@ def follow_up(asset_key: dg.AssetKey, partition_key: str, metadata: Mapping[str,
             return _tail_action(key.run, key.round + 1, f"crossover after {key.round_label}: {why}")
         if kind in ("done", "exhausted"):
             return _results_action(key.run, f"{kind} after {key.round_label}: {why}")
-        raise ValueError(f"rejected[{partition_key}] carries no known decision (got {kind!r})")
+        if kind == REVIEW_DECISION and asset_key == REJECTED:
+            return None  # the sensor waits on the round's review queue
+        raise ValueError(f"{asset_key.to_user_string()}[{partition_key}] carries no known decision (got {kind!r})")
     if asset_key == TAIL_RETRY:
         return _results_action(partition_key, "tail finished")
     return None
@@ -112,12 +124,14 @@ def follow_up(asset_key: dg.AssetKey, partition_key: str, metadata: Mapping[str,
 class SensorCursor:
     """Every event with storage id <= ``after`` is handled, and so are those in ``handled``.
 
-    Serialised as the plain id while nothing above it is handled (the common case, and the
-    format of earlier cursors), else as JSON ``{"after": N, "handled": [...]}``.
+    Serialised as the plain id while nothing above it is handled and no round waits for
+    review (the common case, and the format of earlier cursors), else as JSON
+    ``{"after": N, "handled": [...], "review": {partition: last reported}}``.
     """
 
     after: int = 0
     handled: set[int] = field(default_factory=set)
+    review: dict[str, dict[str, Any]] = field(default_factory=dict)  # rounds waiting for people
 
     @classmethod
     def parse(cls, text: str | None) -> "SensorCursor":
@@ -125,7 +139,7 @@ class SensorCursor:
             return cls()
         if text.lstrip().startswith("{"):
             data = json.loads(text)
-            return cls(int(data["after"]), {int(i) for i in data.get("handled", [])})
+            return cls(int(data["after"]), {int(i) for i in data.get("handled", [])}, dict(data.get("review", {})))
         return cls(int(text))
 
     def advance(self, seen: Iterable[int], *, complete: bool) -> None:
@@ -144,14 +158,19 @@ class SensorCursor:
         self.handled = {i for i in self.handled if i > self.after}
 
     def __str__(self) -> str:
-        if not self.handled:
+        if not self.handled and not self.review:
             return str(self.after)
-        return json.dumps({"after": self.after, "handled": sorted(self.handled)})
+        return json.dumps({"after": self.after, "handled": sorted(self.handled), "review": self.review})
 
 
 def pipeline_of(partition_key: str) -> str:
     """The pipeline run a watched event belongs to (round keys read ``<run>|rNN``)."""
     return partition_key.rpartition("|")[0] or partition_key
+
+
+def review_action(partition_key: str, run: str, reason: str) -> Action:
+    """Close a round's review (its queue is empty or the timeout policy applies)."""
+    return Action(review_job.name, partition_key, f"{partition_key}:review", run, reason)
 
 
 def _records_since(instance: dg.DagsterInstance, after: int, skip: frozenset[int] | set[int] = frozenset()) -> list[dg.EventLogRecord]:
@@ -186,7 +205,7 @@ def _records_since(instance: dg.DagsterInstance, after: int, skip: frozenset[int
     default_status=dg.DefaultSensorStatus.RUNNING,
     description="Drives every pipeline run: shard, then round after round, then the tail or results (one action per step).",
 )
-def round_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
+def round_sensor(context: dg.SensorEvaluationContext, storage: StorageResource) -> dg.SensorResult:
     instance = context.instance
     cursor = SensorCursor.parse(context.cursor)
     known_labels = set(instance.get_dynamic_partitions(ROUND_NUMBERS.name))
@@ -212,8 +231,11 @@ def round_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
             context.log.warning(f"{key.to_user_string()}[{partition}]: its run did not succeed; no follow-up (fix and re-materialise it)")
             continue
         materialization = record.asset_materialization
+        metadata = materialization.metadata if materialization else {}
+        if key == REJECTED and _text(metadata, "decision") == REVIEW_DECISION:
+            cursor.review.setdefault(partition, {})
         try:
-            action = follow_up(key, partition, materialization.metadata if materialization else {})
+            action = follow_up(key, partition, metadata)
         except ValueError as exc:  # a malformed event must not wedge every other run behind it
             context.log.error(f"{key.to_user_string()}[{partition}]: no follow-up: {exc}")
             continue
@@ -226,8 +248,20 @@ def round_sensor(context: dg.SensorEvaluationContext) -> dg.SensorResult:
         context.log.info(f"{key.to_user_string()}[{partition}] -> {action.job_name}[{action.partition_key}]: {action.reason}")
         requests.append(action.run_request())
     cursor.advance((r.storage_id for r in records), complete=len(records) < MAX_EVENTS_PER_TICK)
+    reviews = review_tick(instance, cursor.review, storage)
+    cursor.review = reviews.waiting
+    for partition, run_name, why in reviews.ready:
+        action = review_action(partition, run_name, why)
+        if action.run_key not in requested:
+            requested.add(action.run_key)
+            context.log.info(f"{partition} -> {action.job_name}[{partition}]: {why}")
+            requests.append(action.run_request())
+    for text in reviews.said:
+        context.log.info(text)
     return dg.SensorResult(
         run_requests=requests,
         dynamic_partitions_requests=[ROUND_NUMBERS.build_add_request(new_labels)] if new_labels else [],
+        asset_events=reviews.events,
         cursor=str(cursor),
+        skip_reason="; ".join(reviews.said) if reviews.said and not requests else None,
     )

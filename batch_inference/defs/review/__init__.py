@@ -1,0 +1,1 @@
+"""Dagster wiring of human review at the round boundary (the domain lives in ``pipeline.review``)."""

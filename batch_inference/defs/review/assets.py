@@ -1,0 +1,56 @@
+"""``reviewed``: a round's review closed (queue empty, or its timeout policy applied).
+
+Materialised by ``review_job`` when the round sensor finds the round's queue done. The
+body is ``PipelineRun.resolve_review`` then ``decide``; the decision is recorded here as
+the judge records it on ``rejected`` for rounds without review, and the sensor follows
+it up the same way.
+"""
+
+
+import dagster as dg
+
+from batch_inference.defs.keys import CPU_OP_TAGS, REJECTED, REVIEWED
+from batch_inference.defs.metadata import location
+from batch_inference.defs.partitions import ROUNDS, parse_round_key
+from batch_inference.defs.recovery import record_worker
+from batch_inference.defs.review.metadata import review_page
+from batch_inference.defs.specs import load_spec
+from batch_inference.defs.steps import run_cpu_step
+from batch_inference.defs.storage.resources import StorageResource
+
+
+@dg.asset(
+    key=REVIEWED,
+    partitions_def=ROUNDS,
+    deps=[REJECTED],
+    group_name="batch_inference",
+    op_tags=CPU_OP_TAGS,
+    kinds={"jsonl"},
+    description="A round's human review, closed: verdicts applied (approved into results, rejected to the next round). Carries the round's decision.",
+)
+def reviewed(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.MaterializeResult:
+    from batch_inference.pipeline import PipelineRun
+
+    key = parse_round_key(context.partition_key)
+    record_worker(context)
+    spec = load_spec(context.instance, key.run, storage)
+    summary = run_cpu_step(spec, lambda run: run.resolve_review(key.round)).as_dict()
+    run = PipelineRun(spec)
+    decision = run.decide(key.round).as_dict()
+    return dg.MaterializeResult(metadata={
+        "round": dg.MetadataValue.int(key.round),
+        "records": dg.MetadataValue.int(int(summary["records"])),
+        "dagster/row_count": dg.MetadataValue.int(int(summary["records"])),
+        "review_approved": dg.MetadataValue.int(int(summary["approved"])),
+        "review_rejected": dg.MetadataValue.int(int(summary["rejected"])),
+        "review_timed_out": dg.MetadataValue.int(int(summary["timed_out"])),
+        "review_conflicts": dg.MetadataValue.int(int(summary["conflicts"])),
+        "review_by_reviewer": dg.MetadataValue.json(summary["by_reviewer"]),
+        "review_conflict_examples": dg.MetadataValue.json(summary["conflict_examples"][:20]),
+        "review_page": review_page(spec.review.url, spec.run, key.round),
+        "verdicts": location(run.layout.verdicts(key.round)),
+        "decision": dg.MetadataValue.text(decision["kind"]),
+        "decision_reason": dg.MetadataValue.text(str(decision.get("reason", ""))),
+        "decision_figures": dg.MetadataValue.json(decision.get("figures") or {}),
+        "strategy": dg.MetadataValue.text(spec.strategy),
+    })
