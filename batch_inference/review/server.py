@@ -54,7 +54,7 @@ SECURITY_HEADERS = {
     "Cross-Origin-Resource-Policy": "same-origin",
 }
 STATIC = {"review.js": "application/javascript", "review.css": "text/css"}
-REVIEWER = web.AppKey("reviewer", str)
+REVIEWER = web.RequestKey("reviewer", str)
 QUEUE = web.AppKey("queue", ReviewQueue)
 
 

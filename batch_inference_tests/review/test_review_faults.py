@@ -162,3 +162,42 @@ def test_off_loopback_needs_a_token(review_spec, review_server, tmp_path) -> Non
     run = PipelineRun(spec)
     assert rv.ReviewLog(run.layout, 0, None).entries() == []  # nothing refused reached the log
     assert balanced(run)["awaiting"] == 4
+
+
+def test_a_tokenless_server_answers_nothing_from_off_loopback(review_spec) -> None:
+    """Defence in depth: even bound to every address by mistake (check_bind bypassed), no tokens = loopback only."""
+    from aiohttp import web
+
+    from batch_inference.review.server import create_app
+
+    spec, _ = review_spec(records=2)
+    host = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
+    addresses = [h for h in host if "." in h and not h.startswith("127.")]
+    if not addresses:
+        pytest.skip("this machine has no non-loopback IPv4 address to come from")
+
+    async def go() -> None:
+        queue = rv.ReviewQueue(spec)
+        await queue.refresh()
+        runner = web.AppRunner(create_app(queue, default_reviewer="mallory"), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "0.0.0.0", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            async with aiohttp.ClientSession() as s:
+                for path in ("/api/progress", "/"):
+                    async with s.get(f"http://{addresses[0]}:{port}{path}") as resp:
+                        assert resp.status == 403, path
+                async with s.post(f"http://{addresses[0]}:{port}/api/next", json={}) as resp:
+                    assert resp.status == 403
+                async with s.get(f"http://127.0.0.1:{port}/api/progress") as resp:  # loopback still works
+                    assert resp.status == 200 and (await resp.json())["you"] == "mallory"
+                async with s.get(f"http://127.0.0.1:{port}/api/progress", headers={"Host": "evil.example"}) as resp:
+                    assert resp.status == 403  # DNS rebinding: a loopback server answers loopback names only
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(go())
+    assert rv.ReviewLog(PipelineRun(spec).layout, 0, None).entries() == []
+    assert balanced(PipelineRun(spec))["awaiting"] == 2

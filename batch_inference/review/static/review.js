@@ -126,7 +126,7 @@
     try {
       const edit = $("edit").value;
       const res = await api("/api/verdict", { round: rec.round, id: rec.id, verdict: verdict, reason: $("why").value || null, edited_result: edit ? edit : null });
-      say(res.result === "conflict" ? "already decided by " + res.kept.reviewer + ": your verdict is kept in the log as a conflict" : verdict + "d " + rec.id);
+      say(res.result === "conflict" ? "already decided by " + res.kept.reviewer + ": your verdict is kept in the log as a conflict" : (verdict === "approve" ? "approved " : "rejected ") + rec.id);
       await next();
     } catch (err) {
       say(err.message, true);
