@@ -90,12 +90,12 @@ class ReviewLog:
         self.lease_url = layout.leases(r)
         _, self.lease_path = fs_for(self.lease_url, self.storage_options)
 
-    def append(self, entries: list[dict[str, Any]]) -> str:
-        """Write ``entries`` as one new segment (atomic); returns its name."""
+    def append(self, entries: list[dict[str, Any]]) -> int:
+        """Write ``entries`` as one new segment (atomic); returns when it was committed (ns)."""
         name = f"{time.time_ns():020d}-{uuid.uuid4().hex[:12]}.jsonl"
         with JsonlFile(join(self.url, name), storage_options=self.storage_options).writer_sync() as w:
             w.write_many(entries)
-        return name
+        return time.time_ns()
 
     def segment_names(self) -> list[str]:
         try:
@@ -553,10 +553,12 @@ class ReviewQueue:
             if rid not in self.items[r]:
                 raise KeyError(f"record {rid!r} is not in round {r}'s review queue")
             entry = verdict_entry(rid, verdict, reviewer, reason=reason, edited_result=edited_result, round=r)
-            await self._append(r, entry)
-            if await asyncio.to_thread(self.ledger.read, ledger_seal(r)) is not None:
+            written_ns = await self._append(r, entry)
+            seal = await asyncio.to_thread(self.ledger.read, ledger_seal(r))
+            if seal is not None and int(seal.get("cutoff_ns", 0)) <= written_ns:
                 # The round closed while this verdict was being written: it is in the log, but the
                 # close may have been decided without it. Say so rather than claim it counted.
+                # (A seal cut after the write read the log after it: the verdict counted.)
                 self.closed.add(r)
                 self.items.pop(r, None)
                 raise ReviewClosed(f"round {r} of run {self.spec.run!r}: the review closed as your verdict on {rid!r} "
@@ -568,13 +570,14 @@ class ReviewQueue:
                 await asyncio.to_thread(self.logs[r].drop_lease, rid)
             return Outcome(result, entry, kept if result == "conflict" else None)
 
-    async def _append(self, r: int, entry: dict[str, Any]) -> None:
-        """Durable before it returns; every ``COMPACT_EVERY`` segments the log is folded into one."""
-        await asyncio.to_thread(self.logs[r].append, [entry])
+    async def _append(self, r: int, entry: dict[str, Any]) -> int:
+        """Durable before it returns (the commit time, ns); every ``COMPACT_EVERY`` segments the log is folded into one."""
+        committed_ns = await asyncio.to_thread(self.logs[r].append, [entry])
         self.appended[r] = self.appended.get(r, 0) + 1
         if self.appended[r] >= COMPACT_EVERY:
             self.appended[r] = 0
             await asyncio.to_thread(self.logs[r].compact)
+        return committed_ns
 
     async def undo(self, reviewer: str) -> tuple[Item, Lease] | None:
         """Retract this reviewer's latest standing verdict in an open round; the record comes back, leased to them."""
