@@ -1,4 +1,4 @@
-"""``batch-inference review SPEC``: serve the review page for a run's review queues."""
+"""``batch-inference review SPEC_OR_RUN_URL``: serve the review page for a run's review queues."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import click
 
 
 @click.command("review")
-@click.argument("spec_path", metavar="SPEC", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("target", metavar="SPEC_OR_RUN_URL")
 @click.option("--host", default="127.0.0.1", show_default=True, help="bind address (off loopback only with --reviewers)")
 @click.option("--port", default=8765, show_default=True, type=int, help="0 picks a free port")
 @click.option("--reviewers", "reviewers_file", type=click.Path(exists=True, dir_okay=False),
@@ -18,16 +18,18 @@ import click
 @click.option("--as", "default_reviewer", help="without --reviewers: the name verdicts are signed with (default: your user)")
 @click.option("--lease", "lease", help="how long a reviewer holds a record (default: the spec's review.lease), e.g. 10m")
 @click.option("--run-name", "run_name", help="override the spec's run name")
-def review(spec_path: Path, host: str, port: int, reviewers_file: str | None, default_reviewer: str | None,
-           lease: str | None, run_name: str | None) -> None:
-    """Serve the review page for run SPEC: one record at a time, keyboard verdicts (a/r/s/u)."""
-    from batch_inference.pipeline import PipelineSpec, SpecError
+@click.option("--storage-options", "storage_options", help="JSON fsspec options for a RUN_URL (e.g. an S3 endpoint)")
+def review(target: str, host: str, port: int, reviewers_file: str | None, default_reviewer: str | None,
+           lease: str | None, run_name: str | None, storage_options: str | None) -> None:
+    """Serve the review page for a run (its SPEC file, or the run's URL <output>/<run>):
+    one record at a time, keyboard verdicts (a/r/s/u)."""
     from batch_inference.pipeline.spec import parse_duration
+    from batch_inference.pipeline import SpecError
     from batch_inference.review.server import load_reviewers, serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        spec = PipelineSpec.load(spec_path, run=run_name)
+        spec = _spec_of(target, run_name, storage_options)
         reviewers = load_reviewers(reviewers_file) if reviewers_file else None
         lease_s = parse_duration(lease) if lease else None
     except (SpecError, ValueError, OSError) as exc:
@@ -44,3 +46,22 @@ def review(spec_path: Path, host: str, port: int, reviewers_file: str | None, de
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
         pass
+
+
+def _spec_of(target: str, run_name: str | None, storage_options: str | None):  # -> PipelineSpec
+    """A spec file, or a run's URL whose ledger holds the spec it ran with (secrets redacted:
+    ``--storage-options`` supplies them)."""
+    import orjson
+
+    from batch_inference.pipeline import Ledger, PipelineSpec, RunLayout, SpecError
+
+    if Path(target).suffix in (".yaml", ".yml", ".toml") and Path(target).is_file():
+        return PipelineSpec.load(target, run=run_name)
+    options = orjson.loads(storage_options) if storage_options else {}
+    base, _, name = target.rstrip("/").rpartition("/")
+    layout = RunLayout(base or ".", name)
+    recorded = Ledger(layout, options).read(RunLayout.SPEC)
+    if recorded is None:
+        raise SpecError(f"{target}: neither a spec file nor a started run (no {layout.ledger_file(RunLayout.SPEC)})")
+    recorded.update(output=base or ".", run=name, storage_options=options)
+    return PipelineSpec.parse(recorded, source=f"spec recorded at {layout.ledger_file(RunLayout.SPEC)}")

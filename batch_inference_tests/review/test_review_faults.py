@@ -201,3 +201,21 @@ def test_a_tokenless_server_answers_nothing_from_off_loopback(review_spec) -> No
     asyncio.run(go())
     assert rv.ReviewLog(PipelineRun(spec).layout, 0, None).entries() == []
     assert balanced(PipelineRun(spec))["awaiting"] == 2
+
+
+def test_review_a_run_by_its_url(review_spec, review_server) -> None:
+    """`batch-inference review <output>/<run>` reads the spec the run recorded in its ledger."""
+    spec, _ = review_spec(records=3)
+    server = review_server(f"{spec.output}/{spec.run}", "--as", "uma")
+
+    async def go() -> None:
+        async with aiohttp.ClientSession() as s:
+            async with s.get(server.url + "/health") as resp:
+                assert (await resp.json()) == {"ok": True, "run": spec.run, "rounds": [0]}
+            status, got = await post(s, server.url + "/api/next", {})
+            assert status == 200 and got["record"]["round"] == 0
+
+    asyncio.run(go())
+    refused = subprocess.run([sys.executable, "-m", "batch_inference.cli.main", "review", f"{spec.output}/no-such-run"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "neither a spec file nor a started run" in refused.stderr
