@@ -8,7 +8,7 @@ The same prompts, side by side in one run, through
 - ``inprocess``: the pipeline, one round, ``InProcessPool`` (the streaming path on vLLM);
 - ``local``: the pipeline, one round, a local pool of one worker process over HTTP;
 - ``blocking`` (vLLM only): the old design, one blocking ``LLM.generate`` per
-  token-budget batch (``vllm.streaming: false``), inprocess.
+  token-budget batch (``vllm.streaming: false``), a local pool of one worker.
 
 Each record asks for its own output length through the per-record sampling override
 (``max_tokens = min_tokens = n``), so every path decodes exactly the same tokens; the
@@ -71,7 +71,15 @@ def prompts(n: int, chars: int = 300) -> list[str]:
     return out
 
 
+DEVICE = os.environ.get("ENGINE_CEILING_DEVICE", "cpu")  # cuda: bench/gpu_check.sh
+
+
 def engine_config(kind: str, model: str, streaming: bool = True) -> dict[str, Any]:
+    if kind == "vllm" and DEVICE == "cuda":  # four engines share the GPU (raw, inprocess, local, blocking)
+        return {"kind": "vllm", "model": model, "dtype": "bfloat16", "max_model_len": 1024,
+                "vllm": {"gpu_memory_utilization": 0.2, "streaming": streaming}}
+    if kind == "transformers" and DEVICE == "cuda":
+        return {"kind": "transformers", "model": model, "device": "cuda", "dtype": "bfloat16"}
     if kind == "vllm":
         return {"kind": "vllm", "model": model, "dtype": "float32", "max_model_len": 1024,
                 "vllm": {"enforce_eager": True, "streaming": streaming, "extra": {"enable_chunked_prefill": False}}}
@@ -136,6 +144,49 @@ class Raw:
         return tokens, time.perf_counter() - t0
 
 
+MARK = "@@engine-ceiling "  # reply lines of the raw helper (vLLM logs to stdout too)
+
+
+def raw_server(kind: str, model: str) -> None:
+    """The raw engine in a process of its own (one vLLM engine per process), fed job lines."""
+    raw = Raw(kind, model)
+    print(MARK + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        tokens, secs = raw.run(job["texts"], job["lens"], job["seeds"])
+        print(MARK + json.dumps({"tokens": tokens, "seconds": secs}), flush=True)
+
+
+class RawProcess:
+    """A persistent helper process holding the raw engine, so raw and pipeline alternate."""
+
+    def __init__(self, kind: str, model: str) -> None:
+        import subprocess
+
+        self.proc = subprocess.Popen([sys.executable, __file__, "--raw-server", "--engine", kind, "--model", model],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._reply()
+
+    def _reply(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+        raise RuntimeError(f"raw engine helper exited ({self.proc.wait()})")
+
+    def run(self, texts: list[str], lens: list[int], seeds: list[int]) -> tuple[int, float]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"texts": texts, "lens": lens, "seeds": seeds}) + "\n")
+        self.proc.stdin.flush()
+        reply = self._reply()
+        return int(reply["tokens"]), float(reply["seconds"])
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
 # --------------------------------------------------------------------------- pipeline
 
 
@@ -159,13 +210,14 @@ async def run_pipeline_once(spec: Any, runner: Any) -> dict[str, Any]:
     from batch_inference.pipeline import Ledger, RunLayout
 
     view = Ledger(RunLayout(spec.output, spec.run), spec.storage_options).view()
-    infer = view.rounds[0]["infer"]
+    infer = view.rounds[0].infer
+    assert infer is not None
     stats = await runner.stats() if asyncio.iscoroutinefunction(runner.stats) else runner.stats()
     worker = stats if "mode" in stats else next(iter(stats["workers"].values()), None) or {}
-    return {"tokens": int(infer["tokens_out"]), "seconds": float(infer["wall_s"]), "run_wall_s": summary.wall_s,
+    return {"tokens": infer.tokens_out, "seconds": infer.wall_s, "run_wall_s": summary.wall_s,
             "approved": summary.approved, "failed": summary.failed,
-            "ledger_utilization": float(infer["engine_busy_s"]) / float(infer["wall_s"]),
-            "ledger_fill": float(infer["avg_fill"]), "peak_in_flight": (worker.get("stream") or {}).get("peak_in_flight"),
+            "ledger_utilization": infer.engine_busy_s / infer.wall_s, "ledger_fill": infer.avg_fill,
+            "engine": infer.engine, "peak_in_flight": (worker.get("stream") or {}).get("peak_in_flight"),
             "capacity": worker.get("capacity")}
 
 
@@ -179,22 +231,24 @@ def write_input(path: Path, texts: list[str], lens: list[int]) -> None:
 async def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict[str, Any]]:
     from batch_inference.pool import InProcessPool, derive_seed
 
+    from batch_inference.pool.launchers.local import LocalLauncher
+
     paths = args.paths.split(",")
-    raw = Raw(args.engine, model) if "raw" in paths else None
+    # one engine per process (two vLLM engines in one process hung here): the raw engine
+    # in a helper process, the inprocess pool's here, the others in worker processes
+    raw = await asyncio.to_thread(RawProcess, args.engine, model) if "raw" in paths else None
     texts = prompts(args.prompts)
     pools: dict[str, Any] = {}
-    launcher = None
+    launchers: list[LocalLauncher] = []
     if "inprocess" in paths:
         pools["inprocess"] = await InProcessPool(engine_config(args.engine, model), concurrency=10).__aenter__()
-    if "blocking" in paths and args.engine == "vllm":
-        pools["blocking"] = await InProcessPool(engine_config(args.engine, model, streaming=False), concurrency=10).__aenter__()
-    if "local" in paths:
-        from batch_inference.pool.launchers.local import LocalLauncher
-
-        launcher = LocalLauncher(engine_config(args.engine, model), replicas=1, concurrency=10, storage_roots=[str(root)],
-                                 name=f"ceiling-{os.getpid()}", state_dir=root / "pool-state", start_timeout_s=600, idle_ttl_s=None)
-        client = launcher.client()
-        pools["local"] = await client.__aenter__()
+    for name, streaming in (("local", True), ("blocking", False)):
+        if name in paths and (streaming or args.engine == "vllm"):
+            launcher = LocalLauncher(engine_config(args.engine, model, streaming), replicas=1, concurrency=10,
+                                     storage_roots=[str(root)], name=f"ceiling-{name}-{os.getpid()}",
+                                     state_dir=root / f"pool-{name}", start_timeout_s=600, idle_ttl_s=None)
+            launchers.append(launcher)
+            pools[name] = await (await asyncio.to_thread(launcher.client)).__aenter__()
     rows: list[dict[str, Any]] = []
     try:
         for rep in range(args.repeats):
@@ -207,12 +261,12 @@ async def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict
                                        "p50": int(np.median(lens)), "p90": int(np.percentile(lens, 90)), "max": max(lens)}
                 if raw is not None:
                     before = load()
-                    tokens, secs = raw.run(texts, lens, seeds)
+                    tokens, secs = await asyncio.to_thread(raw.run, texts, lens, seeds)
                     row["raw"] = {"tokens": tokens, "seconds": secs, "tok_s": tokens / secs, "load": [before, load()]}
                 for name, pool in pools.items():
                     before = load()
                     spec = pipeline_spec(args.engine, model, root, f"{name}-{dist}-{rep}", data, args.prompts,
-                                         streaming=name != "blocking", launcher="local" if name == "local" else "inprocess")
+                                         streaming=name != "blocking", launcher="inprocess" if name == "inprocess" else "local")
                     res = await run_pipeline_once(spec, pool)
                     res.update(tok_s=res["tokens"] / res["seconds"], load=[before, load()])
                     if "raw" in row:
@@ -221,10 +275,12 @@ async def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict
                 rows.append(row)
                 print(json.dumps(_brief(row)), flush=True)
     finally:
-        for name, pool in pools.items():
-            await (pool.__aexit__(None, None, None))
-        if launcher is not None:
+        for pool in pools.values():
+            await pool.__aexit__(None, None, None)
+        for launcher in launchers:
             launcher.down()
+        if raw is not None:
+            raw.close()
     return rows
 
 
@@ -264,13 +320,16 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], wall: float) ->
             cells.append(f"{statistics.median(ratios):.3f}" if ratios else "-")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "What the ledger said for the same phases (the reference's figures: they do not answer \"is the engine full?\"):", "",
-              "| dist | repeat | path | ledger utilization | ledger fill | peak in flight / capacity |", "|---|---|---|---|---|---|"]
+              "| dist | repeat | path | ledger utilization | ledger fill | mean in flight / capacity | mean engine running (waiting) | mean KV use |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for p in paths:
             if p in r:
                 x = r[p]
+                e = x.get("engine") or {}
                 lines.append(f"| {r['dist']} | {r['repeat']} | {p} | {x['ledger_utilization']:.3f} | {x['ledger_fill']:.3f} | "
-                             f"{x.get('peak_in_flight') or '-'} / {x.get('capacity') or '-'} |")
+                             f"{e.get('mean_in_flight', '-')} / {e.get('capacity', '-')} | "
+                             f"{e.get('mean_engine_running', '-')} ({e.get('mean_engine_waiting', '-')}) | {e.get('mean_kv_cache_usage', '-')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -296,7 +355,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--model", help="model directory (default: the tiny model, built here)")
     ap.add_argument("--report", help="report path (default bench/reports/engine_ceiling[_transformers].md)")
+    ap.add_argument("--raw-server", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.raw_server:
+        return raw_server(args.engine, args.model)
     import importlib.util
 
     if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:

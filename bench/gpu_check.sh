@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check: vLLM and transformers-on-CUDA through our Engine protocol, on the tiny model.
+# GPU check: vLLM and transformers-on-CUDA through our engine protocols, on the tiny model,
+# then bench/engine_ceiling.py (pipeline vs raw vLLM) on the GPU -> bench/reports/engine_ceiling_cuda.md.
 # Run from the repository root on a machine with an NVIDIA GPU:
 #     bash bench/gpu_check.sh [VENV_DIR]        (default .venv-gpu; needs python3.11/3.12 + pip access)
 # vLLM 0.33 pins torch==2.14.0, so it gets its own venv (the CPU test venv pins torch 2.13).
@@ -24,7 +25,7 @@ results = {}
 for cfg in (
     # vLLM first: its engine process starts before this process initialises CUDA
     {"kind": "vllm", "model": model, "dtype": "bfloat16", "max_model_len": 2048,
-     "vllm": {"gpu_memory_utilization": 0.3, "enforce_eager": True}},
+     "vllm": {"gpu_memory_utilization": 0.3, "enforce_eager": True, "streaming": False}},  # blocking: generate()
     {"kind": "transformers", "model": model, "device": "cuda", "dtype": "bfloat16"},
 ):
     t = time.perf_counter()
@@ -51,4 +52,8 @@ for cfg in (
 print("\ngreedy text equal across engines (bf16 kernels may differ):", results["transformers"] == results["vllm"])
 PY
 "$VENV/bin/python" -m pytest -q -m gpu batch_inference_tests/engines/test_vllm_engine.py -p no:cacheprovider
+# The acceptance comparison on the GPU: the pipeline (inprocess, a local worker, the old
+# blocking design) against raw vLLM given every prompt at once, three length distributions.
+ENGINE_CEILING_DEVICE=cuda "$VENV/bin/python" bench/engine_ceiling.py --model "$MODEL" --prompts 4000 --repeats 2 \
+    --report bench/reports/engine_ceiling_cuda.md
 echo "gpu_check: OK"

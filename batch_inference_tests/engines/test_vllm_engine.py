@@ -104,7 +104,7 @@ def test_vllm_generates_tiny_model(tiny_model_dir) -> None:  # pragma: no cover 
         pytest.skip("no CUDA GPU")
     from batch_inference.engines import build_engine
 
-    engine = build_engine({"kind": "vllm", "model": str(tiny_model_dir), "max_model_len": 256, "vllm": {"gpu_memory_utilization": 0.2}})
+    engine = build_engine({"kind": "vllm", "model": str(tiny_model_dir), "max_model_len": 256, "vllm": {"gpu_memory_utilization": 0.2, "streaming": False}})
     out = engine.generate(["hello", "word " * 300, "bye"], SamplingParams(max_tokens=8, min_tokens=8))
     assert out[1].error.startswith("prompt_too_long") and out[0].completion_tokens == 8 and out[2].error is None
     engine.close()
