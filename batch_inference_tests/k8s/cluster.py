@@ -286,7 +286,7 @@ class K8sCluster:
         return path
 
     def api_client(self, user: str = "admin") -> Any:
-        from kubernetes import client, config
+        from kubernetes import config
 
         return config.new_client_from_config(str(self.kubeconfig_file(user)))
 

@@ -8,7 +8,6 @@ and reports them (``k8s/node_agent.py``).
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,6 @@ from kubernetes.client.exceptions import ApiException
 
 from batch_inference.pool.launchers.k8s import K8sLauncher
 from batch_inference_tests.k8s.cluster import K8sCluster
-from batch_inference_tests.k8s.conftest import wait_until
 
 pytestmark = pytest.mark.infra
 ROOT = Path(__file__).resolve().parents[2]
