@@ -56,7 +56,7 @@ def namespace(k8s: K8sCluster) -> Iterator[Callable[..., str]]:
         core.delete_namespace(name)
     for name in made:  # bounded, generously: on 2 loaded cores the controllers can take a while
         wait_until(lambda: name not in {n.metadata.name for n in core.list_namespace().items}, 240,
-                   f"namespace {name} to go (pods left: {[p.metadata.name for p in core.list_namespaced_pod(name).items]})")
+                   f"namespace {name} to go (its pods when the wait began: {[p.metadata.name for p in core.list_namespaced_pod(name).items]})")
 
 
 def wait_until(predicate: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.2) -> object:
