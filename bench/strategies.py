@@ -81,7 +81,7 @@ async def child_run(args: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         summary = await run_pipeline(spec, runner=pool)
         wall = time.perf_counter() - t0
-        stats = pool.stats()  # type: ignore[attr-defined]
+        stats = await pool.stats()
     batcher = stats["batcher"] or {}
     view = Ledger(RunLayout(spec.output, spec.run)).view()
     decisions = [f"round {d.round}: {d.kind} ({d.reason})" for d in (x.decision for x in view.rounds) if d]

@@ -170,11 +170,11 @@ class FanOut:
 
 
 class OccupancySampler:
-    """Samples the runner's engine occupancy (its ``stats()``) while a phase runs.
+    """Samples the runner's engine occupancy (``TaskRunner.stats``) while a phase runs.
 
     Streaming engines report running/waiting requests, in-flight/capacity and KV-cache
-    use; the phase records their means (summed over workers; KV use averaged). A runner
-    without ``stats`` (or a blocking engine) records only the feed mode.
+    use; the phase records their means (summed over workers; KV use averaged). A
+    blocking engine records only the feed mode.
     """
 
     def __init__(self, runner: Any, interval_s: float = 1.0) -> None:
@@ -184,8 +184,7 @@ class OccupancySampler:
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> OccupancySampler:
-        if callable(getattr(self.runner, "stats", None)):
-            self._task = asyncio.create_task(self._loop())
+        self._task = asyncio.create_task(self._loop())
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -197,8 +196,7 @@ class OccupancySampler:
         while True:
             await asyncio.sleep(self.interval_s)
             try:
-                stats = self.runner.stats()
-                stats = await stats if asyncio.iscoroutine(stats) else stats
+                stats = await self.runner.stats()
             except Exception:  # noqa: BLE001 - figures only: a worker that does not answer is skipped
                 continue
             workers = [w for w in (stats.get("workers") or {}).values() if w] if "workers" in stats else [stats]

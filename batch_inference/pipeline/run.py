@@ -383,6 +383,26 @@ class PipelineRun:
         shards = [f.url for f in results.shards() if f.name.startswith(prefix)] if results.exists_sync() else []
         return JudgedRound(round=view.rounds[r], approved_shards=shards, view=view, review=status)
 
+    async def sharded_input(self) -> StepOutcome:
+        """``shard``, with the shards it committed (what the ``sharded`` asset shows)."""
+        summary = await self.shard()
+        return await asyncio.to_thread(self._outcome, summary, summary.output_url)
+
+    async def pending_round(self, r: int) -> StepOutcome:
+        """Round ``r``'s input with its shards: round ``r - 1``'s rejected records repacked
+        (a ``RecompactSummary``), or for round 0 the sharded input itself (its ``ShardSummary``)."""
+        summary = await self.recompact(r - 1) if r > 0 else None
+        return await asyncio.to_thread(self._outcome, summary, self.layout.pending(r))
+
+    async def inferred_round(self, r: int) -> StepOutcome:
+        """``infer``, with the output shards it wrote (what the ``inferred`` asset shows)."""
+        summary = await self.infer(r)
+        return await asyncio.to_thread(self._outcome, summary, summary.output_url)
+
+    def _outcome(self, summary: Any, shards_url: str) -> StepOutcome:
+        view = self.ledger.view()
+        return StepOutcome(summary if summary is not None else view.shard, view, [f.url for f in self._dir(shards_url).shards()])
+
     async def tail_from(self, from_round: int) -> StepOutcome:
         """The tail as the sensor hands it over: repack round ``from_round - 1``'s rejected
         records first (``from_round`` 0: the sharded input), then retry them in place."""
@@ -622,7 +642,7 @@ async def run_pipeline(
         return await drive_retrying(PipelineRun(spec, opened, reporter=reporter), retries=retries, backoff_s=backoff_s)
 
 
-_NEEDS_RUNNER = {"infer", "judge", "tail", "judged_round", "tail_from"}
+_NEEDS_RUNNER = {"infer", "judge", "tail", "judged_round", "tail_from", "inferred_round"}
 
 
 def run_step(spec: PipelineSpec, step: str, *args: Any) -> Any:
@@ -638,6 +658,7 @@ def run_step(spec: PipelineSpec, step: str, *args: Any) -> Any:
         async with open_runner(spec) as runner:
             return await getattr(PipelineRun(spec, runner), step)(*args)
 
-    if step not in ("shard", "infer", "judge", "decide", "recompact", "tail", "finalize", "judged_round", "tail_from", "finish"):
+    if step not in ("shard", "infer", "judge", "decide", "recompact", "tail", "finalize", "judged_round", "tail_from", "finish",
+                    "sharded_input", "pending_round", "inferred_round"):
         raise ValueError(f"unknown step {step!r}")
     return asyncio.run(go())

@@ -321,6 +321,6 @@ class JudgedRound:
 class StepOutcome:
     """A step's summary with the ledger after it (what an asset shows beside the summary)."""
 
-    summary: Any  # PhaseSummary (tail) or RunSummary (finalize)
+    summary: Any  # ShardSummary, RecompactSummary, PhaseSummary (infer, tail) or RunSummary (finalize)
     view: LedgerView
     shards: list[str] = field(default_factory=list)  # the step's output shards, when it lists them

@@ -94,5 +94,6 @@ class InProcessPool:
                                              f"{', '.join(sorted(spec.outputs.values()))})") from exc
         raise TaskFailed(spec, errors)
 
-    def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, Any]:
+        """The one worker's ``/stats`` (as ``PoolClient.stats`` gives each worker's), no HTTP."""
         return {**self.runtime.stats(), "retried": self.retried}

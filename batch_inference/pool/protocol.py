@@ -7,7 +7,7 @@ in a request. The same types are used in-process (``InProcessPool``) and over HT
 
 from __future__ import annotations
 
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -107,6 +107,9 @@ class TaskRunner(Protocol):
         ...
 
     async def run_task(self, spec: TaskSpec) -> TaskResult:  # retried inside; raises TaskFailed
+        ...
+
+    async def stats(self) -> dict[str, Any]:  # the engine's figures (occupancy, batcher); a pool's has "workers"
         ...
 
 

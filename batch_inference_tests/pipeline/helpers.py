@@ -23,6 +23,9 @@ class CountingRunner:
     def retried(self) -> int:
         return self.inner.retried
 
+    async def stats(self) -> dict:
+        return await self.inner.stats()
+
     async def run_task(self, spec: TaskSpec) -> TaskResult:
         self.calls[spec.kind] += 1
         self.task_ids.append(spec.task_id)

@@ -143,7 +143,7 @@ async def test_concurrent_tasks_share_one_batcher(tmp_path: Path, inprocess_pool
         write_shard(tmp_path / f"in{s}.jsonl", 20, prefix=f"s{s}-")
     async with inprocess_pool(concurrency=8, batcher={"batch_timeout_s": 0.5}) as pool:
         results = await asyncio.gather(*(pool.run_task(infer_spec(f"t{s}", tmp_path / f"in{s}.jsonl", tmp_path / f"o{s}.jsonl", chunk_size=20)) for s in range(8)))
-        stats = pool.stats()
+        stats = await pool.stats()
     assert sum(r.records_in for r in results) == 160
     assert stats["engine_loads"] == 1
     assert stats["batcher"]["avg_batch_size"] > 20  # one task alone could never fill more than its 20-record chunk
@@ -155,7 +155,7 @@ async def test_idempotent_by_task_id_and_conflicting_spec_refused(tmp_path: Path
     async with inprocess_pool() as pool:
         first, joined = await asyncio.gather(pool.run_task(spec), pool.run_task(spec))  # the second joins the first
         again = await pool.run_task(spec)
-        assert pool.stats()["tasks_completed"] == 1
+        assert (await pool.stats())["tasks_completed"] == 1
         with pytest.raises(TaskFailed, match="different spec"):
             await pool.run_task(spec.model_copy(update={"chunk_size": 3}))
     assert not first.cached and again.cached
@@ -221,7 +221,7 @@ async def test_retried_tasks_are_counted_as_pool_client_counts_them(tmp_path: Pa
         result = await pool.run_task(infer_spec("late", src, tmp_path / "late-out.jsonl"))
         await appear
         assert result.counts == {"ok": 5, "error": 0}
-        assert pool.retried == 1 and pool.stats()["retried"] == 1
+        assert pool.retried == 1 and (await pool.stats())["retried"] == 1
         with pytest.raises(TaskFailed):  # exhausted retries count too
             await pool.run_task(infer_spec("never", tmp_path / "missing.jsonl", tmp_path / "never-out.jsonl"))
         assert pool.retried == 3

@@ -36,23 +36,18 @@ REVIEW_DECISION = "review"  # rejected's decision while the round's review queue
     description="A round's input: the sharded input for r00, round N-1's rejected records repacked into full shards after.",
 )
 def pending(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.MaterializeResult:
-    from batch_inference.storage import JsonlDir
-
     key = parse_round_key(context.partition_key)
     record_worker(context)  # lets the round sensor tell a dead run from a live one
     spec = load_spec(context.instance, key.run, storage)
-    layout = RunLayout(spec.output, spec.run)
-    url = layout.pending(key.round)
-    meta: dict[str, Any] = {"round": dg.MetadataValue.int(key.round), "uri": location(url)}
-    pending_dir = JsonlDir(url, storage_options=spec.storage_options)
-    if key.round == 0:  # the sharded input itself: nothing to write
-        shards = pending_dir.shards()
+    outcome = run_cpu_step(spec, lambda run: run.pending_round(key.round))
+    summary = outcome.summary
+    meta: dict[str, Any] = {"round": dg.MetadataValue.int(key.round),
+                            "uri": location(RunLayout(spec.output, spec.run).pending(key.round))}
+    if key.round == 0:  # the sharded input itself: nothing written
         meta.update({"from": dg.MetadataValue.text(f"sharded[{key.run}]"),
-                     "records": dg.MetadataValue.int(pending_dir.count_records()),
-                     "shards": dg.MetadataValue.int(len(shards))})
+                     "records": dg.MetadataValue.int(summary.records if summary is not None else 0),
+                     "shards": dg.MetadataValue.int(len(outcome.shards))})
     else:
-        summary = run_cpu_step(spec, lambda run: run.recompact(key.round - 1))
-        shards = pending_dir.shards()
         meta.update({
             "from": dg.MetadataValue.text(f"rejected[{key.run}|{round_label(key.round - 1)}]"),
             "records": dg.MetadataValue.int(summary.records),
@@ -61,7 +56,7 @@ def pending(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.M
             "wall_s": dg.MetadataValue.float(round(summary.wall_s, 3)),
             "resumed": dg.MetadataValue.bool(summary.resumed),
         })
-    meta["shard_urls"] = shard_list([f.url for f in shards])
+    meta["shard_urls"] = shard_list(outcome.shards)
     return dg.MaterializeResult(metadata=with_row_count(meta))
 
 
@@ -75,14 +70,12 @@ def pending(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.M
     description="One inference per pending record, through the persistent pool; failed shard tasks are quarantined.",
 )
 def inferred(context: dg.AssetExecutionContext, pool: PoolResource, storage: StorageResource) -> dg.MaterializeResult:
-    from batch_inference.storage import JsonlDir
-
     key = parse_round_key(context.partition_key)
     record_worker(context)  # lets the round sensor tell a dead run from a live one
     spec = load_spec(context.instance, key.run, storage)
-    summary = run_gpu_step(spec, pool, lambda run: run.infer(key.round))
-    meta = {k: v for k, v in phase_metadata(summary).items() if k not in ("approved", "rejected", "approval_rate")}
-    meta["shard_urls"] = shard_list([f.url for f in JsonlDir(summary.output_url, storage_options=spec.storage_options).shards()])
+    outcome = run_gpu_step(spec, pool, lambda run: run.inferred_round(key.round))
+    meta = {k: v for k, v in phase_metadata(outcome.summary).items() if k not in ("approved", "rejected", "approval_rate")}
+    meta["shard_urls"] = shard_list(outcome.shards)
     meta.update(pool.describe(spec))
     return dg.MaterializeResult(metadata=with_row_count(meta))
 

@@ -56,12 +56,10 @@ source_dataset = dg.AssetSpec(
     description="The input resharded once on CPU into full zstd shards; ids assigned where missing, duplicates reported.",
 )
 def sharded(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.MaterializeResult:
-    from batch_inference.storage import JsonlDir
-
     record_worker(context)  # lets the round sensor tell a dead run from a live one
     spec = load_spec(context.instance, context.partition_key, storage)
-    summary = run_cpu_step(spec, lambda run: run.shard())
-    shards = JsonlDir(summary.output_url, storage_options=spec.storage_options).shards()
+    outcome = run_cpu_step(spec, lambda run: run.sharded_input())
+    summary, shards = outcome.summary, outcome.shards
     wall = summary.wall_s
     return dg.MaterializeResult(metadata=with_row_count({
         "records": dg.MetadataValue.int(summary.records),
@@ -74,7 +72,7 @@ def sharded(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.M
         "strategy": dg.MetadataValue.text(spec.strategy),
         "input": location(summary.input_url),
         "uri": location(summary.output_url),
-        "shard_urls": shard_list([f.url for f in shards]),
+        "shard_urls": shard_list(shards),
     }))
 
 
