@@ -30,7 +30,7 @@ import orjson
 from batch_inference.pipeline import PipelineSpec
 from batch_inference.pipeline.ledger import Ledger
 from batch_inference.pipeline.layout import RunLayout
-from batch_inference.pipeline.plan import make_plan, measure_profile
+from batch_inference.pipeline.plan import make_plan, measure_profile, measured_phases
 from batch_inference.pipeline.run import run_pipeline
 
 REPORT = Path(__file__).parent / "reports" / "plan_vs_actual.md"
@@ -75,24 +75,6 @@ def make_spec(input_path: str, output: str, run: str, strategy: str, approval: f
         "strategy": strategy, "max_rounds": 5, "max_attempts": 5, "shard_records": 5_000, "chunk_size": 1_000,
         "pool": {"concurrency": 10, "retries": 0},
     })
-
-
-def measured_phases(spec: PipelineSpec) -> list[tuple[str, float]]:
-    ledger = Ledger(RunLayout(spec.output, spec.run))
-    out = []
-    if (s := ledger.read("shard")) is not None:
-        out.append(("shard", float(s["wall_s"])))
-    r = 0
-    while (inf := ledger.read(f"round-{r:02d}-infer")) is not None:
-        out.append((f"round {r} infer", float(inf["wall_s"])))
-        if (j := ledger.read(f"round-{r:02d}-judge")) is not None:
-            out.append((f"round {r} judge", float(j["wall_s"])))
-        if (rc := ledger.read(f"round-{r + 1:02d}-recompact")) is not None:
-            out.append((f"round {r} recompact", float(rc["wall_s"])))
-        r += 1
-    if (t := ledger.read("tail")) is not None:
-        out.append(("tail", float(t["wall_s"])))
-    return out
 
 
 async def main_async(args: argparse.Namespace) -> list[str]:
@@ -140,11 +122,10 @@ async def main_async(args: argparse.Namespace) -> list[str]:
             bracketed = (await asyncio.to_thread(make_plan, spec, profile=mean, strategies=(strategy,))).for_strategy(strategy)
             lines.append(f"| {strategy} | {planned.wall_s:.1f} | {wall:.1f} | {wall / planned.wall_s:.2f} | {bracketed.wall_s:.1f} | "
                          f"{wall / bracketed.wall_s:.2f} | {load_profile.text} | {load_run.text} | {load_after.text} |")
-            measured = dict(measured_phases(spec))
+            measured = dict(measured_phases(Ledger(RunLayout(spec.output, spec.run))))
             details += [f"### {strategy}", "", "| phase | planned s | measured s |", "|---|---|---|"]
             for p in planned.phases:
-                key = "shard" if p["name"].startswith("shard") else p["name"]
-                m = measured.get(key)
+                m = measured.get(p["name"])
                 details.append(f"| {p['name']} | {p['wall_s']:.2f} | {'' if m is None else f'{m:.2f}'} |")
             details += ["", "Assumptions: " + "; ".join(plan.assumptions), ""]
             shutil.rmtree(base / "out", ignore_errors=True)
