@@ -96,7 +96,7 @@ def status(target: str, storage_options: str | None, as_json: bool) -> None:
     console.print(ledger_table(view, f"run {layout.run} ({layout.root})"))
     for line in run_lines(view):
         console.print(line)
-    if (recorded := ledger.read("plan")) is not None:
+    if (recorded := ledger.read(RunLayout.PLAN)) is not None:
         from batch_inference.pipeline.plan import measured_phases, planned_vs_actual
 
         console.print(f"planned ({recorded.get('chosen')}) vs actual wall, s:")
@@ -136,7 +136,7 @@ def _run_of(target: str, storage_options: str | None) -> object:
         return PipelineRun(PipelineSpec.load(target))
     options = orjson.loads(storage_options) if storage_options else {}
     base, _, name = target.rstrip("/").rpartition("/")
-    recorded = Ledger(RunLayout(base or ".", name), options).read("spec")
+    recorded = Ledger(RunLayout(base or ".", name), options).read(RunLayout.SPEC)
     if recorded is None:
         raise click.ClickException(f"no ledger/spec.json under {target}: not a pipeline run (or not started)")
     recorded.update(output=base or ".", run=name, storage_options=options)

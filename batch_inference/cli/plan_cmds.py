@@ -74,7 +74,7 @@ def plan(spec_path: Path, gpus: int | None, price: float | None, profile_path: P
     if record:
         from batch_inference.pipeline import Ledger, RunLayout
 
-        Ledger(RunLayout(spec.output, spec.run), spec.storage_options).write("plan", p.as_dict())
+        Ledger(RunLayout(spec.output, spec.run), spec.storage_options).write(RunLayout.PLAN, p.as_dict())
     if as_json:
         click.echo(json.dumps(p.as_dict(), indent=2))
         return

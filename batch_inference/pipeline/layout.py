@@ -35,6 +35,7 @@ class RunLayout:
     TAIL: ClassVar[str] = "tail"
     RUN: ClassVar[str] = "run"
     SPEC: ClassVar[str] = "spec"
+    PLAN: ClassVar[str] = "plan"  # what the planner expected (batch-inference plan --record, the Dagster start job)
 
     def __post_init__(self) -> None:
         if not self.run or "/" in self.run or self.run in (".", ".."):

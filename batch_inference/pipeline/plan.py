@@ -26,6 +26,7 @@ from typing import Any
 
 from batch_inference.engines.decode_model import PROFILES, get_profile
 from batch_inference.pipeline.crossover import expected_attempts
+from batch_inference.pipeline.layout import RunLayout
 from batch_inference.pipeline.scale import Cluster, EngineRates, Overheads, SimResult, Workload, engine_rates, simulate
 from batch_inference.pipeline.spec import PipelineSpec
 from batch_inference.pipeline.summaries import PhaseSummary
@@ -346,7 +347,6 @@ async def measure_profile(spec: PipelineSpec, *, records: int = 10_000, workdir:
     the two rounds: per-record costs include everything on the task path (phase wall x
     workers / records), and the fixed part becomes the plan's per-phase overhead.
     """
-    from batch_inference.pipeline.layout import RunLayout
     from batch_inference.pipeline.ledger import Ledger
     from batch_inference.pipeline.run import run_pipeline
 
@@ -374,11 +374,11 @@ async def measure_profile(spec: PipelineSpec, *, records: int = 10_000, workdir:
             walls[name] = time.perf_counter() - t0
             ledgers[name] = Ledger(RunLayout(str(base / "out"), name))
         rl, tl = ledgers["profile-rounds"], ledgers["profile-in-place"]
-        i0, i1 = (PhaseSummary.from_dict(rl.read(f"round-{r:02d}-infer") or {}) for r in (0, 1))
-        j0, j1 = (PhaseSummary.from_dict(rl.read(f"round-{r:02d}-judge") or {}) for r in (0, 1))
-        recompact = rl.read("round-01-recompact")
-        shard_big, shard_small = rl.read("shard") or {}, tl.read("shard") or {}
-        tail_data = tl.read("tail")
+        i0, i1 = (PhaseSummary.from_dict(rl.read(RunLayout.step_name(r, "infer")) or {}) for r in (0, 1))
+        j0, j1 = (PhaseSummary.from_dict(rl.read(RunLayout.step_name(r, "judge")) or {}) for r in (0, 1))
+        recompact = rl.read(RunLayout.step_name(1, "recompact"))
+        shard_big, shard_small = rl.read(RunLayout.SHARD) or {}, tl.read(RunLayout.SHARD) or {}
+        tail_data = tl.read(RunLayout.TAIL)
     finally:
         if own:
             shutil.rmtree(base, ignore_errors=True)
@@ -476,16 +476,16 @@ def planned_vs_actual(plan: dict[str, Any], phases: list[tuple[str, float]]) -> 
 def measured_phases(ledger: Any) -> list[tuple[str, float]]:
     """(phase, wall s) of a run as its ledger recorded them, named as the plan names them."""
     out = []
-    if (s := ledger.read("shard")) is not None:
+    if (s := ledger.read(RunLayout.SHARD)) is not None:
         out.append(("shard (reshard input, CPU)", float(s["wall_s"])))
     r = 0
-    while (inf := ledger.read(f"round-{r:02d}-infer")) is not None:
+    while (inf := ledger.read(RunLayout.step_name(r, "infer"))) is not None:
         out.append((f"round {r} infer", float(inf["wall_s"])))
-        if (j := ledger.read(f"round-{r:02d}-judge")) is not None:
+        if (j := ledger.read(RunLayout.step_name(r, "judge"))) is not None:
             out.append((f"round {r} judge", float(j["wall_s"])))
-        if (rc := ledger.read(f"round-{r + 1:02d}-recompact")) is not None:
+        if (rc := ledger.read(RunLayout.step_name(r + 1, "recompact"))) is not None:
             out.append((f"round {r} recompact", float(rc["wall_s"])))
         r += 1
-    if (t := ledger.read("tail")) is not None:
+    if (t := ledger.read(RunLayout.TAIL)) is not None:
         out.append(("tail", float(t["wall_s"])))
     return out

@@ -299,7 +299,7 @@ class PipelineRun:
             out["eta_run_s"] = round(eta_after_round(self.spec, r, infer, judge, kind, recompact_s=recompact_s), 1)
         except Exception as exc:  # an estimate must never stop a run
             log.warning("run %s: no ETA after round %d: %s", self.spec.run, r, exc)
-        if (plan := self.ledger.read("plan")) is not None:
+        if (plan := self.ledger.read(RunLayout.PLAN)) is not None:
             out["planned_run_wall_s"] = next((s["wall_s"] for s in plan.get("strategies", []) if s["strategy"] == self.spec.strategy), None)
         return out
 
@@ -632,7 +632,7 @@ async def run_pipeline(
     from batch_inference.pipeline.preflight import preflight
 
     probe = PipelineRun(spec)
-    resumed = await asyncio.to_thread(lambda: probe.ledger.read("shard") is not None and probe._dir(probe.layout.sharded).manifest() is not None)
+    resumed = await asyncio.to_thread(lambda: probe.ledger.read(RunLayout.SHARD) is not None and probe._dir(probe.layout.sharded).manifest() is not None)
     await asyncio.to_thread(preflight, spec, sharded=probe.layout.sharded if resumed else None)
     if runner is not None:
         return await drive_retrying(PipelineRun(spec, runner, reporter=reporter), retries=retries, backoff_s=backoff_s)

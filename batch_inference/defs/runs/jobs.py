@@ -77,7 +77,7 @@ def _plan_metadata(context: dg.OpExecutionContext, spec: object, config: StartRu
     try:
         profile = EngineProfile.load(config.plan_profile) if config.plan_profile else None
         p = make_plan(spec, profile=profile, strategies=(spec.strategy,))  # type: ignore[attr-defined]
-        Ledger(RunLayout(spec.output, spec.run), spec.storage_options).write("plan", p.as_dict())  # type: ignore[attr-defined]
+        Ledger(RunLayout(spec.output, spec.run), spec.storage_options).write(RunLayout.PLAN, p.as_dict())  # type: ignore[attr-defined]
     except Exception as exc:
         context.log.warning("no plan for run %s: %s: %s", spec.run, type(exc).__name__, exc)  # type: ignore[attr-defined]
         return {"plan.error": dg.MetadataValue.text(f"{type(exc).__name__}: {exc}")}
