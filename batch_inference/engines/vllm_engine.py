@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from dataclasses import replace
 from typing import Any
 
 from batch_inference.engines.base import (
@@ -273,8 +274,12 @@ class VllmStreamingEngine:
         _, errors = split_runnable([ids], [params], self.max_model_len)
         if errors:
             return errors[0]
-        # FINAL_ONLY: one output per request, its completion (no per-token deltas to process)
-        sampling = VllmSamplingParams(**vllm_sampling_kwargs(params), output_kind=RequestOutputKind.FINAL_ONLY)
+        # FINAL_ONLY: one output per request, its completion (no per-token deltas to process).
+        # Without stop strings nothing needs the text while decoding: decode the ids once at
+        # the end instead of detokenizing incrementally every step on the event loop.
+        detokenize = bool(params.stop) or params.response_format is not None
+        sampling = VllmSamplingParams(**vllm_sampling_kwargs(params), output_kind=RequestOutputKind.FINAL_ONLY,
+                                      detokenize=detokenize)
         final = None
         try:
             async for output in self._llm.generate(TokensPrompt(prompt_token_ids=ids), sampling, f"bi-{next(self._ids)}"):
@@ -287,7 +292,11 @@ class VllmStreamingEngine:
             return Completion.failed(f"engine_error: {type(exc).__name__}: {exc}", prompt_tokens=len(ids))
         if final is None:
             return Completion.failed("engine_error: no output", prompt_tokens=len(ids))
-        return completion_from_output(final)
+        completion = completion_from_output(final)
+        if not detokenize and completion.error is None:
+            text = self.tokenizer.decode(list(final.outputs[0].token_ids), skip_special_tokens=True)
+            completion = replace(completion, text=text)
+        return completion
 
     def capacity(self) -> int:
         return self._capacity
