@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import ipaddress
 import json
 import logging
 import os
@@ -33,6 +32,7 @@ import yaml
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from batch_inference._net import is_loopback
 from batch_inference.engines import EngineConfig, EngineDeadError
 from batch_inference.judges.rules import BUILTIN_RULES
 from batch_inference.pool.engine_host import BatcherOptions, EngineHost
@@ -71,15 +71,6 @@ class WorkerSettings(BaseModel):
     # switch interval a finished batch can wait that long behind the loop's JSON work
     # before the next one is dispatched. The worker owns its process, so it shortens it.
     gil_switch_interval_s: float | None = Field(0.001, gt=0)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def read_token(token_file: str | None = None) -> str | None:

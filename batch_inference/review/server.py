@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import getpass
 import hmac
-import ipaddress
 import logging
 import os
 import signal
@@ -38,6 +37,7 @@ import orjson
 import yaml
 from aiohttp import web
 
+from batch_inference._net import is_loopback
 from batch_inference.pipeline.review import ReviewClosed, ReviewQueue
 from batch_inference.pipeline.spec import PipelineSpec
 
@@ -56,17 +56,6 @@ SECURITY_HEADERS = {
 STATIC = {"review.js": "application/javascript", "review.css": "text/css"}
 REVIEWER = web.RequestKey("reviewer", str)
 QUEUE = web.AppKey("queue", ReviewQueue)
-
-
-def is_loopback(host: str | None) -> bool:
-    if not host:
-        return False
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def load_reviewers(path: str | Path) -> dict[str, str]:
