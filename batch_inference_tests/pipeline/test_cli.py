@@ -56,7 +56,11 @@ def test_ctrl_c_stops_cleanly_and_rerun_resumes(tmp_path: Path) -> None:
     spec_path.write_text(yaml.safe_dump(data))
     progress = tmp_path / "out" / "test-run" / "ledger" / "progress" / "round-00-infer"
     cmd = [sys.executable, "-m", "batch_inference.cli.main", "run", str(spec_path)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # A user's Ctrl-C reaches a process whose SIGINT is at its default; a test run started in
+    # the background of a non-interactive shell inherits SIGINT ignored (Python then installs
+    # no KeyboardInterrupt handler), so restore the default as a terminal would have it.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while not (progress.exists() and len(list(progress.iterdir())) >= 2):
