@@ -19,7 +19,7 @@ from batch_inference.engines.base import (
     is_streaming,
     supports_structured_output,
 )
-from batch_inference.engines.config import EngineConfig, SimulatedOptions, VllmOptions
+from batch_inference.engines.config import EngineConfig, SimulatedOptions, TransformersOptions, VllmOptions
 from batch_inference.engines.factory import build_engine
 from batch_inference.engines.tiny_model import make_tiny_model  # imports torch only when called
 
@@ -36,6 +36,7 @@ __all__ = [
     "SamplingParams",
     "SimulatedOptions",
     "StreamingEngine",
+    "TransformersOptions",
     "VllmOptions",
     "build_engine",
     "is_streaming",

@@ -76,6 +76,25 @@ class VllmOptions(BaseModel):
     extra: dict[str, Any] = Field(default_factory=dict)
 
 
+class TransformersOptions(BaseModel):
+    """How the transformers engine batches one ``generate`` call (docs/engines.md, measured in
+    bench/reports/transformers_batching.md).
+
+    ``static``: one padded ``model.generate`` per distinct SamplingParams (seeds aside), so
+    records asking for different output lengths run in separate calls. ``bucketed``: records
+    that differ only in their output length share a call, sorted by (output, prompt) length
+    and cut into buckets whose padding stays small; each row is trimmed to its own length
+    (greedy results are identical to ``static``). ``continuous``: transformers' own continuous
+    batching (``ContinuousBatchingManager``, paged KV cache) with per-request output lengths.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    batching: Literal["static", "bucketed", "continuous"] = Field("bucketed", description="see the class docstring")
+    bucket_padding: float = Field(1.25, ge=1, description="bucketed: a bucket closes before padded tokens exceed this x real tokens")
+    max_batch_tokens: int = Field(1024, ge=16, description="continuous: tokens per forward step (transformers' max_batch_tokens)")
+
+
 # Engine kinds whose engines set ``structured_output = True``.
 STRUCTURED_OUTPUT_KINDS = frozenset({"vllm"})
 
@@ -94,6 +113,7 @@ class EngineConfig(BaseModel):
     seed: int = Field(0, description="engine-level seed (vLLM; simulated output salt)")
     simulated: SimulatedOptions = Field(default_factory=SimulatedOptions)
     vllm: VllmOptions = Field(default_factory=VllmOptions)
+    transformers: TransformersOptions = Field(default_factory=TransformersOptions)
 
     @property
     def structured_output(self) -> bool:

@@ -3,8 +3,9 @@
 Runs the tiny offline model on CPU in tests and any causal LM on CUDA where present.
 Per-item safety: each prompt is tokenised and length-checked alone (an overlong prompt
 becomes a ``prompt_too_long`` error, its neighbours run); prompts are grouped by their
-SamplingParams (seeds aside) and each group is one ``generate`` call; if a whole group raises, its
-items are retried one by one so a single bad item cannot fail the others.
+SamplingParams (seeds aside; ``bucketed`` and ``continuous`` also set output lengths aside)
+and each group runs as ``generate`` calls (``TransformersOptions.batching``); if a whole call
+raises, its items are retried one by one so a single bad item cannot fail the others.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from batch_inference.engines.base import (
     Completion,
@@ -27,7 +29,7 @@ from batch_inference.engines.base import (
     truncate_at_stop,
 )
 from batch_inference.engines.chat import TokenizerCopy, encode_prompts
-from batch_inference.engines.config import EngineConfig
+from batch_inference.engines.config import EngineConfig, TransformersOptions
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,9 @@ class TransformersEngine:
         dtype: str = "auto",
         num_threads: int | None = 1,
         max_model_len: int | None = None,
+        options: TransformersOptions | None = None,
     ) -> None:
+        self.options = options or TransformersOptions()
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         if self.device == "cpu" and num_threads:
             # Process-wide: on small shared CPUs one thread per worker process beats
@@ -68,7 +72,8 @@ class TransformersEngine:
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> TransformersEngine:
         assert cfg.model is not None  # EngineConfig guarantees it
-        return cls(cfg.model, device=cfg.device, dtype=cfg.dtype, num_threads=cfg.num_threads, max_model_len=cfg.max_model_len)
+        return cls(cfg.model, device=cfg.device, dtype=cfg.dtype, num_threads=cfg.num_threads, max_model_len=cfg.max_model_len,
+                   options=cfg.transformers)
 
     def _encode(self, prompts: list[Prompt], tokenizer: Any = None) -> list[list[int]]:
         return encode_prompts(tokenizer or self.tokenizer, prompts)
@@ -97,10 +102,20 @@ class TransformersEngine:
         # Seeds do not split groups (the pool sends one per record): a group is sampled
         # with one generator seeded from all its items' seeds, so sampling is repeatable
         # for the same batch but depends on its composition (vLLM seeds per request).
-        for p, idx in group_by_params([per_item[i] for i in runnable], ignore_seed=True).items():
+        batching = self.options.batching
+        keys = [per_item[i] if batching == "static" else _length_free(per_item[i]) for i in runnable]
+        for key, idx in group_by_params(keys, ignore_seed=True).items():
             items = [runnable[j] for j in idx]
-            p = replace(p, seed=combine_seeds([per_item[i].seed for i in items]))
-            for i, completion in zip(items, self._run_group([encoded[i] for i in items], p)):
+            if batching == "continuous":
+                done = self._run_continuous(items, encoded, per_item)
+            elif batching == "bucketed":
+                done = {}
+                for bucket in self._buckets(items, encoded, per_item):
+                    done.update(zip(bucket, self._run_bucket([encoded[i] for i in bucket], [per_item[i] for i in bucket])))
+            else:
+                p = replace(key, seed=combine_seeds([per_item[i].seed for i in items]))
+                done = dict(zip(items, self._run_group([encoded[i] for i in items], p)))
+            for i, completion in done.items():
                 out[i] = completion
         return [c for c in out if c is not None]
 
@@ -117,18 +132,91 @@ class TransformersEngine:
                     results.append(exc)
             return results
 
-    def _run_group(self, batch: list[list[int]], p: SamplingParams) -> list[Completion]:
+    def _buckets(self, items: list[int], encoded: dict[int, list[int]], per_item: list[SamplingParams]) -> list[list[int]]:
+        """Items sorted by (output, prompt) length, cut where a padded bucket would cost more
+        than ``bucket_padding`` x its real tokens (a row pads to the bucket's longest)."""
+        order = sorted(items, key=lambda i: (per_item[i].max_tokens, len(encoded[i])))
+        buckets: list[list[int]] = []
+        real = longest_prompt = longest_output = 0
+        for i in order:
+            prompt, output = len(encoded[i]), per_item[i].max_tokens
+            grown = (len(buckets[-1]) + 1) * (max(longest_prompt, prompt) + max(longest_output, output)) if buckets else 0
+            if not buckets or grown > self.options.bucket_padding * (real + prompt + output):
+                buckets.append([])
+                real = longest_prompt = longest_output = 0
+            buckets[-1].append(i)
+            real += prompt + output
+            longest_prompt, longest_output = max(longest_prompt, prompt), max(longest_output, output)
+        return buckets
+
+    def _run_bucket(self, batch: list[list[int]], own: list[SamplingParams]) -> list[Completion]:
+        """One call for rows that differ only in output length: run to the longest, trim each
+        row to its own ``max_tokens``. Identical to separate calls for greedy: a row's token k
+        depends on its tokens before k only, and EOS is allowed from the same step in both
+        (``_length_free`` only merges rows with no minimum or with min >= max)."""
+        longest = max(p.max_tokens for p in own)
+        fixed = own[0].min_tokens >= own[0].max_tokens
+        p = replace(own[0], max_tokens=longest, min_tokens=longest if fixed else own[0].min_tokens,
+                    seed=combine_seeds([q.seed for q in own]))
+        return self._run_group(batch, p, own)
+
+    def _run_group(self, batch: list[list[int]], p: SamplingParams, own: list[SamplingParams] | None = None) -> list[Completion]:
         try:
-            return self._generate_batch(batch, p)
+            return self._generate_batch(batch, p, own) if own else self._generate_batch(batch, p)
         except Exception as exc:
             if len(batch) == 1:
                 log.warning("generate failed for one item: %s", exc)
                 return [Completion.failed(f"engine_error: {type(exc).__name__}: {exc}", prompt_tokens=len(batch[0]))]
             log.warning("generate failed for a group of %d; retrying item by item: %s", len(batch), exc)
-            return [self._run_group([ids], p)[0] for ids in batch]
+            return [self._run_group([ids], p, [own[k]] if own else None)[0] for k, ids in enumerate(batch)]
+
+    def _run_continuous(self, items: list[int], encoded: dict[int, list[int]], per_item: list[SamplingParams]) -> dict[int, Completion]:
+        """One continuous-batching session for a group; each request decodes to its own length."""
+        first = per_item[items[0]]
+        if 0 < first.min_tokens < first.max_tokens or len(items) == 1:
+            # transformers' continuous batching has no min_new_tokens (only none or, with EOS
+            # off, exactly max): such groups, and single items, run as one padded call
+            return {i: c for bucket in self._buckets(items, encoded, per_item)
+                    for i, c in zip(bucket, self._run_bucket([encoded[i] for i in bucket], [per_item[i] for i in bucket]))}
+        try:
+            results = self._continuous([encoded[i] for i in items], [per_item[i] for i in items])
+        except Exception as exc:  # the session itself failed: the padded path isolates items
+            log.warning("continuous batching failed for %d items; running them padded: %s", len(items), exc)
+            return {i: c for bucket in self._buckets(items, encoded, per_item)
+                    for i, c in zip(bucket, self._run_bucket([encoded[i] for i in bucket], [per_item[i] for i in bucket]))}
+        return {i: self._finish(r, encoded[i], per_item[i]) if isinstance(r, list)
+                else Completion.failed(r, prompt_tokens=len(encoded[i])) for i, r in zip(items, results)}
 
     @torch.inference_mode()
-    def _generate_batch(self, batch: list[list[int]], p: SamplingParams) -> list[Completion]:
+    def _continuous(self, batch: list[list[int]], own: list[SamplingParams]) -> list[list[int] | str]:
+        """New token ids per request (or its error) from a ``ContinuousBatchingManager``.
+
+        The paged cache is sized from the requests (``num_blocks``): left to itself on CPU it
+        sizes from *system* memory and took ~10 GB for the tiny model here (OOM-killed)."""
+        p, page = own[0], 256
+        fixed, sample = p.min_tokens >= p.max_tokens, p.temperature > 0
+        gen = GenerationConfig(
+            do_sample=sample, temperature=p.temperature if sample else None, top_p=p.top_p if sample else None, top_k=None,
+            max_new_tokens=max(q.max_tokens for q in own), eos_token_id=self._eos_ids, pad_token_id=self.tokenizer.pad_token_id,
+        )
+        cfg = ContinuousBatchingConfig(
+            page_size=page, num_blocks=sum(-(-(len(ids) + q.max_tokens) // page) for ids, q in zip(batch, own)),
+            max_batch_tokens=self.options.max_batch_tokens, seed=combine_seeds([q.seed for q in own]) if sample else None,
+        )
+        with self.model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cfg, warmup=False) as manager:
+            ids = [manager.add_request(x, max_new_tokens=q.max_tokens, eos_token_id=-1 if fixed else self._eos_ids)
+                   for x, q in zip(batch, own)]
+            results: dict[str, Any] = {}
+            while len(results) < len(ids):
+                r = manager.get_result(timeout=1)
+                if r is not None and r.is_finished():
+                    results[r.request_id] = r
+                elif r is None and not manager.is_running():
+                    raise RuntimeError(f"continuous batching stopped with {len(ids) - len(results)} requests unfinished")
+        return [results[i].generated_tokens if results[i].error is None else f"engine_error: {results[i].error}" for i in ids]
+
+    @torch.inference_mode()
+    def _generate_batch(self, batch: list[list[int]], p: SamplingParams, own: list[SamplingParams] | None = None) -> list[Completion]:
         enc = self.tokenizer.pad({"input_ids": batch}, padding=True, return_tensors="pt").to(self.device)
         kwargs: dict[str, Any] = {
             "max_new_tokens": p.max_tokens,
@@ -144,7 +232,8 @@ class TransformersEngine:
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         generated = self.model.generate(**enc, **kwargs)[:, enc["input_ids"].shape[1] :].tolist()
-        return [self._finish(ids, prompt, p) for ids, prompt in zip(generated, batch)]
+        own = own or [p] * len(batch)
+        return [self._finish(ids[: q.max_tokens], prompt, q) for ids, prompt, q in zip(generated, batch, own)]
 
     def _finish(self, new_ids: list[int], prompt: list[int], p: SamplingParams) -> Completion:
         """Cut at EOS (the rest is padding) and at stop strings; decide the finish reason.
@@ -165,6 +254,14 @@ class TransformersEngine:
         self.model = None  # type: ignore[assignment]
         if self.device == "cuda":
             torch.cuda.empty_cache()
+
+
+def _length_free(p: SamplingParams) -> SamplingParams:
+    """The grouping key of rows that may share a call whatever their output length: rows with
+    no minimum, or with EOS off (min >= max); rows with 0 < min < max only with their like."""
+    if p.min_tokens == 0:
+        return replace(p, max_tokens=1)
+    return replace(p, max_tokens=1, min_tokens=1) if p.min_tokens >= p.max_tokens else p
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:

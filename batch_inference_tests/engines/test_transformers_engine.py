@@ -66,10 +66,10 @@ def test_group_failure_falls_back_per_item(tiny_engine, monkeypatch: pytest.Monk
     """A whole-batch exception is retried item by item; only the bad item fails."""
     real = tiny_engine._generate_batch
 
-    def flaky(batch, p):
+    def flaky(batch, p, own=None):
         if any(tiny_engine.tokenizer.decode(ids) == "BAD ITEM" for ids in batch):
             raise RuntimeError("boom")
-        return real(batch, p)
+        return real(batch, p, own)
 
     monkeypatch.setattr(tiny_engine, "_generate_batch", flaky)
     out = tiny_engine.generate(["good one", "BAD ITEM", "good two"], SamplingParams(max_tokens=2))
@@ -92,7 +92,7 @@ def test_per_record_seeds_do_not_split_batches(tiny_engine, monkeypatch: pytest.
     """The pool sends one seed per record: greedy ignores it, sampling seeds the group once."""
     calls: list[int] = []
     real = tiny_engine._generate_batch
-    monkeypatch.setattr(tiny_engine, "_generate_batch", lambda batch, p: calls.append(len(batch)) or real(batch, p))
+    monkeypatch.setattr(tiny_engine, "_generate_batch", lambda batch, p, own=None: calls.append(len(batch)) or real(batch, p, own))
     prompts = ["one", "two", "three"]
     greedy = tiny_engine.generate(prompts, [SamplingParams(max_tokens=4, min_tokens=4, seed=s) for s in (1, 2, 3)])
     assert calls == [3] and greedy == tiny_engine.generate(prompts, SamplingParams(max_tokens=4, min_tokens=4))
@@ -189,3 +189,92 @@ def test_token_counting_and_generation_never_use_one_tokenizer_from_two_threads(
         assert all(c == expected for f in counted for c in f.result())
         assert all(c.error is None for out in generated.result() for c in out)
     assert [g.overlaps for g in guards] == [0] * len(guards) and len(guards) == 2
+
+
+# ----------------------------------------------------------------- batching options
+
+BATCHINGS = ("static", "bucketed", "continuous")
+
+
+@pytest.fixture(scope="module")
+def engines_by_batching(tiny_model_dir):
+    return {b: build_engine({"kind": "transformers", "model": str(tiny_model_dir), "device": "cpu",
+                             "transformers": {"batching": b}}) for b in BATCHINGS}
+
+
+def _mixed_lengths() -> tuple[list[str], list[SamplingParams]]:
+    """Fixed lengths (EOS off), free lengths, a min < max pair and a stop string, interleaved."""
+    prompts = [f"Question {i}: " + "the quick brown fox " * (1 + i % 4) for i in range(12)]
+    params = [SamplingParams(max_tokens=3 + 2 * (i % 5), min_tokens=3 + 2 * (i % 5)) for i in range(6)]
+    params += [SamplingParams(max_tokens=4 + i) for i in range(3)]
+    params += [SamplingParams(max_tokens=9, min_tokens=2), SamplingParams(max_tokens=9, min_tokens=2),
+               SamplingParams(max_tokens=10, min_tokens=10, stop=("e",))]
+    return prompts, params
+
+
+def test_greedy_results_are_identical_across_batching_options(engines_by_batching) -> None:
+    prompts, params = _mixed_lengths()
+    static = engines_by_batching["static"].generate(prompts, params)
+    assert [c.completion_tokens for c in static[:6]] == [3, 5, 7, 9, 11, 3] and all(c.error is None for c in static)
+    for b in ("bucketed", "continuous"):
+        assert engines_by_batching[b].generate(prompts, params) == static, b
+        assert engines_by_batching[b].generate(prompts[:1], params[:1]) == static[:1], b
+
+
+def test_bucketed_shares_calls_across_output_lengths(engines_by_batching, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = engines_by_batching["bucketed"]
+    calls: list[int] = []
+    real = engine._generate_batch
+    monkeypatch.setattr(engine, "_generate_batch", lambda batch, p, own=None: calls.append(len(batch)) or real(batch, p, own))
+    prompts = ["same length prompt"] * 4
+    out = engine.generate(prompts, [SamplingParams(max_tokens=n, min_tokens=n) for n in (8, 7, 8, 7)])
+    assert calls == [4] and [c.completion_tokens for c in out] == [8, 7, 8, 7]
+
+
+def test_buckets_cut_where_padding_grows() -> None:
+    from batch_inference.engines.transformers_engine import TransformersEngine
+
+    engine = TransformersEngine.__new__(TransformersEngine)
+    engine.options = build_options(bucket_padding=1.25)
+    encoded = {i: [1] * 10 for i in range(4)}
+    per_item = [SamplingParams(max_tokens=n) for n in (100, 10, 12, 90)]
+    assert engine._buckets([0, 1, 2, 3], encoded, per_item) == [[1, 2], [3, 0]]
+
+
+def build_options(**kw):
+    from batch_inference.engines import TransformersOptions
+
+    return TransformersOptions(**kw)
+
+
+@pytest.mark.parametrize("batching", ["bucketed", "continuous"])
+def test_batching_options_keep_per_item_errors(engines_by_batching, batching, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = engines_by_batching[batching]
+    if batching == "continuous":
+        monkeypatch.setattr(engine, "_continuous", lambda batch, own: [
+            "engine_error: boom" if engine.tokenizer.decode(ids) == "BAD ITEM" else real for ids, real in
+            zip(batch, real_continuous(batch, own))])
+        real_continuous = type(engine)._continuous.__get__(engine)
+    else:
+        real = engine._generate_batch
+
+        def flaky(batch, p, own=None):
+            if any(engine.tokenizer.decode(ids) == "BAD ITEM" for ids in batch):
+                raise RuntimeError("boom")
+            return real(batch, p, own)
+
+        monkeypatch.setattr(engine, "_generate_batch", flaky)
+    out = engine.generate(["good one", "BAD ITEM", "good two", "word " * 2100], SamplingParams(max_tokens=2, min_tokens=2))
+    assert [c.error is None for c in out] == [True, False, True, False]
+    assert out[1].error and "boom" in out[1].error and out[3].error.startswith("prompt_too_long")
+
+
+def test_continuous_session_failure_falls_back_to_padded(engines_by_batching, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = engines_by_batching["continuous"]
+    expected = engines_by_batching["static"].generate(["a b", "c d e"], SamplingParams(max_tokens=3, min_tokens=3))
+
+    def broken(batch, own):
+        raise RuntimeError("no paged attention here")
+
+    monkeypatch.setattr(engine, "_continuous", broken)
+    assert engine.generate(["a b", "c d e"], SamplingParams(max_tokens=3, min_tokens=3)) == expected
