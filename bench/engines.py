@@ -10,6 +10,14 @@ thread, as workers run). Throughput at batch 1, 8, 32, 128 with a fixed output l
 (interpreter + imports + load + first call), set against one warm call in this process:
 the gap is why workers are persistent. Figures on a shared 2-core machine are noisy;
 compare the ratios within one run.
+
+    .venv/bin/python bench/engines.py --batching [--prompts 200] [--mean-tokens 32] [--repeats 2]
+
+compares the engine's batching options (``transformers: {batching: static | bucketed |
+continuous}``) side by side instead: the same greedy prompts, per-record output lengths
+(``max_tokens = min_tokens = n``, fixed and geometric), fed in token-budget batches as the
+worker's batcher does; output tokens/s per option, its ratio to the best, and a check that
+every option returned identical completions. Writes bench/reports/transformers_batching.md.
 """
 
 from __future__ import annotations
@@ -52,15 +60,93 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
+BATCHINGS = ("static", "bucketed", "continuous")
+
+
+def compare_batching(args: argparse.Namespace) -> None:
+    """The batching options, interleaved per repeat so load drifts hit all alike."""
+    import os
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from engine_ceiling import lengths, prompts
+
+    from batch_inference.pool.engine_host import BatcherOptions
+
+    model = make_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-model-")) / "model")
+    engines = {b: build_engine({"kind": "transformers", "model": str(model), "device": "cpu", "num_threads": 1,
+                                "transformers": {"batching": b}}) for b in BATCHINGS}
+    texts = prompts(args.prompts)
+    budget = BatcherOptions().target_batch_tokens
+    counts = engines["static"].count_tokens(texts)
+    for e in engines.values():
+        e.generate(texts[:4], SamplingParams(max_tokens=4, min_tokens=4))  # warm up
+    rows = []
+    for dist in ("fixed", "geometric"):
+        for rep in range(args.repeats):
+            lens = lengths(dist, args.prompts, args.mean_tokens, args.mean_tokens * 4, seed=rep)
+            params = [SamplingParams(max_tokens=n, min_tokens=n) for n in lens]
+            batches, batch, cost = [], [], 0
+            for i in range(len(texts)):  # the batcher's rule: close a batch once its cost reaches the budget
+                batch.append(i)
+                cost += counts[i] + lens[i]
+                if cost >= budget or i == len(texts) - 1:
+                    batches.append(batch)
+                    batch, cost = [], 0
+            row: dict = {"dist": dist, "repeat": rep, "p50": int(statistics.median(lens)), "max": max(lens),
+                         "batches": len(batches), "load": round(os.getloadavg()[0], 1)}
+            outs = {}
+            for b, engine in engines.items():
+                t = time.perf_counter()
+                outs[b] = [c for bt in batches for c in engine.generate([texts[j] for j in bt], [params[j] for j in bt])]
+                wall = time.perf_counter() - t
+                row[b] = sum(c.completion_tokens for c in outs[b]) / wall
+            row["identical"] = all(outs[b] == outs["static"] for b in BATCHINGS)
+            best = max(row[b] for b in BATCHINGS)
+            print(f"{dist:9s} rep {rep}: " + "  ".join(f"{b} {row[b]:7.0f} tok/s ({row[b] / best:.2f})" for b in BATCHINGS)
+                  + f"  identical={row['identical']} load={row['load']}", flush=True)
+            rows.append(row)
+    lines = [
+        "# Transformers engine batching options (tiny Llama, CPU float32, 1 torch thread)", "",
+        f"Command: `.venv/bin/python bench/engines.py --batching --prompts {args.prompts} --mean-tokens {args.mean_tokens} "
+        f"--repeats {args.repeats}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. {args.prompts} prompts of ~300 "
+        f"characters, greedy, per-record output length n (max_tokens = min_tokens = n; fixed n = {args.mean_tokens}, or "
+        f"geometric with mean {args.mean_tokens} capped at {args.mean_tokens * 4}), fed in token-budget batches "
+        f"({budget} tokens, the worker batcher's default). Output tokens/s per option (ratio to the best in the row); "
+        "`identical`: every option returned exactly the static option's completions. Shared 2-core machine: "
+        "compare within a row.", "",
+        "| dist (p50/max) | repeat | batches | " + " | ".join(f"{b} tok/s (ratio)" for b in BATCHINGS) + " | identical | load |",
+        "|---|---|---|" + "---|" * len(BATCHINGS) + "---|---|",
+    ]
+    for r in rows:
+        best = max(r[b] for b in BATCHINGS)
+        lines.append(f"| {r['dist']} ({r['p50']}/{r['max']}) | {r['repeat']} | {r['batches']} | "
+                     + " | ".join(f"{r[b]:,.0f} ({r[b] / best:.2f})" for b in BATCHINGS) + f" | {r['identical']} | {r['load']} |")
+    lines += ["", "Median ratio to the best option per distribution:", "", "| dist | " + " | ".join(BATCHINGS) + " |",
+              "|---|" + "---|" * len(BATCHINGS)]
+    for dist in ("fixed", "geometric"):
+        sub = [r for r in rows if r["dist"] == dist]
+        lines.append(f"| {dist} | " + " | ".join(f"{statistics.median(r[b] / max(r[c] for c in BATCHINGS) for r in sub):.2f}"
+                                               for b in BATCHINGS) + " |")
+    out = Path(args.out if args.out != str(ROOT / "bench/reports/engines.md") else ROOT / "bench/reports/transformers_batching.md")
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batching", action="store_true", help="compare the batching options instead (see above)")
+    ap.add_argument("--prompts", type=int, default=200, help="--batching: prompts per measurement")
+    ap.add_argument("--mean-tokens", type=int, default=32, help="--batching: mean output tokens per record")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=16, help="output tokens per prompt (fixed)")
     ap.add_argument("--out", default=str(ROOT / "bench/reports/engines.md"))
     args = ap.parse_args()
+    if args.batching:
+        return compare_batching(args)
 
     model = make_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-model-")) / "model")
-    engine = build_engine({"kind": "transformers", "model": str(model), "device": "cpu", "num_threads": 1})
+    engine = build_engine({"kind": "transformers", "model": str(model), "device": "cpu", "num_threads": 1,
+                           "transformers": {"batching": "static"}})  # fixed lengths: the plain padded cost curve
     params = SamplingParams(max_tokens=args.tokens, min_tokens=args.tokens)
     engine.generate([PROMPT.format(i=0)] * 4, params)  # warm up kernels and allocator
 
