@@ -100,7 +100,10 @@ async def test_disk_full_mid_round_is_a_clear_error_and_resumes(tmp_path: Path, 
 
 
 async def test_quota_exceeded_mid_round_is_a_clear_error_and_resumes(tmp_path: Path) -> None:
-    QuotaFileSystem.reset(quota_bytes=1536 * 1024)
+    # bytes, not pages: the sharded input takes ~370 KB and the whole run ~1.6 MB, so 1.5 MiB
+    # (the tmpfs's size) left a ~60 KB margin that a run could finish inside; 640 KiB is full
+    # during round 0 on every run
+    QuotaFileSystem.reset(quota_bytes=640 * 1024)
     try:
         message = await _fill_then_grow(tmp_path, "quota://faults/out", QuotaFileSystem.grow)
     finally:
