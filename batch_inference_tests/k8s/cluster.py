@@ -31,6 +31,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -149,18 +150,12 @@ class K8sCluster:
                 f"--kubeconfig={self.kubeconfig_file('node-agent', inside=True)}", f"--node={node}", f"--gpus={gpus}",
                 f"--netns-prefix={self.netns}", f"--workdir={self.root / 'node'}"]
         self._spawn("node-agent", argv + [f"--run-namespace-prefix={p}" for p in run_prefixes])
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self._check_alive()
-            try:
-                conditions = json.loads(self.get(f"/api/v1/nodes/{node}")).get("status", {}).get("conditions", [])
-                if any(c["type"] == "Ready" and c["status"] == "True" for c in conditions):
-                    return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"node {node} not Ready after {timeout_s:.0f}s: {self.log_tail('node-agent')}")
-            time.sleep(0.2)
+
+        def ready() -> bool:
+            conditions = json.loads(self.get(f"/api/v1/nodes/{node}")).get("status", {}).get("conditions", [])
+            return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+        self._poll(ready, timeout_s, f"node {node} not Ready after {timeout_s:.0f}s", "node-agent")
 
     def stop(self) -> None:
         for name in reversed(list(self.procs)):
@@ -228,33 +223,29 @@ class K8sCluster:
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with {proc.returncode}: {self.log_tail(name)}")
 
-    def _wait_ready(self, timeout_s: float) -> None:
+    def _poll(self, probe: Callable[[], bool], timeout_s: float, failure: str, log_of: str) -> None:
+        """Until ``probe()`` holds (an OSError counts as not yet); every process must stay up.
+        After ``timeout_s`` a TimeoutError says ``failure`` with the tail of ``log_of``'s log."""
         deadline = time.monotonic() + timeout_s
         while True:
             self._check_alive()
             try:
-                if self.get("/readyz") == "ok":
+                if probe():
                     return
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"kube-apiserver not ready after {timeout_s:.0f}s: {self.log_tail('kube-apiserver')}")
+                raise TimeoutError(f"{failure}: {self.log_tail(log_of)}")
             time.sleep(0.2)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        self._poll(lambda: self.get("/readyz") == "ok", timeout_s,
+                   f"kube-apiserver not ready after {timeout_s:.0f}s", "kube-apiserver")
 
     def _wait_service_account(self, timeout_s: float) -> None:
         """The controller manager is working once it has created the default ServiceAccount's token."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self._check_alive()
-            try:
-                sa = json.loads(self.get("/api/v1/namespaces/default/serviceaccounts/default"))
-                if sa.get("secrets"):
-                    return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"kube-controller-manager made no service account token: {self.log_tail('kube-controller-manager')}")
-            time.sleep(0.2)
+        self._poll(lambda: bool(json.loads(self.get("/api/v1/namespaces/default/serviceaccounts/default")).get("secrets")),
+                   timeout_s, "kube-controller-manager made no service account token", "kube-controller-manager")
 
     # -- clients ----------------------------------------------------------------------------
 
