@@ -1,0 +1,54 @@
+"""Real vLLM (the CPU build): the streaming engine is sized like offline ``vllm.LLM`` and
+reads the engine's own occupancy without vLLM's Prometheus logger. ``make test-vllm``.
+
+A module of its own: one vLLM engine per process at a time (test_streaming_vllm's
+module-scoped engine is gone by the time this one starts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from batch_inference.engines import SamplingParams  # noqa: E402
+from batch_inference.pool.engine_host import EngineHost, GenRequest  # noqa: E402
+
+pytestmark = [pytest.mark.vllm_cpu, pytest.mark.asyncio]
+
+
+def engine_config(model: Path) -> dict:
+    """No scheduler sizes given: the engine picks its own."""
+    return {"kind": "vllm", "model": str(model), "dtype": "float32", "max_model_len": 512,
+            "vllm": {"enforce_eager": True, "extra": {"enable_chunked_prefill": False}}}
+
+
+async def test_scheduler_sizes_are_offline_vllms_and_occupancy_needs_no_prometheus_logger(tiny_model_dir: Path) -> None:
+    """With no sizes given, the streaming engine schedules like offline ``vllm.LLM`` (a batch
+    job), not with AsyncLLM's server defaults (128 seqs, 2,048 tokens: ~17% slower here),
+    and the engine's own occupancy arrives through our stat logger alone."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    from batch_inference.engines.config import EngineConfig
+    from batch_inference.engines.vllm_engine import engine_kwargs
+
+    cfg = engine_config(tiny_model_dir)
+    offline = EngineArgs(**engine_kwargs(EngineConfig.model_validate(cfg))).create_engine_config(UsageContext.LLM_CLASS)
+    async with EngineHost(cfg) as h:
+        sched = h.engine._llm.vllm_config.scheduler_config  # type: ignore[union-attr]
+        assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (
+            offline.scheduler_config.max_num_seqs, offline.scheduler_config.max_num_batched_tokens)
+        assert sched.max_num_seqs > 128 and h.gate is not None and h.gate.capacity == 2 * sched.max_num_seqs
+        loggers = h.engine._llm.logger_manager.stat_loggers  # type: ignore[union-attr]
+        assert [type(lg).__name__ for lg in loggers if isinstance(lg, PrometheusStatLogger)] == ["OccupancyLogger"]
+        futures = await h.submit([GenRequest(f"occupancy {i}", SamplingParams(max_tokens=64, min_tokens=64, temperature=1.0, seed=i), 0) for i in range(40)])
+        running: list[int] = []
+        while not all(f.done() for f in futures):
+            running.append(h.occupancy().running)  # type: ignore[union-attr]
+            await asyncio.sleep(0.02)
+        assert max(running) == 40 and all(f.result().completion_tokens == 64 for f in futures)
