@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batch_inference.pipeline import PipelineRun, PipelineSpec  # noqa: E402
 from batch_inference.pipeline import review as rv  # noqa: E402
 from batch_inference.pipeline.runner import open_runner  # noqa: E402
-from batch_inference.review.server import create_app  # noqa: E402
+from batch_inference.review.server import start  # noqa: E402
 
 REPORT = Path(__file__).resolve().parent / "reports" / "review.md"
 
@@ -61,15 +61,8 @@ async def judged(spec: PipelineSpec) -> None:
 
 
 async def review_over_http(spec: PipelineSpec, records: int) -> list[float]:
-    from aiohttp import web
-
-    queue = rv.ReviewQueue(spec)
-    await queue.refresh()
-    runner = web.AppRunner(create_app(queue, default_reviewer="bench"), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    runner, port = await start(rv.ReviewQueue(spec), "127.0.0.1", 0, default_reviewer="bench")
+    url = f"http://127.0.0.1:{port}"
     waits = []
     try:
         async with aiohttp.ClientSession() as s:

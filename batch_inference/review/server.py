@@ -240,17 +240,23 @@ def check_bind(host: str, reviewers: dict[str, str] | None) -> None:
         raise PermissionError(f"refusing to bind {host}: off loopback every reviewer needs a token (pass --reviewers FILE)")
 
 
+async def start(queue: ReviewQueue, host: str, port: int, *, reviewers: dict[str, str] | None = None,
+                default_reviewer: str | None = None) -> tuple[web.AppRunner, int]:
+    """The review app listening on ``host:port`` (0: any free port): its runner (``cleanup()``
+    stops it) and the bound port. Binding is not checked here: ``serve`` checks it first."""
+    await queue.refresh()
+    runner = web.AppRunner(create_app(queue, reviewers=reviewers, default_reviewer=default_reviewer), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner, runner.addresses[0][1]
+
+
 async def serve(spec: PipelineSpec, *, host: str = "127.0.0.1", port: int = 8765, reviewers: dict[str, str] | None = None,
                 default_reviewer: str | None = None, lease_s: float | None = None, ready: Any = None) -> None:
     """Serve the review page until SIGTERM/SIGINT; ``ready(url)`` is called once listening."""
     check_bind(host, reviewers)
     queue = ReviewQueue(spec, lease_s=lease_s)
-    await queue.refresh()
-    runner = web.AppRunner(create_app(queue, reviewers=reviewers, default_reviewer=default_reviewer), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = runner.addresses[0][1]
+    runner, bound = await start(queue, host, port, reviewers=reviewers, default_reviewer=default_reviewer)
     url = f"http://{host}:{bound}/"
     log.info("review page for run %s: %s (pid %d, rounds open: %s)", spec.run, url, os.getpid(), queue.rounds() or "none yet")
     if ready is not None:

@@ -166,9 +166,7 @@ def test_off_loopback_needs_a_token(review_spec, review_server, tmp_path) -> Non
 
 def test_a_tokenless_server_answers_nothing_from_off_loopback(review_spec) -> None:
     """Defence in depth: even bound to every address by mistake (check_bind bypassed), no tokens = loopback only."""
-    from aiohttp import web
-
-    from batch_inference.review.server import create_app
+    from batch_inference.review.server import start
 
     spec, _ = review_spec(records=2)
     host = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
@@ -177,13 +175,7 @@ def test_a_tokenless_server_answers_nothing_from_off_loopback(review_spec) -> No
         pytest.skip("this machine has no non-loopback IPv4 address to come from")
 
     async def go() -> None:
-        queue = rv.ReviewQueue(spec)
-        await queue.refresh()
-        runner = web.AppRunner(create_app(queue, default_reviewer="mallory"), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "0.0.0.0", 0)
-        await site.start()
-        port = runner.addresses[0][1]
+        runner, port = await start(rv.ReviewQueue(spec), "0.0.0.0", 0, default_reviewer="mallory")
         try:
             async with aiohttp.ClientSession() as s:
                 for path in ("/api/progress", "/"):
