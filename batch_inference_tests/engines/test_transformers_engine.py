@@ -62,16 +62,21 @@ def test_stop_strings_cut_the_text(tiny_engine) -> None:
     assert cut.text == full.text[: full.text.find(stop)] and cut.finish_reason == "stop"
 
 
-def test_group_failure_falls_back_per_item(tiny_engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A whole-batch exception is retried item by item; only the bad item fails."""
-    real = tiny_engine._generate_batch
+def fail_batches_holding(engine, marker: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every ``generate`` batch that holds the prompt ``marker`` raises, as a whole."""
+    real = engine._generate_batch
 
     def flaky(batch, p, own=None):
-        if any(tiny_engine.tokenizer.decode(ids) == "BAD ITEM" for ids in batch):
+        if any(engine.tokenizer.decode(ids) == marker for ids in batch):
             raise RuntimeError("boom")
         return real(batch, p, own)
 
-    monkeypatch.setattr(tiny_engine, "_generate_batch", flaky)
+    monkeypatch.setattr(engine, "_generate_batch", flaky)
+
+
+def test_group_failure_falls_back_per_item(tiny_engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole-batch exception is retried item by item; only the bad item fails."""
+    fail_batches_holding(tiny_engine, "BAD ITEM", monkeypatch)
     out = tiny_engine.generate(["good one", "BAD ITEM", "good two"], SamplingParams(max_tokens=2))
     assert [c.error is None for c in out] == [True, False, True]
     assert out[1] == Completion.failed("engine_error: RuntimeError: boom", prompt_tokens=out[1].prompt_tokens)
@@ -256,14 +261,7 @@ def test_batching_options_keep_per_item_errors(engines_by_batching, batching, mo
             zip(batch, real_continuous(batch, own))])
         real_continuous = type(engine)._continuous.__get__(engine)
     else:
-        real = engine._generate_batch
-
-        def flaky(batch, p, own=None):
-            if any(engine.tokenizer.decode(ids) == "BAD ITEM" for ids in batch):
-                raise RuntimeError("boom")
-            return real(batch, p, own)
-
-        monkeypatch.setattr(engine, "_generate_batch", flaky)
+        fail_batches_holding(engine, "BAD ITEM", monkeypatch)
     out = engine.generate(["good one", "BAD ITEM", "good two", "word " * 2100], SamplingParams(max_tokens=2, min_tokens=2))
     assert [c.error is None for c in out] == [True, False, True, False]
     assert out[1].error and "boom" in out[1].error and out[3].error.startswith("prompt_too_long")
