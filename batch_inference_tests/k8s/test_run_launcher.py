@@ -34,6 +34,23 @@ pytestmark = [pytest.mark.infra, pytest.mark.slow]
 IMAGE = "ghcr.io/batch-inference/batch-inference:0.1.0"
 
 
+def write_k8s_instance(k8s: K8sCluster, ns: str, config: dict, home: Path, *, postgres_password: str, **launcher: object) -> Path:
+    """``home``/dagster.yaml: the instance ``config`` with its K8sRunLauncher aimed at the test
+    cluster's namespace ``ns`` (plus ``launcher`` settings), and beside the runs what the Helm
+    chart (or an operator) creates there: their ServiceAccount and the Secrets their env comes from."""
+    launcher_config = config["run_launcher"]["config"]
+    launcher_config.update(job_namespace=ns, load_incluster_config=False, kubeconfig_file=str(k8s.kubeconfig_file()), **launcher)
+    home.mkdir()
+    (home / "dagster.yaml").write_text(yaml.safe_dump(config))
+    core = client.CoreV1Api(k8s.api_client())
+    core.create_namespaced_service_account(ns, {"metadata": {"name": launcher_config["service_account_name"]}})
+    core.create_namespaced_secret(ns, {"metadata": {"name": launcher_config["postgres_password_secret"]},
+                                       "stringData": {"postgresql-password": postgres_password}})
+    for name in launcher_config["env_secrets"]:
+        core.create_namespaced_secret(ns, {"metadata": {"name": name}, "stringData": {"AWS_ACCESS_KEY_ID": "x"}})
+    return home
+
+
 @pytest.fixture
 def k8s_instance(k8s: K8sCluster, namespace, postgres: PostgresServer, tmp_path: Path, monkeypatch) -> tuple[dg.DagsterInstance, str]:
     ns = namespace()
@@ -42,19 +59,7 @@ def k8s_instance(k8s: K8sCluster, namespace, postgres: PostgresServer, tmp_path:
                        "BATCH_INFERENCE_POOL_TOKEN": "pool-token"}.items():
         monkeypatch.setenv(key, value)
     config = deploy_instance_config(postgres, keep=("storage", "run_queue", "run_launcher", "run_monitoring", "telemetry"))
-    launcher = config["run_launcher"]["config"]
-    launcher.update(job_namespace=ns, load_incluster_config=False, kubeconfig_file=str(k8s.kubeconfig_file()))
-    home = tmp_path / "dagster_home"
-    home.mkdir()
-    (home / "dagster.yaml").write_text(yaml.safe_dump(config))
-    # what the Helm chart (or an operator) creates next to the runs: their ServiceAccount and
-    # the Secrets their env comes from
-    core = client.CoreV1Api(k8s.api_client())
-    core.create_namespaced_service_account(ns, {"metadata": {"name": launcher["service_account_name"]}})
-    core.create_namespaced_secret(ns, {"metadata": {"name": launcher["postgres_password_secret"]},
-                                       "stringData": {"postgresql-password": "x"}})
-    for name in launcher["env_secrets"]:
-        core.create_namespaced_secret(ns, {"metadata": {"name": name}, "stringData": {"AWS_ACCESS_KEY_ID": "x"}})
+    home = write_k8s_instance(k8s, ns, config, tmp_path / "dagster_home", postgres_password="x")
     monkeypatch.setenv("DAGSTER_HOME", str(home))
     with dg.DagsterInstance.get() as instance:
         yield instance, ns
@@ -137,17 +142,9 @@ def test_a_run_pod_executes_its_dagster_run_on_the_cluster(k8s: K8sCluster, name
         for key, value in pg.env(db).items():
             monkeypatch.setenv(key, value)
         config = deploy_instance_config(pg, keep=("storage", "run_launcher", "telemetry"))
-        launcher_config = config["run_launcher"]["config"]
-        launcher_config.update(job_namespace=ns, load_incluster_config=False, kubeconfig_file=str(k8s.kubeconfig_file()),
-                               env_secrets=[], env_vars=[f"DAGSTER_PG_HOST={GATEWAY}", f"DAGSTER_PG_USER={pg.env(db)['DAGSTER_PG_USER']}",
-                                                         f"DAGSTER_PG_DB={db}", "BATCH_INFERENCE_POOL_MODE=inprocess"])
-        home = tmp_path / "dagster_home"
-        home.mkdir()
-        (home / "dagster.yaml").write_text(yaml.safe_dump(config))
-        core = client.CoreV1Api(k8s.api_client())
-        core.create_namespaced_service_account(ns, {"metadata": {"name": launcher_config["service_account_name"]}})
-        core.create_namespaced_secret(ns, {"metadata": {"name": launcher_config["postgres_password_secret"]},
-                                           "stringData": {"postgresql-password": pg.env(db)["DAGSTER_PG_PASSWORD"]}})
+        home = write_k8s_instance(k8s, ns, config, tmp_path / "dagster_home", postgres_password=pg.env(db)["DAGSTER_PG_PASSWORD"],
+                                  env_secrets=[], env_vars=[f"DAGSTER_PG_HOST={GATEWAY}", f"DAGSTER_PG_USER={pg.env(db)['DAGSTER_PG_USER']}",
+                                                            f"DAGSTER_PG_DB={db}", "BATCH_INFERENCE_POOL_MODE=inprocess"])
         spec_path = tmp_path / "spec.yaml"
         spec_path.write_text(yaml.safe_dump(simulated_spec("in-a-pod", write_input(tmp_path / "in.jsonl", 40), tmp_path / "runs")))
         monkeypatch.setenv("DAGSTER_HOME", str(home))
