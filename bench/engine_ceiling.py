@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 
 REPORTS = Path(__file__).resolve().parent / "reports"
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly box near "
@@ -116,15 +117,12 @@ class CpuMeter:
     """CPU seconds per process role over one measurement (this process and its descendants)."""
 
     def __init__(self) -> None:
-        import psutil
-
-        self._psutil = psutil
         self._me = psutil.Process()
         self._start = self._snapshot()
         self._machine = self._machine_busy()
 
     def _machine_busy(self) -> float:
-        t = self._psutil.cpu_times()
+        t = psutil.cpu_times()
         return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
 
     def _snapshot(self) -> dict[int, tuple[str, float]]:
