@@ -21,7 +21,6 @@ import asyncio
 import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -33,11 +32,11 @@ from batch_inference.engines import (
     EngineConfig,
     EngineOccupancy,
     Prompt,
-    SamplingParams,
     StreamingEngine,
     build_engine,
     is_streaming,
 )
+from batch_inference.pool.request import GenRequest
 from batch_inference.pool.streaming import StreamGate
 
 
@@ -51,33 +50,6 @@ class BatcherOptions(BaseModel):
     batch_timeout_s: float = Field(0.05, gt=0)
     prefetch_batches: int = Field(2, ge=1)
     max_queue_size: int = Field(5_000, ge=1)
-
-
-@dataclass(slots=True)
-class GenRequest:
-    """One prompt on its way through the batcher.
-
-    ``cost`` is prompt tokens (exact, from the engine's tokenizer) plus ``max_tokens``:
-    the KV cache grows with every decoded token, so the budget must count them. For
-    task accounting the batcher's inference function fills ``engine_s`` (this request's
-    token-weighted share of its batch's engine time) and ``fill`` (its batch's cost /
-    budget); the streaming gate fills ``engine_s`` (its fair share of the engine's time
-    while it was in flight) and ``fill`` (in-flight / capacity when it was admitted).
-    A streaming engine tokenises for itself, so ``prompt_tokens`` is 0 there.
-    """
-
-    prompt: Prompt  # text or chat messages; the engine renders chat with its chat template
-    params: SamplingParams
-    prompt_tokens: int
-    engine_s: float = 0.0
-    fill: float = 0.0
-    cost: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.cost = self.prompt_tokens + self.params.max_tokens
-
-    def estimate_tokens(self) -> int:
-        return self.cost
 
 
 class EngineHost:

@@ -15,12 +15,10 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from batch_inference.engines import Completion, EngineDeadError, StreamingEngine
-
-if TYPE_CHECKING:
-    from batch_inference.pool.engine_host import GenRequest
+from batch_inference.pool.request import GenRequest
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,8 +20,9 @@ from batch_inference import rows
 from batch_inference.engines import Completion, EngineDeadError, supports_structured_output
 from batch_inference.engines.base import unconstrained_error
 from batch_inference.judges import JudgeConfig, LLMJudge, Verdict, build_judge
-from batch_inference.pool.engine_host import EngineHost, GenRequest
+from batch_inference.pool.engine_host import EngineHost
 from batch_inference.pool.protocol import REVIEW_OUTPUT, TaskSpec
+from batch_inference.pool.request import GenRequest
 from batch_inference.prompting import Request, RequestBuilder, RequestError
 from batch_inference.rows import ErrorKind, Status
 from batch_inference.storage import CheckpointStore, JsonlFile

@@ -13,7 +13,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from batch_inference.engines import Completion, EngineDeadError, EngineOccupancy, SamplingParams, is_streaming
 from batch_inference.pool import InferConfig, SamplingConfig
 from batch_inference.pool import engine_host as engine_host_module
-from batch_inference.pool.engine_host import EngineHost, GenRequest
+from batch_inference.pool.engine_host import EngineHost
+from batch_inference.pool.request import GenRequest
 from batch_inference.pool.runtime import WorkerRuntime
 from batch_inference.pool.worker import WorkerSettings, create_app
 from batch_inference.pool.metrics import prometheus_text

@@ -15,7 +15,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from batch_inference.engines import SamplingParams  # noqa: E402
-from batch_inference.pool.engine_host import EngineHost, GenRequest  # noqa: E402
+from batch_inference.pool.engine_host import EngineHost  # noqa: E402
+from batch_inference.pool.request import GenRequest  # noqa: E402
 
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.asyncio]
 

@@ -19,7 +19,8 @@ pytest.importorskip("vllm")
 
 from batch_inference.engines import Completion, SamplingParams  # noqa: E402
 from batch_inference.pool import InferConfig, SamplingConfig, derive_seed  # noqa: E402
-from batch_inference.pool.engine_host import EngineHost, GenRequest  # noqa: E402
+from batch_inference.pool.engine_host import EngineHost  # noqa: E402
+from batch_inference.pool.request import GenRequest  # noqa: E402
 from batch_inference.pool.runtime import WorkerRuntime  # noqa: E402
 from batch_inference_tests.fixtures.pool import infer_spec, read_rows, write_shard  # noqa: E402
 
