@@ -88,7 +88,9 @@ class OpenAIBatchReader:
             self._problem(f"unsupported body field {name!r} for {url}", cid)
         model = body.get("model")
         if self.models is not None and model is not None and model not in self.models:
-            self._problem(f"body.model {model!r} is not served by this run (accepted: {', '.join(sorted(self.models))})", cid)
+            self._problem(f"body.model {model!r} is not served by this run (accepted: {', '.join(sorted(self.models))}); "
+                          f"to answer it, list it in the spec's openai_batch.model_aliases, or set "
+                          f"openai_batch.check_model: false to answer every model", cid)
         record: dict[str, Any] = {"id": cid}
         if kind == "chat":
             if "messages" in body:

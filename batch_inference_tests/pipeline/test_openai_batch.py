@@ -115,7 +115,8 @@ async def test_file_level_problems_are_one_error_before_the_run(tmp_path: Path) 
         await PipelineRun(spec).shard()
     text = str(info.value)
     for needle in ("unsupported body field 'logprobs'", "unsupported body field 'tools'", "custom_id 'tools'",
-                   "body.model 'gpt-4o' is not served by this run (accepted: tiny)", "url '/v1/embeddings'",
+                   "body.model 'gpt-4o' is not served by this run (accepted: tiny)", "openai_batch.model_aliases",
+                   "openai_batch.check_model: false", "url '/v1/embeddings'",
                    "duplicate custom_id", "'dup' (2x)", "response_format: this run's engine cannot constrain", "custom_id 'schema'"):
         assert needle in text, needle
     assert PipelineRun(spec).ledger.read("shard") is None  # nothing recorded: fix the file and run again
