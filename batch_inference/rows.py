@@ -9,7 +9,9 @@ defined once. It imports nothing of the project.
   previous round's value) and recompaction drops them before the next round.
 - A new **error kind** goes into ``ErrorKind`` (and into ``PERMANENT`` when retrying the
   record cannot help): errors are strings tagged ``"<kind>: detail"``; ``ErrorKind.of``
-  reads the tag back, so nothing else parses prefixes.
+  reads the tag back (``ErrorKind.parse`` with its detail), so nothing else parses
+  prefixes and no other module spells a tag as a string literal
+  (``batch_inference_tests/test_rows.py`` checks the package for them).
 """
 
 from __future__ import annotations
@@ -69,15 +71,30 @@ class ErrorKind(StrEnum):
         return self in PERMANENT
 
     @classmethod
-    def of(cls, text: object) -> ErrorKind | None:
-        """The kind ``text`` is tagged with; None for an untagged error (or not a string)."""
+    def parse(cls, text: object) -> tuple[ErrorKind, str] | None:
+        """``(kind, detail)`` of a tagged error; None for an untagged error (or not a string)."""
         if not isinstance(text, str):
             return None
-        head = text.split(":", 1)[0].strip()
+        head, _, detail = text.partition(":")
         try:
-            return cls(head)
+            return cls(head.strip()), detail.strip()
         except ValueError:
             return None
+
+    @classmethod
+    def of(cls, text: object) -> ErrorKind | None:
+        """The kind ``text`` is tagged with; None for an untagged error (or not a string)."""
+        parsed = cls.parse(text)
+        return parsed[0] if parsed is not None else None
+
+    @classmethod
+    def checked(cls, text: str) -> str:
+        """``text`` when it is tagged with a kind, else ValueError: an error an engine or task
+        reports for one item must say its kind, or a misspelt tag would read as untagged
+        (retryable) instead of its own kind."""
+        if cls.of(text) is None:
+            raise ValueError(f"an item's error must start with an ErrorKind tag (ErrorKind.<KIND>.tag(...)), got {text[:80]!r}")
+        return text
 
 
 # Batch-level exceptions and engine_error stay retryable (the next round / attempt may pass).

@@ -57,3 +57,55 @@ def test_a_kind_made_permanent_is_one_edit(monkeypatch, tmp_path: Path) -> None:
     assert records == 1
     (failed,) = JsonlDir(str(tmp_path / "failed")).iter_records_sync()
     assert failed["id"] == "a" and failed["status"] == Status.FAILED and failed["reason"] == "engine_error: always"
+
+
+def _tag_literals(source: str) -> list[tuple[int, str]]:
+    """String literals (f-string parts included) that start with an error kind's tag, or
+    with a near miss of one (``prompt_to_long:``): such a literal spells a tag by hand."""
+    import ast
+    import difflib
+    import re
+
+    kinds = [k.value for k in ErrorKind]
+    head = re.compile(r"\s*([a-z][a-z0-9]*(?:_[a-z0-9]+)+)\s*(?::|$)")
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and (m := head.match(node.value)):
+            if difflib.get_close_matches(m.group(1), kinds, n=1, cutoff=0.85):
+                found.append((node.lineno, node.value))
+    return found
+
+
+def test_no_error_tag_is_a_string_literal_outside_rows() -> None:
+    """Tags are written (``ErrorKind.X.tag``) and read (``ErrorKind.of`` / ``parse``) through
+    the enum, where a misspelt kind is an AttributeError; a literal would be a silent typo."""
+    import batch_inference
+
+    package = Path(batch_inference.__file__).parent
+    hits = [f"{path.relative_to(package.parent)}:{line}: {text[:60]!r}"
+            for path in sorted(package.rglob("*.py")) if path.name != "rows.py"
+            for line, text in _tag_literals(path.read_text())]
+    assert hits == []
+
+
+def test_the_literal_scan_sees_tags_and_their_typos() -> None:
+    assert _tag_literals('e = "engine_error: boom"') == [(1, "engine_error: boom")]
+    assert _tag_literals('e = f"prompt_to_long: {n} tokens"') == [(1, "prompt_to_long: ")]
+    assert _tag_literals('if kind == "unparseable_verdict": pass') == [(1, "unparseable_verdict")]
+    assert _tag_literals('e = f"{field}: must be an object"; f = "record_id: x"; """engine_error is retryable."""') == []
+
+
+def test_a_misspelt_tag_cannot_pass_as_a_retryable_error() -> None:
+    """An untagged item error reads as retryable, so an engine's per-item error must carry a
+    kind: ``Completion.failed`` refuses a misspelt tag instead of letting it retry."""
+    import pytest
+
+    from batch_inference.engines.base import Completion
+
+    assert ErrorKind.of("prompt_to_long: 5000 prompt tokens") is None  # a typo reads as untagged ...
+    with pytest.raises(ValueError, match="ErrorKind tag"):  # ... so no item error may be written that way
+        Completion.failed("prompt_to_long: 5000 prompt tokens")
+    assert Completion.failed(ErrorKind.PROMPT_TOO_LONG.tag("5000 prompt tokens")).error == "prompt_too_long: 5000 prompt tokens"
+    assert ErrorKind.parse("rule_error: KeyError: 'q'") == (ErrorKind.RULE_ERROR, "KeyError: 'q'")
+    assert ErrorKind.parse("unparseable_verdict") == (ErrorKind.UNPARSEABLE_VERDICT, "")
+    assert ErrorKind.parse("OSError: gone") is None and ErrorKind.parse(None) is None

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol, runtime_checkable
 
+from batch_inference.rows import ErrorKind
+
 FinishReason = Literal["stop", "length", "error"]
 
 
@@ -98,7 +100,8 @@ class Completion:
 
     @classmethod
     def failed(cls, error: str, prompt_tokens: int = 0) -> Completion:
-        return cls(text="", prompt_tokens=prompt_tokens, completion_tokens=0, finish_reason="error", error=error)
+        """A failed item; ``error`` is tagged with its ``ErrorKind`` (ValueError otherwise)."""
+        return cls(text="", prompt_tokens=prompt_tokens, completion_tokens=0, finish_reason="error", error=ErrorKind.checked(error))
 
 
 @runtime_checkable
@@ -185,8 +188,8 @@ def supports_structured_output(engine: object) -> bool:
 
 def unconstrained_error(engine_name: str) -> str:
     """The per-item error for a constrained request on an engine that cannot constrain."""
-    return (f"unsupported_response_format: engine {engine_name} cannot constrain generation "
-            "(vLLM's structured outputs can); the request was not run unconstrained")
+    return ErrorKind.UNSUPPORTED_RESPONSE_FORMAT.tag(f"engine {engine_name} cannot constrain generation "
+                                                    "(vLLM's structured outputs can); the request was not run unconstrained")
 
 
 def expand_params(prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams]) -> list[SamplingParams]:
@@ -230,5 +233,5 @@ def truncate_at_stop(text: str, stop: Sequence[str] | None) -> tuple[str, bool]:
 def too_long_error(prompt_tokens: int, max_tokens: int, max_model_len: int) -> str | None:
     """The per-item ``prompt_too_long`` error, or None when the request fits."""
     if prompt_tokens + max_tokens > max_model_len:
-        return f"prompt_too_long: {prompt_tokens} prompt tokens + {max_tokens} max_tokens > max_model_len {max_model_len}"
+        return ErrorKind.PROMPT_TOO_LONG.tag(f"{prompt_tokens} prompt tokens + {max_tokens} max_tokens > max_model_len {max_model_len}")
     return None

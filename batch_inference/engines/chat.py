@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from batch_inference.engines.base import ChatPrompt, Prompt
+from batch_inference.rows import ErrorKind
 
 
 class ChatTemplateError(ValueError):
@@ -27,12 +28,12 @@ def has_chat_template(tokenizer: Any) -> bool:
 def encode_chat(tokenizer: Any, prompt: ChatPrompt) -> list[int]:
     """Token ids of ``prompt`` rendered by the tokenizer's chat template (generation prompt added)."""
     if not has_chat_template(tokenizer):
-        raise ChatTemplateError("chat_template_error: the model's tokenizer has no chat template "
-                                "(chat messages need one; use a text `template` instead)")
+        raise ChatTemplateError(ErrorKind.CHAT_TEMPLATE_ERROR.tag("the model's tokenizer has no chat template "
+                                                              "(chat messages need one; use a text `template` instead)"))
     try:
         ids = tokenizer.apply_chat_template(prompt.as_dicts(), add_generation_prompt=True, tokenize=True)
     except Exception as exc:  # a template that raises for these messages fails this prompt only
-        raise ChatTemplateError(f"chat_template_error: {type(exc).__name__}: {exc}") from exc
+        raise ChatTemplateError(ErrorKind.CHAT_TEMPLATE_ERROR.tag(f"{type(exc).__name__}: {exc}")) from exc
     if isinstance(ids, Mapping):  # newer transformers return a BatchEncoding
         ids = ids["input_ids"]
     return [int(t) for t in ids]

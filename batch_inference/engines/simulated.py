@@ -47,6 +47,7 @@ from batch_inference.engines.base import (
 from batch_inference.engines.chat import prompt_text
 from batch_inference.engines.config import EngineConfig, SimulatedOptions
 from batch_inference.engines.decode_model import DecodeProfile, DecodeScheduler, draw_output_tokens, get_profile, record_rng
+from batch_inference.rows import ErrorKind
 
 _WORDS = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
@@ -64,7 +65,7 @@ def simulated_completion(prompt: Prompt, p: SamplingParams, options: SimulatedOp
     prompt = prompt_text(prompt)
     n_prompt = simulated_token_count(prompt)
     if options.fail_on is not None and options.fail_on in prompt:
-        return Completion.failed(f"simulated_error: prompt contains {options.fail_on!r}", prompt_tokens=n_prompt)
+        return Completion.failed(ErrorKind.SIMULATED_ERROR.tag(f"prompt contains {options.fail_on!r}"), prompt_tokens=n_prompt)
     if err := too_long_error(n_prompt, p.max_tokens, max_model_len):
         return Completion.failed(err, prompt_tokens=n_prompt)
     rng = record_rng(seed, p.seed, prompt)

@@ -30,6 +30,7 @@ from batch_inference.engines.base import (
 )
 from batch_inference.engines.chat import TokenizerCopy, encode_prompts
 from batch_inference.engines.config import EngineConfig, TransformersOptions
+from batch_inference.rows import ErrorKind
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +92,12 @@ class TransformersEngine:
         for i, ids in enumerate(self._encode_each(prompts)):
             if isinstance(ids, Exception):  # a prompt the tokenizer (or chat template) rejects fails alone
                 text = str(ids)
-                out[i] = Completion.failed(text if text.startswith("chat_template_error:") else f"tokenizer_error: {type(ids).__name__}: {ids}")
+                out[i] = Completion.failed(text if ErrorKind.of(text) is ErrorKind.CHAT_TEMPLATE_ERROR
+                                           else ErrorKind.TOKENIZER_ERROR.tag(f"{type(ids).__name__}: {ids}"))
             elif err := too_long_error(len(ids), per_item[i].max_tokens, self.max_model_len):
                 out[i] = Completion.failed(err, prompt_tokens=len(ids))
             elif not ids:
-                out[i] = Completion.failed("empty_prompt: the prompt has no tokens")
+                out[i] = Completion.failed(ErrorKind.EMPTY_PROMPT.tag("the prompt has no tokens"))
             else:
                 encoded[i] = ids
         runnable = list(encoded)
@@ -166,7 +168,7 @@ class TransformersEngine:
         except Exception as exc:
             if len(batch) == 1:
                 log.warning("generate failed for one item: %s", exc)
-                return [Completion.failed(f"engine_error: {type(exc).__name__}: {exc}", prompt_tokens=len(batch[0]))]
+                return [Completion.failed(ErrorKind.ENGINE_ERROR.tag(f"{type(exc).__name__}: {exc}"), prompt_tokens=len(batch[0]))]
             log.warning("generate failed for a group of %d; retrying item by item: %s", len(batch), exc)
             return [self._run_group([ids], p, [own[k]] if own else None)[0] for k, ids in enumerate(batch)]
 
@@ -213,7 +215,7 @@ class TransformersEngine:
                     results[r.request_id] = r
                 elif r is None and not manager.is_running():
                     raise RuntimeError(f"continuous batching stopped with {len(ids) - len(results)} requests unfinished")
-        return [results[i].generated_tokens if results[i].error is None else f"engine_error: {results[i].error}" for i in ids]
+        return [results[i].generated_tokens if results[i].error is None else ErrorKind.ENGINE_ERROR.tag(str(results[i].error)) for i in ids]
 
     @torch.inference_mode()
     def _generate_batch(self, batch: list[list[int]], p: SamplingParams, own: list[SamplingParams] | None = None) -> list[Completion]:

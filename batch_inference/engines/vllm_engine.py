@@ -42,6 +42,7 @@ from batch_inference.engines.base import (
 )
 from batch_inference.engines.chat import ChatTemplateError, TokenizerCopy, encode_chat
 from batch_inference.engines.config import EngineConfig
+from batch_inference.rows import ErrorKind
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def split_runnable(
     errors: dict[int, Completion] = {}
     for i, (ids, p) in enumerate(zip(token_ids, params)):
         if not ids:
-            errors[i] = Completion.failed("empty_prompt: the prompt has no tokens")
+            errors[i] = Completion.failed(ErrorKind.EMPTY_PROMPT.tag("the prompt has no tokens"))
         elif err := too_long_error(len(ids), p.max_tokens, max_model_len):
             errors[i] = Completion.failed(err, prompt_tokens=len(ids))
         else:
@@ -113,7 +114,7 @@ def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int] | Completion:
     except ChatTemplateError as exc:  # fails alone
         return Completion.failed(str(exc))
     except Exception as exc:  # fails alone
-        return Completion.failed(f"tokenizer_error: {type(exc).__name__}: {exc}")
+        return Completion.failed(ErrorKind.TOKENIZER_ERROR.tag(f"{type(exc).__name__}: {exc}"))
 
 
 def completion_from_output(output: Any) -> Completion:
@@ -122,7 +123,7 @@ def completion_from_output(output: Any) -> Completion:
     n_prompt = len(output.prompt_token_ids or [])
     if first.finish_reason in ("stop", "length"):
         return Completion(first.text, n_prompt, len(first.token_ids), first.finish_reason)
-    return Completion.failed(f"engine_error: finish_reason={first.finish_reason}", prompt_tokens=n_prompt)
+    return Completion.failed(ErrorKind.ENGINE_ERROR.tag(f"finish_reason={first.finish_reason}"), prompt_tokens=n_prompt)
 
 
 def _tokens_input_factory() -> Any:
@@ -207,7 +208,7 @@ class VllmEngine:
                     raise EngineDeadError(f"vLLM engine core died: {type(exc).__name__}: {exc}") from exc
                 log.warning("vLLM generate failed for %d prompts: %s", len(runnable), exc)
                 for i in runnable:
-                    results[i] = Completion.failed(f"engine_error: {type(exc).__name__}: {exc}", len(token_ids[i]))
+                    results[i] = Completion.failed(ErrorKind.ENGINE_ERROR.tag(f"{type(exc).__name__}: {exc}"), len(token_ids[i]))
         return [results[i] for i in range(len(prompts))]
 
     def close(self) -> None:
@@ -324,9 +325,9 @@ class VllmStreamingEngine:
         except Exception as exc:
             if _is_engine_dead(exc) or self._llm.errored:
                 raise EngineDeadError(f"vLLM engine core died: {type(exc).__name__}: {exc}") from exc
-            return Completion.failed(f"engine_error: {type(exc).__name__}: {exc}", prompt_tokens=len(ids))
+            return Completion.failed(ErrorKind.ENGINE_ERROR.tag(f"{type(exc).__name__}: {exc}"), prompt_tokens=len(ids))
         if final is None:
-            return Completion.failed("engine_error: no output", prompt_tokens=len(ids))
+            return Completion.failed(ErrorKind.ENGINE_ERROR.tag("no output"), prompt_tokens=len(ids))
         completion = completion_from_output(final)
         if not detokenize and completion.error is None:
             text = self.tokenizer.decode(list(final.outputs[0].token_ids), skip_special_tokens=True)

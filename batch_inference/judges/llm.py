@@ -15,12 +15,13 @@ import orjson
 from batch_inference.engines.base import ChatPrompt, Completion, Prompt, ResponseFormat, SamplingParams
 from batch_inference.judges.templates import PromptTemplate
 from batch_inference.judges.verdicts import Verdict
+from batch_inference.rows import ErrorKind
 
 # "first verdict word wins"; "not approved" counts as a rejection
 _KEYWORD = re.compile(r"\b(not\s+)?(approved?|rejected?)\b", re.IGNORECASE)
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 
-UNPARSEABLE = "unparseable_verdict"
+UNPARSEABLE = ErrorKind.UNPARSEABLE_VERDICT.value
 
 # The machine-readable verdict a ``parse: json`` judge is constrained to (structured output).
 VERDICT_SCHEMA: dict[str, Any] = {
@@ -102,5 +103,5 @@ class LLMJudge:
     def verdict(self, completion: Completion) -> Verdict:
         """The verdict for one judge completion (an engine error is a rejection with its reason)."""
         if completion.error is not None:
-            return Verdict(False, f"judge_error: {completion.error}")
+            return Verdict(False, ErrorKind.JUDGE_ERROR.tag(completion.error))
         return self.parse(completion.text)

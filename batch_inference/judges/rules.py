@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from batch_inference.judges.verdicts import Verdict
+from batch_inference.rows import ErrorKind
 
 Rule = Callable[..., "Verdict | bool | tuple[bool, str]"]
 
@@ -119,4 +120,4 @@ class RuleJudge:
         try:
             return _as_verdict(self.fn(record, result, **self.kwargs))
         except Exception as exc:
-            return Verdict(False, f"rule_error: {type(exc).__name__}: {exc}")
+            return Verdict(False, ErrorKind.RULE_ERROR.tag(f"{type(exc).__name__}: {exc}"))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import string
 from typing import Any
 
+from batch_inference.rows import ErrorKind
+
 _FORMATTER = string.Formatter()
 
 
@@ -23,7 +25,7 @@ class MissingFieldError(KeyError):
         self.record_id = record_id
 
     def __str__(self) -> str:
-        return f"missing_field: template field {{{self.field}}} not found in record {self.record_id!r}"
+        return ErrorKind.MISSING_FIELD.tag(f"template field {{{self.field}}} not found in record {self.record_id!r}")
 
 
 class PromptTemplate:

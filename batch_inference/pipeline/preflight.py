@@ -148,7 +148,8 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
                 raise SpecError(f"judge.template: {exc}") from None
         else:
             verdict = judge.judge(rec, SAMPLE_RESULT)
-            if verdict.reason.startswith("rule_error: KeyError"):
+            kind, detail = ErrorKind.parse(verdict.reason) or (None, "")
+            if kind is ErrorKind.RULE_ERROR and detail.startswith("KeyError"):
                 raise SpecError(f"judge.kwargs: rule {judge.name!r} needs a field record {rec['id']!r} lacks: {verdict.reason}")
     if chat:
         _check_chat_template(spec)
