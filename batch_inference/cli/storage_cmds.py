@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from batch_inference.storage import JsonlDir, JsonlFile, reshard
-from batch_inference.storage.jsonl import DEFAULT_MAX_BYTES
+from batch_inference.storage.directory import DEFAULT_MAX_BYTES
 
 
 @click.command()

@@ -8,16 +8,8 @@ clear errors and a quarantine sink. See docs/storage.md.
 from batch_inference.storage import urls
 from batch_inference.storage.checkpoints import CheckpointStore
 from batch_inference.storage.errors import ConcurrentWriteError, CorruptShardError, MalformedRecordError
-from batch_inference.storage.jsonl import (
-    DirManifest,
-    JsonlDir,
-    JsonlDirWriter,
-    JsonlFile,
-    JsonlWriter,
-    QuarantineSink,
-    SyncJsonlDirWriter,
-    SyncJsonlWriter,
-)
+from batch_inference.storage.directory import DirManifest, JsonlDir, JsonlDirWriter, SyncJsonlDirWriter
+from batch_inference.storage.file import JsonlFile, JsonlWriter, QuarantineSink, SyncJsonlWriter
 from batch_inference.storage.reshard import ReshardReport, reshard
 from batch_inference.storage.urls import fs_for, is_under, join
 

@@ -16,7 +16,8 @@ import uuid
 
 from batch_inference.storage import urls
 from batch_inference.storage.errors import CorruptShardError, MalformedRecordError
-from batch_inference.storage.jsonl import JsonlDir, JsonlFile
+from batch_inference.storage.directory import JsonlDir
+from batch_inference.storage.file import JsonlFile
 
 log = logging.getLogger(__name__)
 _counter = itertools.count()

@@ -13,7 +13,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from batch_inference.storage.jsonl import DEFAULT_MAX_BYTES, Compression, JsonlDir, JsonlFile, OnError, QuarantineSink
+from batch_inference.storage.directory import DEFAULT_MAX_BYTES, Compression, JsonlDir
+from batch_inference.storage.file import JsonlFile, OnError, QuarantineSink
 
 BLOOM_BYTES = 64 * 1024 * 1024  # 512 Mi bits: ~0.1% false suspects at 100M ids (k=4)
 

@@ -16,7 +16,8 @@ from batch_inference.storage import (
     JsonlFile,
     MalformedRecordError,
 )
-from batch_inference.storage import _io, jsonl, urls
+from batch_inference.storage import _io, directory, file, urls
+from batch_inference.storage import lock as dir_lock
 
 
 def recs(n: int, start: int = 0) -> list[dict]:
@@ -108,7 +109,7 @@ async def test_async_iteration_hops_per_chunk_not_per_record(tmp_path, monkeypat
         hops += 1
         return await real(fn, *a, **k)
 
-    monkeypatch.setattr(jsonl.asyncio, "to_thread", counting)
+    monkeypatch.setattr(file.asyncio, "to_thread", counting)
     n = 0
     async for _ in JsonlFile(url).iter_records():
         n += 1
@@ -325,7 +326,7 @@ async def test_sorted_write_order_past_ten_thousand_shards(tmp_path) -> None:
     with d.writer_sync(max_records_per_shard=1, compression=None) as w:
         w.write_many({"i": i} for i in range(n))
     assert len(d.shards()) == n
-    d.fs.rm(f"{d.path}/{jsonl.MANIFEST_NAME}")  # force the listing path
+    d.fs.rm(f"{d.path}/{directory.MANIFEST_NAME}")  # force the listing path
     names = [s.name for s in d.shards()]
     assert names[0] == "part-00000.jsonl" and names[-1] == f"part-{n - 1:05d}.jsonl"
     assert [r["i"] for r in d.iter_records_sync()] == list(range(n))
@@ -338,7 +339,7 @@ def test_names_sort_in_write_order_across_digit_widths() -> None:
     assert names[6:8] == ["part-99999.jsonl.zst", "part-100000.jsonl.zst"]
     shuffled = names[:]
     random.Random(1).shuffle(shuffled)
-    assert sorted(shuffled, key=jsonl._natural_key) == names
+    assert sorted(shuffled, key=directory._natural_key) == names
 
 
 async def test_dir_rewrite_drops_old_shards_and_failed_write_leaves_nothing(base_url: str) -> None:
@@ -349,7 +350,7 @@ async def test_dir_rewrite_drops_old_shards_and_failed_write_leaves_nothing(base
     async with d.writer(max_records_per_shard=10) as w:
         await w.write_many(recs(15, start=1000))
     assert [s.name for s in d.shards()] == ["part-00000.jsonl", "part-00001.jsonl"]
-    d.fs.rm(f"{d.path}/{jsonl.MANIFEST_NAME}")
+    d.fs.rm(f"{d.path}/{directory.MANIFEST_NAME}")
     assert len(d.shards()) == 2  # the old part-00002..4 are gone from storage, not just the manifest
     with pytest.raises(ValueError, match="bad"):
         async with d.writer(max_records_per_shard=10) as w:
@@ -378,18 +379,18 @@ async def test_stale_lock_of_dead_writer_is_taken_over(tmp_path) -> None:
     dead_pid = int(proc.stdout)
     d = JsonlDir(str(tmp_path / "d"))
     put_bytes(
-        f"{d.url}/{jsonl.LOCK_NAME}",
+        f"{d.url}/{dir_lock.LOCK_NAME}",
         orjson.dumps({"token": "old", "host": socket.gethostname(), "pid": dead_pid, "heartbeat": 1e18}),
     )
     async with d.writer() as w:
         await w.write_many(recs(3))
-    assert d.count_records() == 3 and not os.path.exists(f"{d.url}/{jsonl.LOCK_NAME}")
+    assert d.count_records() == 3 and not os.path.exists(f"{d.url}/{dir_lock.LOCK_NAME}")
 
 
 
 async def test_writer_that_lost_its_lock_fails_loudly_and_touches_nothing(tmp_path) -> None:
     d = JsonlDir(str(tmp_path / "d"))
-    lock = tmp_path / "d" / jsonl.LOCK_NAME
+    lock = tmp_path / "d" / dir_lock.LOCK_NAME
     with pytest.raises(ConcurrentWriteError, match="lost the directory lock"):
         async with d.writer(max_records_per_shard=5) as w:
             await w.write_many(recs(12))
@@ -400,9 +401,9 @@ async def test_writer_that_lost_its_lock_fails_loudly_and_touches_nothing(tmp_pa
 
 
 async def test_dir_lock_heartbeat_is_refreshed_while_writing(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(jsonl, "LOCK_TTL_S", 0.0)  # refresh on every block
+    monkeypatch.setattr(dir_lock, "LOCK_TTL_S", 0.0)  # refresh on every block
     d = JsonlDir(str(tmp_path / "d"))
-    lock = tmp_path / "d" / jsonl.LOCK_NAME
+    lock = tmp_path / "d" / dir_lock.LOCK_NAME
     async with d.writer() as w:
         await w.write_many(recs(100))
         first = orjson.loads(lock.read_bytes())["heartbeat"]
@@ -419,14 +420,14 @@ async def test_a_reader_cancelled_mid_read_raises_cancelled_not_a_generator_erro
 
     url = str(tmp_path / "slow.jsonl")
     await write_file(url, recs(10))
-    real = jsonl._shard_blocks
+    real = file._shard_blocks
 
     def slow(list_shards):
         for item in real(list_shards):
             _time.sleep(0.3)  # the thread is busy in next() when the cancel lands
             yield item
 
-    monkeypatch.setattr(jsonl, "_shard_blocks", slow)
+    monkeypatch.setattr(file, "_shard_blocks", slow)
 
     async def consume() -> list[dict]:
         return [r async for r in JsonlFile(url).iter_records()]
