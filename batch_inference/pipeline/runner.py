@@ -54,7 +54,9 @@ async def open_runner(spec: PipelineSpec, *, k8s_api: Any = None) -> AsyncIterat
     if pool.launcher == "inprocess":
         from batch_inference.pool import InProcessPool
 
-        profiles = {pool.storage_options_ref: spec.storage_options} if pool.storage_options_ref else None
+        # The driver's credentials are this process's too: a task that names no profile
+        # gets them as the worker's "default" profile (WorkerRuntime.storage_options).
+        profiles = {pool.storage_options_ref or "default": spec.storage_options}
         async with InProcessPool(
             spec.engine, concurrency=pool.concurrency * pool.replicas, batcher=pool.batcher or None,
             retries=pool.retries, storage_profiles=profiles, checkpoint_interval_s=pool.checkpoint_interval_s,
