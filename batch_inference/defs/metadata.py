@@ -86,17 +86,18 @@ def funnel_markdown(view: LedgerView) -> str:
     """The run's funnel from its ledger: one row per round, then the tail and the end.
 
     The same figures as the CLI's ledger table: "in" is a round's pending records
-    (quarantined shards included) and approval is approved / in.
+    (quarantined shards included), "failed" the records that ended failed in it
+    (``RoundView.failed``), and approval is approved / in.
     """
     lines = [
-        "| step | in | approved | rejected | quarantined | approval | tokens in/out | wall s |",
+        "| step | in | approved | rejected | failed | approval | tokens in/out | wall s |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     if view.shard:
         lines.append(f"| shard | {view.shard.records} | | | | | | {view.shard.wall_s:.2f} |")
     for rnd in view.rounds:
         label = f"round {rnd.round:02d}" + (f" -> {rnd.decision.kind}" if rnd.decision else "")
-        lines.append(f"| {label} | {rnd.records_in} | {rnd.approved} | {rnd.rejected} | {rnd.records_quarantined} | "
+        lines.append(f"| {label} | {rnd.records_in} | {rnd.approved} | {rnd.rejected} | {rnd.failed} | "
                      f"{rnd.approval:.1%} | {rnd.tokens_in}/{rnd.tokens_out} | {rnd.wall_s:.2f} |")
     if t := view.tail:
         lines.append(

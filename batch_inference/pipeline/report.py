@@ -139,7 +139,8 @@ def ledger_table(view: LedgerView, title: str) -> Table:
     inference phase's: what the engine delivered), fill, and the decision.
 
     "in" is the round's pending records (quarantined shards included); "failed" the records
-    of its quarantined shards; the funnel is approved / in (``RoundView.approval``).
+    that ended failed in it (its quarantined shards' and its permanent errors, ``RoundView.failed``);
+    the funnel is approved / in (``RoundView.approval``).
     """
     table = Table(title=title, show_lines=False)
     for col, justify in [("phase", "left"), ("in", "right"), ("approved", "right"), ("rejected", "right"),
@@ -153,7 +154,7 @@ def ledger_table(view: LedgerView, title: str) -> Table:
     for rnd in view.rounds:
         judged = rnd.judge is not None
         table.add_row(f"round {rnd.round}", _n(rnd.records_in), _n(rnd.approved if judged else None),
-                      _n(rnd.rejected if judged else None), _n(rnd.records_quarantined),
+                      _n(rnd.rejected if judged else None), _n(rnd.failed),
                       f"{_bar(rnd.approval)} {rnd.approval:.0%}", f"{_k(rnd.tokens_in)}/{_k(rnd.tokens_out)}",
                       _s(rnd.engine_busy_s), _s(rnd.wall_s), _rate(rnd.output_tokens_per_s), _s(rnd.avg_fill),
                       rnd.decision.kind if rnd.decision else "…")

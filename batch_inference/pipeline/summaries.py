@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
+from batch_inference.pool.protocol import PERMANENT_ERRORS
+
 DecisionKind = Literal["next_round", "tail", "done", "exhausted"]
 # quarantined: a shard task exhausted its retries (infrastructure); exhausted: max_rounds or
 # max_attempts hit; records_failed: only records with a permanent error (bad input) failed.
@@ -140,7 +142,13 @@ class PhaseSummary(_Summary):
 
     @property
     def rejected(self) -> int:
+        """Rows in the phase's rejected shards (for a judge, its permanent errors included)."""
         return int(self.counts.get("rejected", 0))
+
+    @property
+    def permanent_errors(self) -> int:
+        """Of a judge's rejected rows, those with a permanent error: they end ``failed``, never retried."""
+        return int(self.counts.get(PERMANENT_ERRORS, 0))
 
 
 @dataclass(frozen=True)
@@ -227,7 +235,8 @@ class RoundView:
 
     @property
     def rejected(self) -> int:
-        return self.judge.rejected if self.judge else 0
+        """Rejected records the next round (or the tail) retries: a permanent error is failed, not rejected."""
+        return self.judge.rejected - self.judge.permanent_errors if self.judge else 0
 
     @property
     def quarantined(self) -> list[QuarantineEntry]:
@@ -236,6 +245,11 @@ class RoundView:
     @property
     def records_quarantined(self) -> int:
         return sum(q.records for q in self.quarantined)
+
+    @property
+    def failed(self) -> int:
+        """Records that ended failed in this round: its quarantined shards' and its permanent errors."""
+        return self.records_quarantined + (self.judge.permanent_errors if self.judge else 0)
 
     @property
     def approval(self) -> float:

@@ -24,6 +24,10 @@ OUTPUT_KEYS: dict[str, frozenset[str]] = {
 }
 # A judge that escalates to people (or a human judge) also writes the round's review queue.
 REVIEW_OUTPUT = "review"
+# A judge count beside approved / rejected: how many of its rejected rows carry a permanent
+# error (rows.permanent_error). They stay in the rejected shard (recompaction ends them
+# ``failed``), so the round that saw them fail can count them as failed.
+PERMANENT_ERRORS = "permanent_errors"
 
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)

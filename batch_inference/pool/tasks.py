@@ -21,7 +21,7 @@ from batch_inference.engines import Completion, EngineDeadError, supports_struct
 from batch_inference.engines.base import unconstrained_error
 from batch_inference.judges import JudgeConfig, LLMJudge, Verdict, build_judge
 from batch_inference.pool.engine_host import EngineHost
-from batch_inference.pool.protocol import REVIEW_OUTPUT, TaskSpec
+from batch_inference.pool.protocol import PERMANENT_ERRORS, REVIEW_OUTPUT, TaskSpec
 from batch_inference.pool.request import GenRequest
 from batch_inference.prompting import Request, RequestBuilder, RequestError
 from batch_inference.rows import ErrorKind, Status
@@ -236,13 +236,13 @@ async def run_judge(ctx: TaskContext) -> dict[str, int]:
     """Split inferred rows into approved and rejected (and, when people review, the queue).
 
     Inference errors skip the judge (rejected: the next round retries them, no person
-    needed); a verdict the spec escalates, or every row for a human judge, goes to the
+    needed; those with a permanent error are counted apart, ``PERMANENT_ERRORS``); a verdict the spec escalates, or every row for a human judge, goes to the
     ``review`` output with the automated verdict beside it.
     """
     spec = ctx.spec
     assert spec.judge is not None
     judging = Judging(ctx, spec.judge)
-    counts = {"approved": 0, "rejected": 0}
+    counts = {"approved": 0, "rejected": 0, PERMANENT_ERRORS: 0}
     review_url = spec.outputs.get(REVIEW_OUTPUT)
     if review_url is not None:
         counts["review"] = 0
@@ -271,6 +271,7 @@ async def run_judge(ctx: TaskContext) -> dict[str, int]:
             await rejected.write_many(no)
             counts["approved"] += len(yes)
             counts["rejected"] += len(no)
+            counts[PERMANENT_ERRORS] += sum(1 for row in no if rows.permanent_error(row) is not None)
             if review is not None:
                 await review.write_many(ask)
                 counts["review"] += len(ask)

@@ -200,3 +200,33 @@ async def test_pipeline_steps_never_block_the_event_loop_on_storage(make_spec, m
     resumed = await run_pipeline(spec)  # the resume path reads every step's ledger entry
     assert resumed.approved == summary.approved
     assert on_loop == [], on_loop[0]
+
+
+async def test_permanent_record_errors_count_as_failed_in_the_round_they_failed(tmp_path: Path, make_spec) -> None:
+    """Records with a permanent error (here a missing template field) fail in round 0: its
+    row (view, CLI table, Dagster funnel) says failed 2, not rejected, and every round's
+    failed adds up to the run's."""
+    from rich.console import Console
+
+    from batch_inference.defs.metadata import funnel_markdown
+    from batch_inference.pipeline.report import ledger_table
+
+    src = tmp_path / "input.jsonl"
+    rows = [{"id": f"p{i:03d}", "prompt": f"q {i}"} for i in range(200)]
+    rows[50], rows[150] = {"id": "p050", "question": "no prompt"}, {"id": "p150", "question": "no prompt"}  # past the preflight
+    src.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    spec = make_spec(approval=0.7, max_rounds=4, max_attempts=10)
+    summary = await run_pipeline(spec)
+    assert summary.failed == 2 and summary.conservation["ok"]
+    view = PipelineRun(spec).ledger.view()
+    r0, r1 = view.rounds[0], view.rounds[1]
+    assert r0.failed == 2 and r0.approved + r0.rejected + r0.failed == r0.records_in == 200
+    assert r1.records_in == r0.rejected  # what round 0 rejected, without the failed
+    assert sum(r.failed for r in view.rounds) == summary.failed
+    console = Console(width=200, record=True)
+    console.print(ledger_table(view, "t"))
+    row = next(line for line in console.export_text().splitlines() if "round 0" in line)
+    cells = [c.strip() for c in row.split("│")]
+    assert cells[2:6] == ["200", str(r0.approved), str(r0.rejected), "2"], row
+    funnel = next(line for line in funnel_markdown(view).splitlines() if "round 00" in line)
+    assert f"| 200 | {r0.approved} | {r0.rejected} | 2 |" in funnel, funnel

@@ -88,7 +88,8 @@ async def test_judge_splits_rows_and_accounts_for_every_record(tmp_path: Path, i
         judged = await pool.run_task(spec)
     approved, rejected = read_rows(tmp_path / "ok.jsonl"), read_rows(tmp_path / "no.jsonl")
     assert inferred.counts["error"] == 1
-    assert judged.counts == {"approved": len(approved), "rejected": len(rejected)}
+    # the simulated engine's error is permanent: rejected, and counted apart for the round's "failed"
+    assert judged.counts == {"approved": len(approved), "rejected": len(rejected), "permanent_errors": 1}
     assert len(approved) + len(rejected) == 200 and 40 < len(approved) < 160  # approval_rate 0.5
     assert sorted(r["id"] for r in approved + rejected) == sorted(r["id"] for r in read_rows(tmp_path / "inf.jsonl"))
     assert all(r["status"] == "approved" and r["round"] == 2 and r["verdict"]["approved"] for r in approved)
