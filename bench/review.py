@@ -33,8 +33,8 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from batch_inference import review as rv  # noqa: E402
 from batch_inference.pipeline import PipelineRun, PipelineSpec  # noqa: E402
-from batch_inference.pipeline import review as rv  # noqa: E402
 from batch_inference.pipeline.runner import open_runner  # noqa: E402
 from batch_inference.review.server import start  # noqa: E402
 

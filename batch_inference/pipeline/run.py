@@ -15,7 +15,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from batch_inference.pipeline import inputs, passes, review
+from batch_inference.pipeline import inputs, passes
 from batch_inference.pipeline.crossover import choose_crossover
 from batch_inference.pipeline.fanout import FanOut, Item, NullReporter, Phase, Reporter
 from batch_inference.pipeline.layout import RunLayout, part
@@ -33,6 +33,7 @@ from batch_inference.pipeline.summaries import (
 )
 from batch_inference.pipeline.transient import is_transient
 from batch_inference.pool.protocol import REVIEW_OUTPUT, TaskResult, TaskRunner, TaskSpec
+from batch_inference.review import lifecycle as review
 from batch_inference.storage import JsonlDir, JsonlFile
 from batch_inference.storage.urls import join
 

@@ -323,7 +323,7 @@ class JudgedRound:
     round: RoundView  # both phases and the decision
     approved_shards: list[str]  # results/round-NN-part-* written by this round's judge
     view: LedgerView  # the whole ledger (the funnel so far)
-    review: Any = None  # pipeline.review.ReviewStatus while the round waits for people (then no decision yet)
+    review: Any = None  # review.lifecycle.ReviewStatus while the round waits for people (then no decision yet)
 
     @property
     def decision(self) -> Decision:

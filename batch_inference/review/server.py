@@ -1,8 +1,8 @@
 """The review page: one record at a time, keyboard verdicts, over a run's open review queues.
 
 ``batch-inference review SPEC`` serves it (aiohttp, plain HTML + one small script, no
-external assets). The queue, the verdict log and the leases are the pipeline layer's
-(:class:`batch_inference.pipeline.review.ReviewQueue`); this module is HTTP around it.
+external assets). The queue, the verdict log and the leases are
+:class:`batch_inference.review.queue.ReviewQueue`'s; this module is HTTP around it.
 
 Routes: ``GET /`` (the page), ``GET /static/*``, ``GET /health``; the API, all JSON:
 ``GET /api/progress`` (done, left, per reviewer, rate, ETA, rounds, reasons; ``?round=``,
@@ -38,8 +38,9 @@ import yaml
 from aiohttp import web
 
 from batch_inference._net import is_loopback
-from batch_inference.pipeline.review import ReviewClosed, ReviewQueue
 from batch_inference.pipeline.spec import PipelineSpec
+from batch_inference.review.lifecycle import ReviewClosed
+from batch_inference.review.queue import ReviewQueue
 
 log = logging.getLogger(__name__)
 

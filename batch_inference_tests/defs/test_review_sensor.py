@@ -6,11 +6,11 @@ import asyncio
 
 import dagster as dg
 
+from batch_inference import review as rv
 from batch_inference.defs.driver import drive, start_run, tick
 from batch_inference.defs.keys import REJECTED, RESULTS, REVIEWED
 from batch_inference.defs.runs.jobs import start_run_config
 from batch_inference.pipeline import PipelineRun, PipelineSpec
-from batch_inference.pipeline import review as rv
 from batch_inference_tests.defs.test_sensor_runs import check_results, history, latest
 
 

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from batch_inference import review as rv
 from batch_inference.pipeline import PipelineRun, SpecError, run_pipeline
-from batch_inference.pipeline import review as rv
 from batch_inference.pipeline.runner import open_runner
 from batch_inference.storage import JsonlDir
 

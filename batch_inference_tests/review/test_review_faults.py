@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 import yaml
 
+from batch_inference import review as rv
 from batch_inference.pipeline import PipelineRun
-from batch_inference.pipeline import review as rv
 from batch_inference.review.server import check_bind
 from batch_inference_tests.review.conftest import TOKENS
 

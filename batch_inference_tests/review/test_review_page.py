@@ -12,8 +12,8 @@ import orjson
 import pytest
 import yaml
 
+from batch_inference import review as rv
 from batch_inference.pipeline import PipelineRun
-from batch_inference.pipeline import review as rv
 from batch_inference.storage import JsonlDir
 from batch_inference_tests.review.cdp import CHROMIUM, Browser
 from batch_inference_tests.review.conftest import TOKENS

@@ -1,1 +1,1 @@
-"""Dagster wiring of human review at the round boundary (the domain lives in ``pipeline.review``)."""
+"""Dagster wiring of human review at the round boundary (the domain lives in ``batch_inference.review``)."""

@@ -1,0 +1,213 @@
+"""A round's review from the pipeline's side: open the queue, read its status, resolve it.
+
+A round whose judge escalates to people (``judge.escalate``) or is human
+(``judge.kind: human``) writes the records people must decide to
+``round-NN/review/queue/`` (``status: awaiting_review``, automated verdict beside).
+The round's automated part is then finished; the queue is a state of the round.
+
+:func:`resolve` closes a round's review: it seals the log (the segments it decides
+on, and the time), applies the timeout policy to what is still waiting, and writes
+approved rows into ``results/round-NN-review-part-i`` and rejected rows beside the
+judge's in ``round-NN/rejected/review-part-i``, so the next round, the tail and the
+checks read them like any other.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from batch_inference.rows import Status
+from batch_inference.pipeline.layout import RunLayout
+from batch_inference.pipeline.ledger import Ledger
+from batch_inference.pipeline.spec import PipelineSpec
+from batch_inference.pipeline.summaries import _Summary
+from batch_inference.review.verdicts import ReviewLog, fold
+from batch_inference.storage import JsonlDir, JsonlFile
+
+AWAITING_REVIEW = Status.AWAITING_REVIEW.value
+TIMEOUT_REVIEWER = "timeout-policy"
+
+
+class ReviewPending(RuntimeError):
+    """The round's review queue is not empty (and its timeout policy does not decide it yet)."""
+
+
+class ReviewClosed(RuntimeError):
+    """The round's review is sealed: no verdict can change it any more."""
+
+
+def ledger_open(r: int) -> str:
+    return RunLayout.step_name(r, "review-open")
+
+
+def ledger_seal(r: int) -> str:
+    return RunLayout.step_name(r, "review-seal")
+
+
+def ledger_resolved(r: int) -> str:
+    return RunLayout.step_name(r, "review")
+
+
+
+@dataclass(frozen=True)
+class ReviewStatus(_Summary):
+    """Where a round's review stands (cheap enough for a sensor tick: the log, not the queue)."""
+
+    round: int
+    awaiting_in: int  # records the judge sent to people
+    decided: int
+    left: int
+    approved: int
+    rejected: int
+    by_reviewer: dict[str, int]
+    conflicts: int
+    opened_at: float
+    oldest_age_s: float  # of the oldest record still waiting (0 when none waits)
+    policy: str  # e.g. "after 172800s: reject", "wait for people"
+    due: bool  # the timeout has passed and the policy decides the rest
+    resolvable: bool  # resolve() would close the round now
+    resolved: bool
+
+    @property
+    def text(self) -> str:
+        if self.resolved:
+            return "review finished"
+        if self.left == 0:
+            return "review queue empty"
+        if self.due:
+            return f"review timed out: {self.policy} ({self.left} left)"
+        return f"waiting for review ({self.left} left)"
+
+
+@dataclass(frozen=True)
+class ReviewSummary(_Summary):
+    """A closed review: what people and the timeout policy decided."""
+
+    round: int
+    records: int
+    approved: int
+    rejected: int
+    by_reviewer: dict[str, int]
+    by_verdict: dict[str, int]
+    timed_out: int  # decided by the timeout policy
+    conflicts: int
+    conflict_examples: list[dict[str, Any]]
+    segments: int
+    sealed_at: float
+    wall_s: float
+
+
+def _policy_text(spec: PipelineSpec) -> str:
+    p = spec.review
+    return "wait for people" if p.after is None else f"after {p.after:g}s: {p.then}"
+
+
+def opened(ledger: Ledger, r: int) -> dict[str, Any] | None:
+    return ledger.read(ledger_open(r))
+
+
+def status(spec: PipelineSpec, layout: RunLayout, ledger: Ledger, r: int, *, now: float | None = None) -> ReviewStatus:
+    """The round's review state from the ledger and the verdict log (blocking)."""
+    now = time.time() if now is None else now
+    info = opened(ledger, r)
+    if info is None:
+        raise ReviewPending(f"run {spec.run!r} round {r}: no review queue was opened (judge({r}) sent nobody to review)")
+    total = int(info["records"])
+    opened_at = float(info["opened_at"])
+    done = ledger.read(ledger_resolved(r))
+    if done is not None:
+        return ReviewStatus(r, total, total, 0, int(done["approved"]), int(done["rejected"]), dict(done["by_reviewer"]),
+                            int(done["conflicts"]), opened_at, 0.0, _policy_text(spec), False, False, True)
+    f = fold(ReviewLog(layout, r, spec.storage_options).entries())
+    decided = len(f.decided)
+    left = max(0, total - decided)
+    verdicts = Counter(e["verdict"] for e in f.decided.values())
+    by_reviewer = Counter(str(e["reviewer"]) for e in f.decided.values())
+    p = spec.review
+    due = left > 0 and p.after is not None and now - opened_at >= p.after
+    resolvable = left == 0 or (due and p.then != "keep_waiting")
+    return ReviewStatus(r, total, decided, left, verdicts.get("approve", 0), verdicts.get("reject", 0), dict(by_reviewer),
+                        len(f.conflicts), opened_at, (now - opened_at) if left else 0.0, _policy_text(spec), due,
+                        resolvable, False)
+
+
+def open_queue(ledger: Ledger, r: int, records: int) -> None:
+    """Mark round ``r``'s review queue open (the judge's last act); keeps the first opening time."""
+    if ledger.read(ledger_open(r)) is None:
+        ledger.write(ledger_open(r), {"round": r, "records": records, "opened_at": time.time()})
+
+
+def queue_rows(layout: RunLayout, r: int, storage_options: dict[str, Any] | None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(judge shard index, row) of every record in round ``r``'s review queue."""
+    d = JsonlDir(layout.review_queue(r), storage_options=storage_options)
+    if not d.exists_sync():
+        return
+    for f in d.shards():
+        index = int(f.name.split("-")[1].split(".")[0])
+        for row in f.iter_records_sync():
+            yield index, row
+
+
+def resolve(spec: PipelineSpec, layout: RunLayout, ledger: Ledger, r: int, *, now: float | None = None) -> ReviewSummary:
+    """Close round ``r``'s review (blocking, idempotent): seal, apply the policy, write the outcome.
+
+    Raises :class:`ReviewPending` while records wait and the policy does not decide them.
+    """
+    if (done := ledger.read(ledger_resolved(r))) is not None:
+        return ReviewSummary.from_dict(done)
+    t0 = time.perf_counter()
+    opts = spec.storage_options or None
+    log = ReviewLog(layout, r, opts)
+    seal = ledger.read(ledger_seal(r))
+    if seal is None:
+        st = status(spec, layout, ledger, r, now=now)
+        if not st.resolvable:
+            raise ReviewPending(f"run {spec.run!r} round {r}: {st.text}")
+        # The cut-off, not a segment list: a server may compact the log after the seal.
+        seal = {"round": r, "at": time.time() if now is None else now, "cutoff_ns": time.time_ns(),
+                "segments": len(log.segment_names()), "due": st.due}
+        ledger.write(ledger_seal(r), seal)
+    f = fold(e for e in log.entries() if int(e.get("at_ns", 0)) <= int(seal["cutoff_ns"]))
+    policy = spec.review.then if seal["due"] else None
+    by_index: dict[int, tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {}
+    by_reviewer: Counter[str] = Counter()
+    by_verdict: Counter[str] = Counter()
+    timed_out = records = 0
+    for index, row in queue_rows(layout, r, opts):
+        records += 1
+        yes, no = by_index.setdefault(index, ([], []))
+        e = f.decided.get(str(row.get("id")))
+        if e is None:
+            if policy not in ("approve", "reject"):  # sealed on an empty queue: cannot happen unless edited
+                raise ReviewPending(f"run {spec.run!r} round {r}: record {row.get('id')!r} has no verdict and no policy decides it")
+            timed_out += 1
+            e = {"verdict": policy, "reviewer": TIMEOUT_REVIEWER, "reason": f"review timed out after {spec.review.after:g}s",
+                 "at_ns": int(float(seal["at"]) * 1e9), "entry": None, "edited_result": None}
+        review = {"verdict": e["verdict"], "reviewer": e["reviewer"], "reason": e.get("reason"), "at_ns": e.get("at_ns"),
+                  "entry": e.get("entry")}
+        if e.get("edited_result") is not None:
+            review["edited_result"] = e["edited_result"]
+        by_reviewer[str(e["reviewer"])] += 1
+        by_verdict[str(e["verdict"])] += 1
+        if e["verdict"] == "approve":
+            yes.append({**row, "status": "approved", "review": review, "round": r})
+        else:
+            reason = e.get("reason") or "rejected"
+            no.append({**{k: v for k, v in row.items() if k != "status"}, "review": review,
+                       "rejection": f"review_timeout: {reason}" if e["reviewer"] == TIMEOUT_REVIEWER else f"human: {reason}"})
+    for index, (yes, no) in sorted(by_index.items()):
+        for url, out in ((layout.reviewed_approved_shard(r, index), yes), (layout.reviewed_rejected_shard(r, index), no)):
+            with JsonlFile(url, storage_options=opts).writer_sync() as w:
+                w.write_many(out)
+    summary = ReviewSummary(
+        round=r, records=records, approved=by_verdict.get("approve", 0), rejected=by_verdict.get("reject", 0),
+        by_reviewer=dict(by_reviewer), by_verdict=dict(by_verdict), timed_out=timed_out, conflicts=len(f.conflicts),
+        conflict_examples=f.conflicts[:50], segments=int(seal["segments"]), sealed_at=float(seal["at"]),
+        wall_s=time.perf_counter() - t0,
+    )
+    ledger.write(ledger_resolved(r), summary.as_dict())
+    return summary
