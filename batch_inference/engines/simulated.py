@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import math
 import threading
 import time
@@ -48,6 +49,8 @@ from batch_inference.engines.chat import prompt_text
 from batch_inference.engines.config import EngineConfig, SimulatedOptions
 from batch_inference.engines.decode_model import DecodeProfile, DecodeScheduler, draw_output_tokens, get_profile, record_rng
 from batch_inference.rows import ErrorKind
+
+log = logging.getLogger(__name__)
 
 _WORDS = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november "
@@ -223,7 +226,8 @@ class DecodeStreamingEngine(_Answers):
     against a GPU-like engine. ``complete`` is one request: it joins at the next step and
     returns when its own decode ends; cancelling it aborts the request in the scheduler
     (its sequence slot and KV are freed at once). ``die_after_requests`` kills the engine:
-    every in-flight and later request raises ``EngineDeadError``.
+    every in-flight and later request raises ``EngineDeadError``, as it does when the step
+    loop itself stops (an error in the model, a cancelled loop), naming why.
     """
 
     def __init__(self, options: SimulatedOptions | None = None, *, max_model_len: int = 4096, seed: int = 0) -> None:
@@ -285,11 +289,11 @@ class DecodeStreamingEngine(_Answers):
         )
 
     async def aclose(self) -> None:
+        self._die(EngineDeadError("simulated engine closed"))
         task, self._loop_task = self._loop_task, None
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        self._die(EngineDeadError("simulated engine closed"))
 
     def close(self) -> None:
         """Synchronous close for owners that cannot await (the loop task dies with its loop)."""
@@ -298,6 +302,17 @@ class DecodeStreamingEngine(_Answers):
             self._loop_task = None
 
     async def _step_loop(self) -> None:
+        """Steps the scheduler; once it stops, every waiting and later request fails saying why."""
+        try:
+            await self._steps()
+        except asyncio.CancelledError:
+            self._die(EngineDeadError("simulated engine's step loop was cancelled"))
+            raise
+        except Exception as exc:
+            log.exception("simulated engine's step loop died")
+            self._die(EngineDeadError(f"simulated engine's step loop died: {type(exc).__name__}: {exc}"))
+
+    async def _steps(self) -> None:
         assert self._wake is not None
         loop = asyncio.get_running_loop()
         sched = self.scheduler

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -38,6 +39,8 @@ from batch_inference.engines import (
 )
 from batch_inference.pool.request import GenRequest
 from batch_inference.pool.streaming import StreamGate
+
+log = logging.getLogger(__name__)
 
 
 class BatcherOptions(BaseModel):
@@ -69,8 +72,20 @@ class EngineHost:
         self._engine_thread: ThreadPoolExecutor | None = None
 
     async def start(self) -> None:
+        """Build the engine and its way in; on any failure release what was made (the engine
+        thread, a streaming engine's core process) before the error goes on."""
         if self.engine is not None:
             return
+        try:
+            await self._start()
+        except BaseException:
+            try:
+                await self.close()
+            except Exception:  # the start's own error is the one to report
+                log.exception("releasing the engine after a failed start failed")
+            raise
+
+    async def _start(self) -> None:
         t0 = time.perf_counter()
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.engine = await self._on_engine_thread(build_engine, self.engine_config)

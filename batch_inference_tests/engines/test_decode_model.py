@@ -274,3 +274,33 @@ async def test_a_dead_engine_raises_for_in_flight_and_later_requests() -> None:
 async def test_streaming_engine_must_be_started() -> None:
     with pytest.raises(RuntimeError, match="not started"):
         await DecodeStreamingEngine(decode_options()).complete("a", SamplingParams())
+
+
+async def test_a_step_loop_that_dies_fails_waiting_and_later_requests() -> None:
+    e = DecodeStreamingEngine(decode_options())
+    await e.start()
+
+    def broken_step() -> object:
+        raise ValueError("KV accounting went negative")
+
+    try:
+        e.scheduler.step = broken_step  # type: ignore[method-assign]
+        with pytest.raises(EngineDeadError, match="step loop died: ValueError: KV accounting"):
+            await asyncio.wait_for(e.complete("a", SamplingParams(max_tokens=4)), 5)
+        with pytest.raises(EngineDeadError, match="step loop died"):
+            await asyncio.wait_for(e.complete("b", SamplingParams(max_tokens=4)), 5)
+    finally:
+        await e.aclose()
+
+
+async def test_a_cancelled_step_loop_fails_waiting_requests() -> None:
+    e = DecodeStreamingEngine(decode_options())
+    await e.start()
+    try:
+        waiting = asyncio.ensure_future(e.complete("long", SamplingParams(max_tokens=4000, min_tokens=4000)))
+        await asyncio.sleep(0.02)
+        e.close()  # the sync close: cancels the loop
+        with pytest.raises(EngineDeadError, match="step loop was cancelled"):
+            await asyncio.wait_for(waiting, 5)
+    finally:
+        await e.aclose()

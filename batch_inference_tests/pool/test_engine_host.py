@@ -1,0 +1,106 @@
+"""EngineHost.start() that fails releases what it made: the engine thread and the engine."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from batch_inference.engines import Completion, EngineOccupancy, SamplingParams
+from batch_inference.pool import engine_host as engine_host_module
+from batch_inference.pool.engine_host import EngineHost
+
+SIM = {"kind": "simulated"}
+
+
+class StartFails:
+    """A streaming engine whose start() raises, as vLLM's can after its core process is up."""
+
+    name = "start-fails"
+    max_model_len = 4096
+    simulated = True
+
+    def __init__(self) -> None:
+        self.closed = 0
+
+    def count_tokens(self, prompts: list[str]) -> list[int]:
+        return [1 for _ in prompts]
+
+    async def start(self) -> None:
+        raise RuntimeError("engine core failed to bind")
+
+    async def complete(self, prompt: str, params: SamplingParams) -> Completion:
+        raise AssertionError("never reached")
+
+    def capacity(self) -> int:
+        return 4
+
+    def occupancy(self) -> EngineOccupancy:
+        return EngineOccupancy()
+
+    async def aclose(self) -> None:
+        self.closed += 1
+
+
+def engine_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    """The engine threads alive now that were not before, once they had 5 s to end."""
+    deadline = time.monotonic() + 5
+    while True:
+        alive = [t for t in threading.enumerate() if t not in before and t.name.startswith("engine") and t.is_alive()]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.01)
+
+
+async def test_a_streaming_engine_whose_start_fails_is_closed_and_its_thread_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = StartFails()
+    monkeypatch.setattr(engine_host_module, "build_engine", lambda cfg: engine)
+    before = set(threading.enumerate())
+    host = EngineHost(SIM)
+    with pytest.raises(RuntimeError, match="failed to bind"):
+        await host.start()
+    assert engine.closed == 1  # vLLM: its engine core process is shut down
+    assert host.engine is None and host.gate is None
+    assert engine_threads(before) == []
+
+
+async def test_an_engine_that_fails_to_build_leaves_no_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    def build(cfg: object) -> object:
+        raise OSError("model weights not found")
+
+    monkeypatch.setattr(engine_host_module, "build_engine", build)
+    before = set(threading.enumerate())
+    host = EngineHost(SIM)
+    with pytest.raises(OSError, match="weights not found"):
+        await host.start()
+    assert host.engine is None and host.loads == 0
+    assert engine_threads(before) == []
+
+
+async def test_a_batcher_that_fails_to_start_closes_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    closed: list[bool] = []
+
+    class Blocking:
+        name, max_model_len, simulated = "blocking", 4096, True
+
+        def count_tokens(self, prompts: list[str]) -> list[int]:
+            return [1 for _ in prompts]
+
+        def generate(self, prompts: list[str], params: object) -> list[Completion]:
+            raise AssertionError("never reached")
+
+        def close(self) -> None:
+            closed.append(True)
+
+    async def fail(self: object) -> None:
+        raise RuntimeError("batcher could not start")
+
+    monkeypatch.setattr(engine_host_module, "build_engine", lambda cfg: Blocking())
+    monkeypatch.setattr(engine_host_module.TokenBatcher, "start", fail)
+    before = set(threading.enumerate())
+    host = EngineHost(SIM)
+    with pytest.raises(RuntimeError, match="batcher could not start"):
+        await host.start()
+    assert closed == [True] and host.engine is None and host.batcher is None
+    assert engine_threads(before) == []
