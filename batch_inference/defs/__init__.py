@@ -1,11 +1,14 @@
 """Dagster wiring over the pipeline layer: partitions, assets, checks, sensors, schedules.
 
 One folder per domain, each with its ``assets.py`` / ``resources.py`` / ``sensors.py`` /
-``schedules.py`` / ``checks.py`` side by side (the dagster-open-platform layout):
+``schedules.py`` / ``checks.py`` side by side and a ``definitions.py`` that builds the
+domain's ``Definitions``; ``batch_inference.definitions`` merges them (the
+dagster-open-platform layout):
 
 - ``runs/``    a pipeline run as a whole: the source drop, sharding, the tail, results
 - ``rounds/``  Strategy 1 rounds: pending -> inferred -> approved/rejected/failed, the
                sensor that drives a run from one step to the next
+- ``review/``  closing a round's human review (the ``reviewed`` asset, its age check)
 - ``pool/``    the resource that reaches the persistent worker pool
 - ``storage/`` the resource that maps S3 settings onto fsspec storage options
 

@@ -213,3 +213,40 @@ def test_sensor_cursor_keeps_handled_ids_above_the_first_waiting_event():
     assert (partial.after, partial.handled) == (6, {7})
     again.advance([6], complete=True)  # 7 was skipped this tick as already handled
     assert str(again) == "7" and again.handled == set()
+
+
+def test_the_code_location_is_every_domains_definitions_merged():
+    """What the domains' Definitions add up to: a definition dropped from a domain, or listed
+    in two, changes this inventory."""
+    from batch_inference.definitions import build_definitions
+
+    defs = build_definitions()
+    dg.Definitions.validate_loadable(defs)
+    repo = defs.get_repository_def()
+    assert sorted(k.to_user_string() for k in defs.resolve_all_asset_keys()) == [
+        "approved", "failed", "inferred", "openai_batch_export", "pending", "rejected", "results", "reviewed",
+        "sharded", "source_dataset", "tail_retry"]
+    assert sorted((k.asset_key.to_user_string(), k.name) for k in defs.resolve_asset_graph().asset_check_keys) == [
+        ("failed", "quarantine_empty"), ("rejected", "review_age"), ("rejected", "round_conservation"),
+        ("results", "conservation"), ("results", "no_duplicate_ids"), ("results", "run_quarantine_empty")]
+    assert sorted(j.name for j in repo.get_all_jobs() if not j.name.startswith("__")) == [
+        "results_job", "review_job", "round_job", "shard_job", "start_pipeline_run", "tail_job"]
+    assert [s.name for s in repo.sensor_defs] == ["round_sensor"]
+    assert [s.name for s in repo.schedule_defs] == ["nightly_pipeline"]
+    assert sorted(defs.resources or {}) == ["pool", "storage"]
+
+
+def test_resources_and_the_schedule_read_the_environment():
+    from batch_inference.defs.pool.definitions import pool_from_env
+    from batch_inference.defs.runs.definitions import build_definitions as runs_definitions
+    from batch_inference.defs.storage.definitions import storage_from_env
+
+    pool = pool_from_env({"BATCH_INFERENCE_POOL_MODE": "endpoints", "BATCH_INFERENCE_POOL_ENDPOINTS": " http://a:1, ,http://b:2",
+                          "BATCH_INFERENCE_POOL_TOKEN_ENV": "TOK"})
+    assert (pool.mode, pool.endpoints, pool.token_env) == ("endpoints", ["http://a:1", "http://b:2"], "TOK")
+    assert (pool_from_env({}).mode, pool_from_env({}).token_env) == ("spec", None)
+    storage = storage_from_env({"BATCH_INFERENCE_BASE_URL": "s3://b/runs", "AWS_REGION": "eu-west-1"})
+    assert (storage.base_url, storage.region_name, storage.endpoint_url) == ("s3://b/runs", "eu-west-1", None)
+    (schedule,) = runs_definitions(env={"BATCH_INFERENCE_SCHEDULE_SPEC": "/specs/n.yaml",
+                                        "BATCH_INFERENCE_SCHEDULE_CRON": "30 1 * * *"}).schedules or []
+    assert schedule.cron_schedule == "30 1 * * *" and "/specs/n.yaml" in (schedule.description or "")
