@@ -24,7 +24,7 @@ from batch_inference.pool.engine_host import EngineHost
 from batch_inference.pool.protocol import PERMANENT_ERRORS, REVIEW_OUTPUT, TaskSpec
 from batch_inference.pool.request import GenRequest
 from batch_inference.prompting import Request, RequestBuilder, RequestError
-from batch_inference.rows import ErrorKind, Status
+from batch_inference.rows import ErrorKind, Status, permanent_error
 from batch_inference.storage import CheckpointStore, JsonlFile
 
 log = logging.getLogger(__name__)
@@ -361,7 +361,7 @@ class _Sample:
     attempt: int
     result: str | None
     verdict: Verdict | None = None
-    batch_error: str | None = None
+    last_error: str | None = None  # the last attempt's retryable error (a failed batch, an engine_error)
     row: dict[str, Any] | None = None  # set once the sample is finished
 
     def final(self, ckpt: CheckpointBuffer, final: dict[str, Any]) -> None:
@@ -414,16 +414,18 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
         for s, prompt, res in zip(wave, prompts, done):
             if isinstance(prompt, BaseException):
                 s.error(_error_text(prompt))
-            elif isinstance(res, BaseException):
-                # The engine raised for the whole batch: not this record's fault.
-                # It costs this attempt (bounded by max_attempts), never the record.
-                s.batch_error = _error_text(res)
+            elif isinstance(res, BaseException) or (res.error is not None and permanent_error({"error": res.error}) is None):
+                # The engine raised for the whole batch, or this record's error is retryable
+                # (engine_error, truncated_output; rows.permanent_error, the rule recompaction
+                # applies between rounds): it costs this attempt (bounded by max_attempts),
+                # never the record.
+                s.last_error = _error_text(res) if isinstance(res, BaseException) else res.error
                 s.attempt += 1
                 ckpt.add({"id": s.rid, "attempt": s.attempt, "last_result": None})
-            elif res.error is not None:
+            elif res.error is not None:  # permanent: every attempt would fail the same way
                 s.row = {**s.base, "result": None, "status": Status.ERROR, "error": res.error, "attempts": s.prior + s.attempt + 1}
             else:
-                s.result = res.text
+                s.result, s.last_error = res.text, None
                 ckpt.add({"id": s.rid, "attempt": s.attempt, "last_result": s.result})
 
     async def judge_wave(wave: list[_Sample], ckpt: CheckpointBuffer) -> None:
@@ -459,7 +461,7 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
                     s.final(ckpt, {"result": None, "status": Status.MAX_ATTEMPTS, "error": None,
                                    "attempts": s.prior + spec.max_attempts,
                                    "verdict": s.verdict.to_dict() if s.verdict else None,
-                                   **({"last_error": s.batch_error} if s.batch_error else {})})
+                                   **({"last_error": s.last_error} if s.last_error else {})})
             live = [s for s in samples if s.row is None]
             if not live:
                 return [s.row for s in samples]  # type: ignore[misc]
