@@ -30,7 +30,9 @@ import orjson
 from batch_inference.pipeline import PipelineSpec
 from batch_inference.pipeline.ledger import Ledger
 from batch_inference.pipeline.layout import RunLayout
-from batch_inference.pipeline.plan import make_plan, measure_profile, measured_phases
+from batch_inference.planning.plan import make_plan
+from batch_inference.planning.profiling import measure_profile
+from batch_inference.planning.progress import measured_phases
 from batch_inference.pipeline.run import run_pipeline
 
 REPORT = Path(__file__).parent / "reports" / "plan_vs_actual.md"

@@ -1,7 +1,7 @@
 """The 100M-record run, simulated (issue 16): the reference's capacity math and past it.
 
-Discrete-event time (``batch_inference.pipeline.scale``): the pipeline's own dispatch
-(``dispatch_bounded``), round decisions (``decide_round`` and the hybrid's
+Discrete-event time (``batch_inference.planning.simulation``): the pipeline's own dispatch
+(``dispatch_bounded``), round decisions (``pipeline.policy.decide_round`` and the hybrid's
 ``choose_crossover``), recompaction into full shards and retry-then-quarantine, against a
 simulated cluster of replicas whose engine is the calibrated decode-step model (one H200,
 Llama-3.1-8B, continuous batching; ``bench/engine_model.py``), with S3, Dagster and
@@ -22,7 +22,9 @@ from typing import Any
 
 from batch_inference.engines.decode_model import PROFILES
 from batch_inference.pipeline import PipelineSpec
-from batch_inference.pipeline.scale import Cluster, EngineRates, Overheads, SimResult, Workload, engine_rates, simulate
+from batch_inference.planning.cluster import Cluster, Overheads
+from batch_inference.planning.rates import EngineRates, Workload, engine_rates
+from batch_inference.planning.simulation import SimResult, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORT = ROOT / "bench" / "reports" / "scale_sim.md"
@@ -296,7 +298,7 @@ def main() -> None:
         "",
         f"`python bench/scale_sim.py --records {args.records}{' --quick' if args.quick else ''}` on {platform.node()}, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Discrete-event (virtual) time: no figure depends on this "
-        "machine's load; the decisions are the pipeline's own code (`batch_inference/pipeline/scale.py`).",
+        "machine's load; the decisions are the pipeline's own code (`batch_inference/pipeline/policy.py`, run by `batch_inference/planning/simulation.py`).",
         "",
         "**Engine model** (every figure below): `h200-llama-8b` decode-step profile (bench/reports/engine_model.md), "
         "continuous batching kept full by admission control, measured on a 20,000-record sample of the workload: "

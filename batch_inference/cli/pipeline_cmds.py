@@ -27,6 +27,7 @@ def run(spec_path: Path, strategy: str | None, run_name: str | None) -> None:
     """Run (or resume) the pipeline SPEC (YAML/TOML) and print its ledger."""
     from batch_inference.pipeline import Ledger, PipelineSpec, SpecError, run_pipeline
     from batch_inference.pipeline.report import RichReporter, ledger_table, output_console, run_lines
+    from batch_inference.planning.progress import eta_after_round
 
     try:
         spec = PipelineSpec.load(spec_path, strategy=strategy, run=run_name)
@@ -37,7 +38,7 @@ def run(spec_path: Path, strategy: str | None, run_name: str | None) -> None:
     _say_input_format(console, spec)
     try:
         with RichReporter(console) as reporter:
-            summary = asyncio.run(run_pipeline(spec, reporter=reporter))
+            summary = asyncio.run(run_pipeline(spec, reporter=reporter, eta=eta_after_round))
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: finished shards are recorded; run the same command again to resume")
         raise SystemExit(130) from None
@@ -97,7 +98,7 @@ def status(target: str, storage_options: str | None, as_json: bool) -> None:
     for line in run_lines(view):
         console.print(line)
     if (recorded := ledger.read(RunLayout.PLAN)) is not None:
-        from batch_inference.pipeline.plan import measured_phases, planned_vs_actual
+        from batch_inference.planning.progress import measured_phases, planned_vs_actual
 
         console.print(f"planned ({recorded.get('chosen')}) vs actual wall, s:")
         for name, planned, actual in planned_vs_actual(recorded, measured_phases(ledger)):

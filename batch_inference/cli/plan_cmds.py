@@ -31,7 +31,7 @@ def _load_spec(spec_path: Path, **overrides: object):  # type: ignore[no-untyped
               show_default=True, help="where to write the profile")
 def profile(spec_path: Path, records: int, out: Path) -> None:
     """Measure SPEC's engine and pipeline on this hardware (a short real run on a sample)."""
-    from batch_inference.pipeline.plan import run_measure_profile
+    from batch_inference.planning.profiling import run_measure_profile
 
     spec = _load_spec(spec_path)
     click.echo(f"profiling {spec.run}: {records:,} records through the real pipeline ({spec.engine.kind}, {spec.pool.launcher})")
@@ -63,7 +63,8 @@ def plan(spec_path: Path, gpus: int | None, price: float | None, profile_path: P
     from rich.console import Console
     from rich.table import Table
 
-    from batch_inference.pipeline.plan import EngineProfile, make_plan
+    from batch_inference.planning.plan import make_plan
+    from batch_inference.planning.profiling import EngineProfile
 
     spec = _load_spec(spec_path)
     try:

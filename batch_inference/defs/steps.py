@@ -2,7 +2,8 @@
 
 Each asset resolves its partition to a spec (``specs.load_spec``), opens a runner from
 the pool resource only when the step needs the GPU, calls the one ``PipelineRun`` step
-and returns its summary as a dict. Sync on the outside (Dagster calls asset bodies
+(with the planner's ETA, ``planning.eta_after_round``, for the decisions it records) and
+returns its summary as a dict. Sync on the outside (Dagster calls asset bodies
 synchronously), one event loop per step on the inside.
 """
 
@@ -22,17 +23,19 @@ T = TypeVar("T")
 def run_cpu_step(spec: PipelineSpec, step: Callable[[PipelineRun], Awaitable[T]]) -> T:
     """A step that needs no pool (shard, recompact, finalize)."""
     from batch_inference.pipeline import PipelineRun
+    from batch_inference.planning.progress import eta_after_round
 
-    return asyncio.run(step(PipelineRun(spec)))
+    return asyncio.run(step(PipelineRun(spec, eta=eta_after_round)))
 
 
 def run_gpu_step(spec: PipelineSpec, pool: PoolResource, step: Callable[[PipelineRun], Awaitable[T]]) -> T:
     """A step whose shard tasks go to the pool (infer, judge, tail)."""
     from batch_inference.pipeline import PipelineRun
+    from batch_inference.planning.progress import eta_after_round
 
     async def go() -> T:
         async with pool.runner(spec) as runner:
-            return await step(PipelineRun(pool.apply(spec), runner=runner))
+            return await step(PipelineRun(pool.apply(spec), runner=runner, eta=eta_after_round))
 
     return asyncio.run(go())
 

@@ -13,13 +13,13 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from batch_inference.pipeline import inputs, passes
-from batch_inference.pipeline.crossover import choose_crossover
 from batch_inference.pipeline.fanout import FanOut, Item, NullReporter, Phase, Reporter
 from batch_inference.pipeline.layout import RunLayout, part
 from batch_inference.pipeline.ledger import ConservationError, IdSource, Ledger, check_conservation
+from batch_inference.pipeline.policy import decide_round
 from batch_inference.pipeline.spec import PipelineSpec
 from batch_inference.pipeline.summaries import (
     Decision,
@@ -46,13 +46,26 @@ class StepOrderError(RuntimeError):
     """A step was called before the step that produces its input."""
 
 
-class PipelineRun:
-    """The steps of one run. ``runner`` is needed only by ``infer``, ``judge`` and ``tail``."""
+class EtaEstimate(Protocol):
+    """Seconds a run still needs after round ``r`` was decided (``planning.eta_after_round``)."""
 
-    def __init__(self, spec: PipelineSpec, runner: TaskRunner | None = None, *, reporter: Reporter | None = None) -> None:
+    def __call__(self, spec: PipelineSpec, r: int, infer: PhaseSummary, judge: PhaseSummary, decision_kind: str,
+                 *, recompact_s: float = 0.0) -> float: ...
+
+
+class PipelineRun:
+    """The steps of one run. ``runner`` is needed only by ``infer``, ``judge`` and ``tail``.
+
+    ``eta``, when given, adds the run's ETA to each recorded decision; the pipeline does
+    not plan, so whoever builds the run (CLI, Dagster steps) passes the planner's estimate.
+    """
+
+    def __init__(self, spec: PipelineSpec, runner: TaskRunner | None = None, *, reporter: Reporter | None = None,
+                 eta: EtaEstimate | None = None) -> None:
         self.spec = spec
         self.runner = runner
         self.reporter: Reporter = reporter or NullReporter()
+        self.eta = eta
         self.layout = RunLayout(spec.output, spec.run)
         self.storage_options = spec.storage_options or None
         self.ledger = Ledger(self.layout, spec.storage_options)
@@ -292,14 +305,14 @@ class PipelineRun:
         return decision
 
     def _eta(self, r: int, infer: PhaseSummary, judge: PhaseSummary, kind: str, recompact_s: float) -> dict[str, Any]:
-        """The run's ETA from this round's measured throughput, and the plan's figure when one was recorded."""
-        from batch_inference.pipeline.plan import eta_after_round
-
+        """The run's ETA from this round's measured throughput (when the run has an ``eta``), and
+        the plan's figure when one was recorded."""
         out: dict[str, Any] = {}
-        try:
-            out["eta_run_s"] = round(eta_after_round(self.spec, r, infer, judge, kind, recompact_s=recompact_s), 1)
-        except Exception as exc:  # an estimate must never stop a run
-            log.warning("run %s: no ETA after round %d: %s", self.spec.run, r, exc)
+        if self.eta is not None:
+            try:
+                out["eta_run_s"] = round(self.eta(self.spec, r, infer, judge, kind, recompact_s=recompact_s), 1)
+            except Exception as exc:  # an estimate must never stop a run
+                log.warning("run %s: no ETA after round %d: %s", self.spec.run, r, exc)
         if (plan := self.ledger.read(RunLayout.PLAN)) is not None:
             out["planned_run_wall_s"] = next((s["wall_s"] for s in plan.get("strategies", []) if s["strategy"] == self.spec.strategy), None)
         return out
@@ -515,66 +528,6 @@ class PipelineRun:
         return summary
 
 
-def decide_round(spec: PipelineSpec, r: int, infer: PhaseSummary, judge: PhaseSummary, *, recompact_s: float = 0.0,
-                 reviewed: dict[str, Any] | None = None) -> Decision:
-    """What follows round ``r`` given its two phases' figures (pure: ``PipelineRun.decide``
-    reads them from the ledger; the scale simulation builds them in virtual time).
-    ``recompact_s`` is the last recompaction's wall (the next one's estimate); ``reviewed``
-    the round's closed human review (``ReviewSummary.as_dict()``), whose verdicts count too."""
-    approved, rejected = judge.approved, judge.rejected
-    more_figures: dict[str, Any] = {}
-    if reviewed is not None:
-        approved, rejected = approved + int(reviewed["approved"]), rejected + int(reviewed["rejected"])
-        more_figures = {"reviewed": int(reviewed["records"]), "reviewed_approved": int(reviewed["approved"]),
-                        "reviewed_rejected": int(reviewed["rejected"]), "review_timed_out": int(reviewed["timed_out"])}
-    records_in = infer.records_total
-    rounds_left = spec.max_rounds - (r + 1)
-    attempts_left = spec.max_attempts - (r + 1)
-    figures: dict[str, Any] = {"records_in": records_in, "approved": approved, "rejected": rejected,
-                               "quarantined": infer.records_quarantined + judge.records_quarantined,
-                               "rounds_left": rounds_left, "attempts_left": attempts_left, **more_figures}
-    if rejected == 0:
-        kind, reason = "done", "nothing rejected"
-    elif attempts_left <= 0:
-        kind, reason = "exhausted", f"max_attempts ({spec.max_attempts}) reached with {rejected} rejected"
-    elif spec.strategy == "hybrid" and spec.judge.kind == "human":
-        # No in-place tail for a human judge (nobody can approve inside a worker): rounds only.
-        if rounds_left <= 0:
-            kind, reason = "exhausted", f"max_rounds ({spec.max_rounds}) reached with {rejected} rejected (human judge: no in-place tail)"
-        else:
-            kind, reason = "next_round", f"{rejected} rejected (human judge: rounds only)"
-    elif spec.strategy == "hybrid":
-        switch, reason, more = choose_crossover(
-            spec.crossover, round=r, records_in=records_in, approved=approved, rejected=rejected,
-            wall_s=infer.wall_s + judge.wall_s,
-            engine_s=_per_worker(infer, spec.pool.replicas) + _per_worker(judge, spec.pool.replicas),
-            overhead_s=_gap(infer) + _gap(judge), recompact_s=recompact_s,
-            rounds_left=rounds_left, attempts_left=attempts_left,
-        )
-        figures.update(more)
-        if switch or rounds_left <= 0:
-            kind = "tail"
-            reason = reason if switch else f"max_rounds ({spec.max_rounds}) reached: {rejected} to in-place retry"
-        else:
-            kind = "next_round"
-    elif rounds_left <= 0:
-        kind, reason = "exhausted", f"max_rounds ({spec.max_rounds}) reached with {rejected} still rejected"
-    else:
-        kind, reason = "next_round", f"{rejected} rejected"
-    return Decision(round=r, kind=kind, reason=reason, figures=figures)  # type: ignore[arg-type]
-
-
-def _per_worker(phase: PhaseSummary, fallback: int) -> float:
-    """Engine time per worker that ran the phase (endpoints and k8s discovery need not match
-    ``pool.replicas``); ``fallback`` only for ledgers written before workers were recorded."""
-    return phase.engine_busy_s / max(1, phase.workers or fallback)
-
-
-def _gap(phase: PhaseSummary) -> float:
-    """Time in a phase when not even its longest task ran: dispatch and bookkeeping (one-wave bound)."""
-    return max(0.0, phase.wall_s - phase.longest_task_s) if phase.shards_run else 0.0
-
-
 async def drive(run: PipelineRun) -> RunSummary:
     """Call the steps in sequence; every step resumes, so this is also the resume path."""
     await run.shard()
@@ -622,11 +575,12 @@ async def drive_retrying(run: PipelineRun, *, retries: int = 5, backoff_s: float
 
 async def run_pipeline(
     spec: PipelineSpec, *, runner: TaskRunner | None = None, reporter: Reporter | None = None,
-    retries: int = 5, backoff_s: float = 1.0,
+    retries: int = 5, backoff_s: float = 1.0, eta: EtaEstimate | None = None,
 ) -> RunSummary:
     """Run (or resume) a whole pipeline; opens a runner from ``spec.pool`` when none is given.
 
-    Transient storage errors resume the run after a backoff (``retries``, ``backoff_s``).
+    Transient storage errors resume the run after a backoff (``retries``, ``backoff_s``);
+    ``eta`` adds the run's ETA to each round's decision (``PipelineRun``).
     The spec is proven first (``preflight``: judge built, the first records rendered
     through infer and judge), so a spec error stops the run before the pool spends anything.
     """
@@ -636,28 +590,30 @@ async def run_pipeline(
     resumed = await asyncio.to_thread(lambda: probe.ledger.read(RunLayout.SHARD) is not None and probe._dir(probe.layout.sharded).manifest() is not None)
     await asyncio.to_thread(preflight, spec, sharded=probe.layout.sharded if resumed else None)
     if runner is not None:
-        return await drive_retrying(PipelineRun(spec, runner, reporter=reporter), retries=retries, backoff_s=backoff_s)
+        return await drive_retrying(PipelineRun(spec, runner, reporter=reporter, eta=eta), retries=retries, backoff_s=backoff_s)
     from batch_inference.pipeline.runner import open_runner
 
     async with open_runner(spec) as opened:
-        return await drive_retrying(PipelineRun(spec, opened, reporter=reporter), retries=retries, backoff_s=backoff_s)
+        return await drive_retrying(PipelineRun(spec, opened, reporter=reporter, eta=eta), retries=retries, backoff_s=backoff_s)
 
 
 _NEEDS_RUNNER = {"infer", "judge", "tail", "judged_round", "tail_from", "inferred_round"}
 
 
-def run_step(spec: PipelineSpec, step: str, *args: Any) -> Any:
-    """Blocking helper: run one step (opening a runner when the step needs one)."""
+def run_step(spec: PipelineSpec, step: str, *args: Any, eta: EtaEstimate | None = None) -> Any:
+    """Blocking helper: run one step (opening a runner when the step needs one).
+
+    ``eta`` adds the run's ETA to a decision (``PipelineRun``)."""
 
     async def go() -> Any:
         if step not in _NEEDS_RUNNER:
-            fn = getattr(PipelineRun(spec), step)
+            fn = getattr(PipelineRun(spec, eta=eta), step)
             res = fn(*args)
             return await res if asyncio.iscoroutine(res) else res
         from batch_inference.pipeline.runner import open_runner
 
         async with open_runner(spec) as runner:
-            return await getattr(PipelineRun(spec, runner), step)(*args)
+            return await getattr(PipelineRun(spec, runner, eta=eta), step)(*args)
 
     if step not in ("shard", "infer", "judge", "decide", "recompact", "tail", "finalize", "judged_round", "tail_from", "finish",
                     "sharded_input", "pending_round", "inferred_round"):

@@ -40,7 +40,7 @@ class CrossoverRule(_Strict):
     shrank by less than ``min_shrink`` (a fraction of the round's input; 0 = off), or,
     with ``compare_cost``, when the projected wall time of finishing by rounds exceeds
     the projected wall time of in-place retry; both projections use the round's own
-    measured figures (see ``pipeline.crossover``).
+    measured figures (see ``pipeline.policy``).
     """
 
     min_shrink: float = Field(0.0, ge=0.0, le=1.0)

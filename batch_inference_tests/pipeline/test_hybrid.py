@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 
 from batch_inference.pipeline import CrossoverRule, PipelineRun, choose_crossover, run_pipeline
-from batch_inference.pipeline.crossover import expected_attempts
+from batch_inference.pipeline.policy import expected_attempts
 from batch_inference_tests.pipeline.helpers import CountingRunner
 
 
@@ -124,7 +124,7 @@ class _TwoWorkers(CountingRunner):
 
 async def test_crossover_divides_engine_time_by_the_workers_that_ran_the_round(make_spec) -> None:
     """pool.replicas says 3, but two workers (endpoints) ran the round: engine s / 2."""
-    from batch_inference.pipeline.crossover import round_
+    from batch_inference.pipeline.policy import round_
     from batch_inference.pipeline.runner import open_runner
     from batch_inference.pipeline.summaries import PhaseSummary
 

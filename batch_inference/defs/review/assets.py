@@ -30,12 +30,13 @@ from batch_inference.defs.storage.resources import StorageResource
 )
 def reviewed(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.MaterializeResult:
     from batch_inference.pipeline import PipelineRun
+    from batch_inference.planning.progress import eta_after_round
 
     key = parse_round_key(context.partition_key)
     record_worker(context)
     spec = load_spec(context.instance, key.run, storage)
     summary = run_cpu_step(spec, lambda run: run.resolve_review(key.round)).as_dict()
-    run = PipelineRun(spec)
+    run = PipelineRun(spec, eta=eta_after_round)
     decision = run.decide(key.round).as_dict()
     return dg.MaterializeResult(metadata={
         "round": dg.MetadataValue.int(key.round),

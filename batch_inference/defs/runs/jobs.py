@@ -23,7 +23,7 @@ class StartRunConfig(dg.Config):
     run: str | None = Field(None, description="run name (overrides the spec's): the run's partition and folder")
     input: str | None = Field(None, description="input URL (overrides the spec's), e.g. tonight's drop")
     output: str | None = Field(None, description="output base URL (overrides the storage resource's base_url, which overrides the spec's)")
-    plan: bool = Field(True, description="price the run (pipeline.plan) and record the plan: metadata here, ledger for planned vs actual")
+    plan: bool = Field(True, description="price the run (planning.plan) and record the plan: metadata here, ledger for planned vs actual")
     plan_profile: str | None = Field(None, description="an engine profile from `batch-inference profile` for the plan")
 
 
@@ -72,7 +72,8 @@ def _plan_metadata(context: dg.OpExecutionContext, spec: object, config: StartRu
     """The run's plan (its own strategy) as metadata, and written to its ledger; a plan that
     cannot be made is logged, never a reason not to start."""
     from batch_inference.pipeline import Ledger, RunLayout
-    from batch_inference.pipeline.plan import EngineProfile, make_plan
+    from batch_inference.planning.plan import make_plan
+    from batch_inference.planning.profiling import EngineProfile
 
     try:
         profile = EngineProfile.load(config.plan_profile) if config.plan_profile else None

@@ -11,7 +11,9 @@ from click.testing import CliRunner
 
 from batch_inference.cli.main import cli
 from batch_inference.pipeline import PipelineSpec
-from batch_inference.pipeline.plan import EngineProfile, input_size, judge_prompt_tokens, make_plan, measure_profile
+from batch_inference.planning.plan import judge_prompt_tokens, make_plan
+from batch_inference.planning.profiling import EngineProfile, measure_profile
+from batch_inference.planning.sizing import input_size
 
 
 def write_input(path: Path, n: int) -> Path:
@@ -100,11 +102,12 @@ async def test_progress_bars_show_tokens_and_the_run_eta(tmp_path: Path) -> None
 
     from batch_inference.pipeline import run_pipeline
     from batch_inference.pipeline.report import RichReporter
+    from batch_inference.planning.progress import eta_after_round
 
     spec = PipelineSpec.parse(spec_dict(tmp_path, 300, strategy="rounds"))
     out = io.StringIO()
     with RichReporter(Console(file=out, width=200, force_terminal=False)) as reporter:
-        await run_pipeline(spec, reporter=reporter)
+        await run_pipeline(spec, reporter=reporter, eta=eta_after_round)
     text = out.getvalue()
     assert "tok/s" in text and "eta" in text
     assert "round 0 -> next_round; run ETA 0:00:" in text

@@ -9,7 +9,10 @@ import pytest
 
 from batch_inference.engines.decode_model import PROFILES
 from batch_inference.pipeline import PipelineSpec
-from batch_inference.pipeline.scale import Cluster, EngineRates, Overheads, VirtualClockLoop, Workload, engine_rates, run_virtual, simulate
+from batch_inference.planning.clock import VirtualClockLoop, run_virtual
+from batch_inference.planning.cluster import Cluster, Overheads
+from batch_inference.planning.rates import EngineRates, Workload, engine_rates
+from batch_inference.planning.simulation import simulate
 
 RATES = EngineRates(infer_s=0.005, judge_s=0.003, infer_latency_s=5.0, judge_latency_s=0.5, infer_tokens_out=115,
                     steps_per_record=0.12, calls_per_record=0.036, scheduling="continuous", profile="test")

@@ -1,4 +1,11 @@
-"""The hybrid's crossover: keep re-dispatching rounds while they pay, then hand over.
+"""The round policy: what follows a judged round, and the hybrid's crossover. Pure.
+
+``decide_round`` reads only a spec and a round's ``PhaseSummary`` figures, so the
+orchestrator (``PipelineRun.decide``, from the ledger) and the scale simulation
+(``planning.simulation``, in virtual time) decide with the same code. It imports only
+the spec and the summaries: no storage, no pool, no planning.
+
+The hybrid's crossover keeps re-dispatching rounds while they pay, then hands over.
 
 Decided after each round from that round's own measured figures. Per round ``r`` with
 ``P`` records in, ``R`` rejected, wall ``W`` (infer + judge) and engine time ``B`` (per
@@ -33,7 +40,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from batch_inference.pipeline.spec import CrossoverRule
+from batch_inference.pipeline.spec import CrossoverRule, PipelineSpec
+from batch_inference.pipeline.summaries import Decision, PhaseSummary
 
 
 def expected_attempts(approval: float, attempts_left: int) -> float:
@@ -122,3 +130,63 @@ def choose_crossover(
 
 def round_(x: float) -> float:
     return float(f"{x:.4g}")
+
+
+def decide_round(spec: PipelineSpec, r: int, infer: PhaseSummary, judge: PhaseSummary, *, recompact_s: float = 0.0,
+                 reviewed: dict[str, Any] | None = None) -> Decision:
+    """What follows round ``r`` given its two phases' figures (pure: ``PipelineRun.decide``
+    reads them from the ledger; the scale simulation builds them in virtual time).
+    ``recompact_s`` is the last recompaction's wall (the next one's estimate); ``reviewed``
+    the round's closed human review (``ReviewSummary.as_dict()``), whose verdicts count too."""
+    approved, rejected = judge.approved, judge.rejected
+    more_figures: dict[str, Any] = {}
+    if reviewed is not None:
+        approved, rejected = approved + int(reviewed["approved"]), rejected + int(reviewed["rejected"])
+        more_figures = {"reviewed": int(reviewed["records"]), "reviewed_approved": int(reviewed["approved"]),
+                        "reviewed_rejected": int(reviewed["rejected"]), "review_timed_out": int(reviewed["timed_out"])}
+    records_in = infer.records_total
+    rounds_left = spec.max_rounds - (r + 1)
+    attempts_left = spec.max_attempts - (r + 1)
+    figures: dict[str, Any] = {"records_in": records_in, "approved": approved, "rejected": rejected,
+                               "quarantined": infer.records_quarantined + judge.records_quarantined,
+                               "rounds_left": rounds_left, "attempts_left": attempts_left, **more_figures}
+    if rejected == 0:
+        kind, reason = "done", "nothing rejected"
+    elif attempts_left <= 0:
+        kind, reason = "exhausted", f"max_attempts ({spec.max_attempts}) reached with {rejected} rejected"
+    elif spec.strategy == "hybrid" and spec.judge.kind == "human":
+        # No in-place tail for a human judge (nobody can approve inside a worker): rounds only.
+        if rounds_left <= 0:
+            kind, reason = "exhausted", f"max_rounds ({spec.max_rounds}) reached with {rejected} rejected (human judge: no in-place tail)"
+        else:
+            kind, reason = "next_round", f"{rejected} rejected (human judge: rounds only)"
+    elif spec.strategy == "hybrid":
+        switch, reason, more = choose_crossover(
+            spec.crossover, round=r, records_in=records_in, approved=approved, rejected=rejected,
+            wall_s=infer.wall_s + judge.wall_s,
+            engine_s=_per_worker(infer, spec.pool.replicas) + _per_worker(judge, spec.pool.replicas),
+            overhead_s=_gap(infer) + _gap(judge), recompact_s=recompact_s,
+            rounds_left=rounds_left, attempts_left=attempts_left,
+        )
+        figures.update(more)
+        if switch or rounds_left <= 0:
+            kind = "tail"
+            reason = reason if switch else f"max_rounds ({spec.max_rounds}) reached: {rejected} to in-place retry"
+        else:
+            kind = "next_round"
+    elif rounds_left <= 0:
+        kind, reason = "exhausted", f"max_rounds ({spec.max_rounds}) reached with {rejected} still rejected"
+    else:
+        kind, reason = "next_round", f"{rejected} rejected"
+    return Decision(round=r, kind=kind, reason=reason, figures=figures)  # type: ignore[arg-type]
+
+
+def _per_worker(phase: PhaseSummary, fallback: int) -> float:
+    """Engine time per worker that ran the phase (endpoints and k8s discovery need not match
+    ``pool.replicas``); ``fallback`` only for ledgers written before workers were recorded."""
+    return phase.engine_busy_s / max(1, phase.workers or fallback)
+
+
+def _gap(phase: PhaseSummary) -> float:
+    """Time in a phase when not even its longest task ran: dispatch and bookkeeping (one-wave bound)."""
+    return max(0.0, phase.wall_s - phase.longest_task_s) if phase.shards_run else 0.0

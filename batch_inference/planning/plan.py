@@ -1,0 +1,206 @@
+"""The planner: what a spec will cost and how long it will take, before it runs.
+
+``make_plan(spec)`` reads the input's size (a shard directory's manifest, else a count or
+a sample), tokenises a sample of prompts with the engine's own tokenizer, takes the
+engine's per-record cost from an ``EngineProfile`` (measured on the target hardware by
+``measure_profile``, i.e. ``batch-inference profile``, or derived from a calibrated
+decode-step profile), and runs the scale simulation (``planning.simulation``) once per
+strategy. Every number it prints says where it came from (``RunPlan.assumptions``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from batch_inference.engines.decode_model import get_profile
+from batch_inference.pipeline.spec import PipelineSpec
+from batch_inference.planning.cluster import Cluster, Overheads
+from batch_inference.planning.profiling import EngineProfile
+from batch_inference.planning.rates import EngineRates, Workload, engine_rates
+from batch_inference.planning.simulation import SimResult, simulate
+from batch_inference.planning.sizing import input_size, prompt_token_counts
+
+STRATEGIES = ("rounds", "in_place", "hybrid")
+DEFAULT_GPU_PROFILE = "h200-llama-8b"
+
+
+@dataclass
+class StrategyPlan:
+    strategy: str
+    wall_s: float
+    engine_s: float
+    gpu_hours: float
+    cost: float | None
+    waves: float
+    approved: int
+    unfinished: int
+    tokens_in: float
+    tokens_out: float
+    idle_share: float
+    decisions: list[str]
+    phases: list[dict[str, Any]]
+
+    @classmethod
+    def of(cls, res: SimResult, w: Workload, price: float | None, judge_tokens: float, replicas: int) -> StrategyPlan:
+        attempts = res.attempts
+        return cls(
+            strategy=res.strategy, wall_s=res.wall_s, engine_s=res.engine_s / max(1, replicas),
+            gpu_hours=res.gpu_hours(), cost=res.gpu_hours() * price if price is not None else None, waves=res.waves,
+            approved=res.approved, unfinished=res.unfinished + res.quarantined,
+            tokens_in=attempts * (w.prompt_tokens + judge_tokens), tokens_out=res.tokens_out + attempts * w.judge_output_tokens,
+            idle_share=res.idle_share, decisions=[f"round {d.round}: {d.kind} ({d.reason})" for d in res.decisions],
+            phases=[{"name": r.name, "records": r.records, "wall_s": round(r.wall_s, 2)} for r in res.rounds],
+        )
+
+
+@dataclass
+class RunPlan:
+    spec_run: str
+    records: int
+    replicas: int
+    concurrency: int
+    gpu_hour_price: float | None
+    strategies: list[StrategyPlan]
+    assumptions: list[str]
+    chosen: str  # the spec's own strategy
+
+    def for_strategy(self, strategy: str) -> StrategyPlan:
+        return next(s for s in self.strategies if s.strategy == strategy)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def metadata(self) -> dict[str, Any]:
+        """Flat figures for Dagster metadata and the ledger: the spec's strategy, planned."""
+        s = self.for_strategy(self.chosen)
+        out: dict[str, Any] = {
+            "plan.strategy": s.strategy, "plan.records": self.records, "plan.wall_s": round(s.wall_s, 1),
+            "plan.engine_s": round(s.engine_s, 1), "plan.gpu_hours": round(s.gpu_hours, 3), "plan.waves": round(s.waves, 2),
+            "plan.tokens_out": round(s.tokens_out), "plan.approved": s.approved,
+        }
+        if s.cost is not None:
+            out["plan.cost"] = round(s.cost, 2)
+        for p in s.phases:
+            out[f"plan.phase.{p['name']}.wall_s"] = p["wall_s"]
+        return out
+
+
+def judge_prompt_tokens(spec: PipelineSpec, prompt: float, output: float) -> float:
+    """Tokens of a judge prompt: the template's own text (~4 characters a token) plus the
+    record's prompt and the result where it names them. A rule judge sends none."""
+    if spec.judge.kind != "llm" or not spec.judge.template:
+        return 0.0
+    t = spec.judge.template
+    literal = re.sub(r"\{[^{}]*\}", "", t)
+    return len(literal) / 4 + (prompt if "{prompt}" in t else 0.0) + (output if "{result}" in t else 0.0)
+
+
+def linear_rates(spec: PipelineSpec, w: Workload) -> EngineRates:
+    """Per-record engine time of the linear simulated engine under the worker's token budget."""
+    o = spec.engine.simulated
+    budget = int((spec.pool.batcher or {}).get("target_batch_tokens", 12_800))
+    max_batch = int((spec.pool.batcher or {}).get("max_batch_size", 256))
+
+    def per_record(prompt: float, out: float, max_tokens: int) -> float:
+        per_batch = max(1, min(max_batch, math.ceil(budget / max(1.0, prompt + max_tokens))))
+        return o.latency_b_s * (prompt + out) + o.latency_a_s / per_batch
+
+    judge_prompt = w.judge_prompt_tokens if w.judge_prompt_tokens is not None else w.prompt_tokens + w.output_tokens + w.judge_extra_tokens
+    infer = per_record(w.prompt_tokens, w.output_tokens, w.max_tokens)
+    batch = max(1, min(max_batch, math.ceil(budget / max(1.0, w.prompt_tokens + w.max_tokens))))
+    return EngineRates(infer_s=infer, judge_s=per_record(judge_prompt, w.judge_output_tokens, w.judge_output_tokens),
+                       infer_latency_s=0.0, judge_latency_s=0.0, infer_tokens_out=w.output_tokens,
+                       steps_per_record=1 / batch, calls_per_record=1 / batch, scheduling="blocking", profile="simulated-linear")
+
+
+def local_overheads(spec: PipelineSpec) -> Overheads:
+    """Latencies of the launcher the spec names: nothing to launch in process or locally."""
+    if spec.pool.launcher == "k8s":
+        return Overheads(retries=spec.pool.retries, checkpoint_interval_s=spec.pool.checkpoint_interval_s)
+    return Overheads(task_s=0.05, driver_task_s=0.002, phase_launch_s=0.0, round_gap_s=0.0, list_page_s=0.01,
+                     object_s=0.01, restart_s=10.0, retries=spec.pool.retries, checkpoint_interval_s=spec.pool.checkpoint_interval_s)
+
+
+def make_plan(
+    spec: PipelineSpec,
+    *,
+    gpus: int | None = None,
+    gpu_hour_price: float | None = None,
+    profile: EngineProfile | None = None,
+    gpu_profile: str | None = None,
+    approval: float | None = None,
+    records: int | None = None,
+    sample: int = 500,
+    overheads: Overheads | None = None,
+    strategies: tuple[str, ...] = STRATEGIES,
+) -> RunPlan:
+    """Plan ``spec`` for each of ``strategies`` (the spec's own is ``RunPlan.chosen``; keep it in them)."""
+    notes: list[str] = []
+    size = input_size(spec, sample=sample)
+    n = records if records is not None else size.records
+    notes.append(f"input: {n:,} records ({'given' if records is not None else size.how})")
+    counts, how = prompt_token_counts(spec, size.sample)
+    prompt_mean = sum(counts) / len(counts) if counts else (profile.prompt_tokens if profile and profile.prompt_tokens else 100.0)
+    notes.append(f"prompt tokens: mean {prompt_mean:.1f} over {len(counts)} sample records ({how})")
+    max_tokens = spec.infer.sampling.max_tokens
+    sim_opts = spec.engine.simulated if spec.engine.kind == "simulated" else None
+    if profile is not None and profile.output_tokens is not None:
+        out_mean, out_how = profile.output_tokens, f"measured by the profile ({profile.source})"
+    elif sim_opts is not None:
+        out_mean, out_how = float(min(sim_opts.output_tokens, max_tokens)), "the simulated engine's output_tokens"
+    else:
+        out_mean, out_how = float(max_tokens), "max_tokens (an upper bound: run `batch-inference profile` to measure)"
+    notes.append(f"output tokens: mean {out_mean:.1f} per inference ({out_how})")
+    if approval is not None:
+        a, a_how = approval, "given"
+    elif profile is not None and profile.approval is not None:
+        a, a_how = profile.approval, "measured by the profile"
+    elif sim_opts is not None and spec.judge.kind == "llm":
+        a, a_how = sim_opts.approval_rate, "the simulated judge's approval_rate"
+    else:
+        a, a_how = 0.5, "assumed (pass --approval or run `batch-inference profile`)"
+    notes.append(f"approval per attempt: {a:.3f} ({a_how}), independent across attempts")
+    judge_tokens = judge_prompt_tokens(spec, prompt_mean, out_mean)
+    w = Workload(records=n, prompt_tokens=max(1.0, prompt_mean), output_tokens=max(1.0, out_mean), judge_prompt_tokens=judge_tokens,
+                 output_lengths=(sim_opts.output_lengths if sim_opts is not None else "geometric"),
+                 max_tokens=max_tokens, judge_output_tokens=spec.judge.max_tokens if spec.judge.kind == "llm" else 1,
+                 approval=a)
+    if profile is not None:
+        rates = profile.rates()
+        notes.append(f"engine: measured profile {profile.source}: {profile.infer_s * 1000:.3f} ms per inferred record, "
+                     f"{profile.judge_s * 1000:.3f} ms per judged record, {profile.tail_attempt_s * 1000:.3f} ms per "
+                     "in-place attempt (one replica at full load)")
+    elif sim_opts is not None and sim_opts.cost_model == "linear" and gpu_profile is None:
+        rates = linear_rates(spec, w)
+        notes.append(f"engine: the simulated engine's linear cost ({sim_opts.latency_a_s}s + {sim_opts.latency_b_s}s/token per "
+                     f"batch, the batcher's token budget): {rates.infer_s * 1000:.3f} ms per inferred record, "
+                     f"{rates.judge_s * 1000:.3f} ms per judged record, engine time only (no pipeline overhead: profile for that)")
+    else:
+        name = gpu_profile or (sim_opts.profile if sim_opts is not None and sim_opts.cost_model == "decode" else DEFAULT_GPU_PROFILE)
+        prof = get_profile(name)
+        rates = engine_rates(prof, w, sample=min(20_000, max(2_000, n)))
+        notes.append(f"engine: calibrated decode-step profile {name} ({prof.source}), continuous batching: "
+                     f"{rates.infer_s * 1000:.3f} ms per inferred record, {rates.judge_s * 1000:.3f} ms per judged record per replica")
+    replicas = gpus or spec.pool.replicas
+    if spec.pool.launcher == "inprocess" and gpus is None:
+        cluster = Cluster(replicas=1, concurrency=spec.pool.concurrency * spec.pool.replicas)
+    else:
+        cluster = Cluster(replicas=replicas, concurrency=spec.pool.concurrency)
+    o = overheads or local_overheads(spec)
+    if profile is not None and profile.overheads:
+        o = dataclasses.replace(o, **profile.overheads)
+    notes.append(f"cluster: {cluster.replicas} replica(s) x {cluster.concurrency} slots; overheads: task {o.task_s}s, "
+                 f"phase launch {o.phase_launch_s}s, round gap {o.round_gap_s}s, recompaction {o.recompact_records_per_s:,.0f} rec/s, "
+                 f"resharding {o.reshard_records_per_s:,.0f} rec/s")
+    if gpu_hour_price is not None:
+        notes.append(f"cost: GPU-hours (replicas x wall from the first phase) x {gpu_hour_price}/GPU-hour")
+    plans = []
+    for strategy in strategies:
+        s = spec.model_copy(update={"strategy": strategy})
+        res = simulate(s, w, rates, cluster=cluster, overheads=o)
+        plans.append(StrategyPlan.of(res, w, gpu_hour_price, judge_tokens, cluster.replicas))
+    return RunPlan(spec.run, n, cluster.replicas, cluster.concurrency, gpu_hour_price, plans, notes, spec.strategy)

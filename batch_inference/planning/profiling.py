@@ -1,0 +1,164 @@
+"""The engine profile: per-record costs of one replica, measured on the target hardware.
+
+``measure_profile`` (``batch-inference profile``) runs a sample of the spec's input through
+the real pipeline twice (by rounds, then in place) and fits each phase's wall; the
+profile file it writes is what ``planning.plan.make_plan`` prices a run with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from batch_inference.pipeline.layout import RunLayout
+from batch_inference.pipeline.policy import expected_attempts
+from batch_inference.pipeline.spec import PipelineSpec
+from batch_inference.pipeline.summaries import PhaseSummary
+from batch_inference.planning.rates import EngineRates
+from batch_inference.planning.sizing import input_size
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    """Per-record costs of one replica on the target hardware, and what was measured with them.
+
+    ``infer_s``/``judge_s`` are seconds of one replica per record at full load (for a
+    measured profile: phase wall x workers / records, so everything on the task path is
+    in it); ``tail_attempt_s`` one in-place record-attempt (infer + judge + checkpoint).
+    """
+
+    source: str
+    infer_s: float
+    judge_s: float
+    tail_attempt_s: float
+    infer_latency_s: float = 0.0
+    judge_latency_s: float = 0.0
+    output_tokens: float | None = None  # mean per inferred record
+    approval: float | None = None  # measured P(approved) per attempt
+    prompt_tokens: float | None = None
+    overheads: dict[str, float] = field(default_factory=dict)  # Overheads fields measured with it
+    measured: dict[str, Any] = field(default_factory=dict)  # the raw figures
+
+    def rates(self, calls_per_record: float = 0.0) -> EngineRates:
+        return EngineRates(
+            infer_s=self.infer_s, judge_s=self.judge_s, infer_latency_s=self.infer_latency_s,
+            judge_latency_s=self.judge_latency_s, infer_tokens_out=self.output_tokens or 0.0,
+            steps_per_record=calls_per_record, calls_per_record=calls_per_record,
+            scheduling="measured", profile=self.source, tail_attempt_s=self.tail_attempt_s,
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> EngineProfile:
+        data = json.loads(Path(path).read_text())
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"{path}: not an engine profile (unknown keys {sorted(unknown)})")
+        return cls(**data)
+
+
+async def measure_profile(spec: PipelineSpec, *, records: int = 10_000, workdir: str | None = None) -> EngineProfile:
+    """Run a sample of the spec's input through the real pipeline on this hardware and time it.
+
+    Two short runs in a scratch output: the first ``records`` records by rounds (two
+    rounds: reshard, infer, judge, recompact, infer, judge), and half of them in place
+    (two attempts). Round 1 sees about ``1 - approval`` of round 0's records with the same
+    shard size, so each phase's wall is fitted as ``fixed + per_record x records`` from
+    the two rounds: per-record costs include everything on the task path (phase wall x
+    workers / records), and the fixed part becomes the plan's per-phase overhead.
+    """
+    from batch_inference.pipeline.ledger import Ledger
+    from batch_inference.pipeline.run import run_pipeline
+
+    size = input_size(spec, sample=records)
+    sample = size.sample[:records]
+    if len(sample) < 4:
+        raise ValueError(f"{spec.input}: {len(sample)} record(s) are too few to profile (need 4 or more)")
+    own = workdir is None
+    base = Path(workdir or tempfile.mkdtemp(prefix="bi-profile-"))
+    base.mkdir(parents=True, exist_ok=True)
+    half = sample[: len(sample) // 2]
+    shard = max(1, min(spec.shard_records, len(sample) // 4))
+    try:
+        ledgers = {}
+        walls = {}
+        for name, strategy, recs in (("profile-rounds", "rounds", sample), ("profile-in-place", "in_place", half)):
+            src = base / f"{name}.jsonl"
+            src.write_text("".join(json.dumps(r) + "\n" for r in recs))
+            s = spec.model_copy(update={
+                "input": str(src), "output": str(base / "out"), "run": name, "strategy": strategy, "storage_options": {},
+                "shard_records": shard, "chunk_size": min(spec.chunk_size, shard), "max_rounds": 2, "max_attempts": 2,
+            })
+            t0 = time.perf_counter()
+            await run_pipeline(s)
+            walls[name] = time.perf_counter() - t0
+            ledgers[name] = Ledger(RunLayout(str(base / "out"), name))
+        rl, tl = ledgers["profile-rounds"], ledgers["profile-in-place"]
+        i0, i1 = (PhaseSummary.from_dict(rl.read(RunLayout.step_name(r, "infer")) or {}) for r in (0, 1))
+        j0, j1 = (PhaseSummary.from_dict(rl.read(RunLayout.step_name(r, "judge")) or {}) for r in (0, 1))
+        recompact = rl.read(RunLayout.step_name(1, "recompact"))
+        shard_big, shard_small = rl.read(RunLayout.SHARD) or {}, tl.read(RunLayout.SHARD) or {}
+        tail_data = tl.read(RunLayout.TAIL)
+    finally:
+        if own:
+            shutil.rmtree(base, ignore_errors=True)
+    workers = 1 if spec.pool.launcher == "inprocess" else max(1, i0.workers or spec.pool.replicas)
+    infer_c, infer_f = _fit(i0, i1)
+    judge_c, judge_f = _fit(j0, j1)
+    approved = j0.counts.get("approved", 0)
+    judged = approved + j0.counts.get("rejected", 0)
+    a = approved / judged if judged else 0.0
+    tail = PhaseSummary.from_dict(tail_data) if tail_data else None
+    attempts = tail.records_in * expected_attempts(a, 2) if tail is not None else 0.0
+    fixed = (infer_f + judge_f) / 2
+    overheads: dict[str, float] = {"task_s": 0.0, "phase_launch_s": fixed}
+    if recompact and recompact.get("wall_s") and recompact.get("records"):
+        overheads["recompact_records_per_s"] = recompact["records"] / recompact["wall_s"]
+    dn = shard_big.get("records", 0) - shard_small.get("records", 0)
+    dw = shard_big.get("wall_s", 0.0) - shard_small.get("wall_s", 0.0)
+    if dn > 0 and dw > 0:
+        overheads["reshard_records_per_s"] = dn / dw
+    elif shard_big.get("wall_s"):
+        overheads["reshard_records_per_s"] = shard_big["records"] / shard_big["wall_s"]
+    return EngineProfile(
+        source=f"measured on {platform.node()} {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {len(sample):,} records, "
+               f"engine {spec.engine.kind}, pool {spec.pool.launcher} {spec.pool.replicas}x{spec.pool.concurrency}",
+        infer_s=infer_c * workers,
+        judge_s=judge_c * workers,
+        tail_attempt_s=(max(0.0, tail.wall_s - fixed) * workers / attempts) if tail is not None and attempts else 0.0,
+        output_tokens=i0.tokens_out / max(1, i0.records_in),
+        approval=a,
+        prompt_tokens=i0.tokens_in / max(1, i0.records_in),
+        overheads=overheads,
+        measured={"records": len(sample), "shard_records": shard, "rounds_wall_s": round(walls["profile-rounds"], 3),
+                  "in_place_wall_s": round(walls["profile-in-place"], 3),
+                  "infer_wall_s": [i0.wall_s, i1.wall_s], "infer_records": [i0.records_in, i1.records_in],
+                  "judge_wall_s": [j0.wall_s, j1.wall_s], "infer_engine_s": i0.engine_busy_s, "judge_engine_s": j0.engine_busy_s,
+                  "tail_wall_s": tail.wall_s if tail is not None else None, "workers": workers,
+                  "loadavg": os.getloadavg()[0]},
+    )
+
+
+def _fit(big: PhaseSummary, small: PhaseSummary) -> tuple[float, float]:
+    """(seconds per record, fixed seconds) of a phase from two sizes (one size: no fixed part)."""
+    dn = big.records_in - small.records_in
+    if dn > 0 and big.wall_s > small.wall_s:
+        per = (big.wall_s - small.wall_s) / dn
+        return per, max(0.0, big.wall_s - per * big.records_in)
+    return big.wall_s / max(1, big.records_in), 0.0
+
+
+def run_measure_profile(spec: PipelineSpec, **kw: Any) -> EngineProfile:
+    return asyncio.run(measure_profile(spec, **kw))

@@ -1,0 +1,236 @@
+"""A pipeline run on a simulated cluster, in discrete-event time: minutes for 100M records.
+
+The decisions are the pipeline's own code: shard tasks go through ``dispatch_bounded``
+(at most replicas x concurrency in flight), the round after a judge phase is chosen by
+``pipeline.policy.decide_round`` (the hybrid's crossover included) from ``PhaseSummary``
+figures built exactly as the ledger's are, rejected records are recompacted into full
+shards, and a task that fails (a preempted replica) is retried elsewhere up to
+``retries`` times and then quarantined, as ``PoolClient`` does. What is simulated is the
+world around them: records are counts, not rows; each replica's engine runs at the
+engine-rate model's figures (``planning.rates``, from ``engines.decode_model``) on the
+simulated cluster (``planning.cluster``).
+
+Time is virtual (``planning.clock``), so the real async code runs unchanged and a
+100M-record run takes seconds. The planner (``planning.plan``) runs the same simulation
+for a spec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from batch_inference.pipeline.policy import decide_round, expected_attempts
+from batch_inference.pipeline.spec import PipelineSpec
+from batch_inference.pipeline.summaries import Decision, PhaseSummary
+from batch_inference.planning.clock import run_virtual
+from batch_inference.planning.cluster import Cluster, ClusterSim, Overheads, TaskQuarantined
+from batch_inference.planning.rates import EngineRates, Workload
+from batch_inference.pool.dispatch import dispatch_bounded
+
+
+@dataclass
+class PhaseResult:
+    summary: PhaseSummary
+    engine_s: float
+    redone_s: float
+    quarantined_records: int
+
+
+@dataclass
+class RoundRecord:
+    name: str
+    records: int
+    shards: int
+    wall_s: float
+    engine_s: float
+    overhead_s: float  # launch, listing, recompaction: time the GPUs idle by design
+    decision: str = ""
+
+
+@dataclass
+class SimResult:
+    strategy: str
+    wall_s: float
+    engine_s: float  # engine-seconds of work (all replicas)
+    gpu_s: float  # replicas x wall: what is paid for
+    approved: int
+    unfinished: int
+    quarantined: int
+    waves: float
+    redone_s: float
+    preemptions: int
+    retries: int
+    model_calls: float
+    engine_steps: float
+    tokens_out: float
+    attempts: float = 0.0  # inference attempts (records inferred, each time)
+    rounds: list[RoundRecord] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
+
+    @property
+    def busy_share(self) -> float:
+        return self.engine_s / self.gpu_s if self.gpu_s else 0.0
+
+    @property
+    def idle_share(self) -> float:
+        return 1.0 - self.busy_share
+
+    def gpu_hours(self) -> float:
+        return self.gpu_s / 3600.0
+
+
+def _shards(records: int, shard_records: int) -> list[int]:
+    full, rest = divmod(records, shard_records)
+    return [shard_records] * full + ([rest] if rest else [])
+
+
+def simulate(
+    spec: PipelineSpec,
+    workload: Workload,
+    rates: EngineRates,
+    *,
+    cluster: Cluster | None = None,
+    overheads: Overheads | None = None,
+    phases: Literal["all", "one_round"] = "all",
+) -> SimResult:
+    """Simulate ``spec`` (strategy, max_rounds/attempts, crossover, shard_records) at scale.
+
+    ``phases="one_round"`` stops after round 0's infer and judge (the capacity math).
+    """
+    cluster = cluster or Cluster(replicas=spec.pool.replicas, concurrency=spec.pool.concurrency)
+    overheads = overheads or Overheads(retries=spec.pool.retries)
+    return run_virtual(lambda: _simulate(spec, workload, rates, cluster, overheads, phases))
+
+
+async def _simulate(spec: PipelineSpec, w: Workload, rates: EngineRates, cluster: Cluster, o: Overheads,
+                    phases: str) -> SimResult:
+    loop = asyncio.get_running_loop()
+    sim = ClusterSim(cluster, o, loop)
+    sim.start()
+    rng = random.Random(cluster.seed + 1)
+    rounds: list[RoundRecord] = []
+    decisions: list[Decision] = []
+    attempts = {"infer": 0.0, "judge": 0.0}
+    quarantined = 0
+
+    async def idle(name: str, seconds: float, records: int, shards: int) -> None:
+        t0 = loop.time()
+        await asyncio.sleep(seconds)
+        rounds.append(RoundRecord(name, records, shards, loop.time() - t0, 0.0, loop.time() - t0))
+
+    async def phase(r: int, name: Literal["infer", "judge", "tail"], shards: list[int], per_record_s: float,
+                    latency_s: float, *, sample_level: bool = False, attempts_per_record: float = 1.0) -> PhaseResult:
+        nonlocal quarantined
+        await asyncio.sleep(o.phase_launch_s + o.list_page_s * math.ceil(len(shards) / 1000))
+        t0 = loop.time()
+        busy0, redone0 = sim.engine_busy_s(), sim.redone_s
+        longest = 0.0
+        done_records = 0
+        lost: list[dict[str, Any]] = []
+        retries0 = sim.retries
+
+        async def one(n: int) -> tuple[int, float]:
+            return n, await sim.run_task(n * per_record_s * attempts_per_record, latency_s=latency_s, sample_level=sample_level)
+
+        def ok(res: tuple[int, float]) -> None:
+            nonlocal longest, done_records
+            longest = max(longest, res[1])
+            done_records += res[0]
+
+        def failed(n: int, exc: BaseException) -> None:
+            if not isinstance(exc, TaskQuarantined):
+                raise exc
+            lost.append({"shard": f"sim://{name}", "phase": name, "records": n, "error": str(exc), "round": r})
+
+        await dispatch_bounded(shards, one, ok, failed, limit=sim.limit)
+        wall = loop.time() - t0
+        engine = sim.engine_busy_s() - busy0
+        quarantined += sum(q["records"] for q in lost)
+        if name != "tail":
+            attempts[name] += done_records
+        summary = PhaseSummary(
+            round=r, phase=name, input_url="sim://", output_url="sim://", shards=len(shards), shards_run=len(shards),
+            records_in=done_records, counts={}, tokens_in=0, tokens_out=0, engine_busy_s=engine, wall_s=wall,
+            drain_s=0.0, avg_fill=0.0, cached_tasks=0, task_retries=sim.retries - retries0,
+            longest_task_s=longest, quarantined=lost, workers=cluster.replicas,
+        )
+        rounds.append(RoundRecord(f"round {r} {name}" if name != "tail" else "tail", done_records, len(shards),
+                                  wall + o.phase_launch_s, engine, o.phase_launch_s))
+        return PhaseResult(summary, engine, sim.redone_s - redone0, sum(q["records"] for q in lost))
+
+    def split(records: int, p: float) -> int:
+        # a binomial draw, normal-approximated at scale (exact below 1,000)
+        if records < 1000:
+            return sum(rng.random() < p for _ in range(records))
+        return max(0, min(records, round(rng.gauss(records * p, math.sqrt(records * p * (1 - p))))))
+
+    t_start = loop.time()
+    shard_n = spec.shard_records
+    await idle("shard (reshard input, CPU)", w.records / o.reshard_records_per_s + o.object_s * math.ceil(w.records / shard_n) / 10,
+               w.records, math.ceil(w.records / shard_n))
+    t_gpu = loop.time()  # the GPU pool is held from here (resharding is CPU work before it)
+    pending = _shards(w.records, shard_n)
+    approved_total = 0
+    unfinished = 0
+    tail_from: int | None = 0 if spec.strategy == "in_place" else None
+    r = 0
+    last_recompact_s = 0.0
+    waves = len(pending) / sim.limit
+    while tail_from is None:
+        inf = await phase(r, "infer", pending, rates.infer_s, rates.infer_latency_s)
+        judged = [n for n in pending]  # quarantined infer shards' records are lost to the round
+        judged_records = inf.summary.records_in
+        if inf.quarantined_records:
+            judged = _shards(judged_records, shard_n)
+        jud = await phase(r, "judge", judged, rates.judge_s, rates.judge_latency_s)
+        approved = split(jud.summary.records_in, w.approval)
+        rejected = jud.summary.records_in - approved
+        approved_total += approved
+        jud = replace(jud, summary=replace(jud.summary, counts={"approved": approved, "rejected": rejected}))
+        if phases == "one_round":
+            unfinished = rejected
+            break
+        decision = decide_round(spec, r, inf.summary, jud.summary, recompact_s=last_recompact_s)
+        decisions.append(decision)
+        rounds[-1].decision = f"{decision.kind}: {decision.reason}"
+        if decision.kind in ("done", "exhausted"):
+            unfinished = rejected
+            break
+        # recompact: one serial pass over the rejected records into full shards
+        t0 = loop.time()
+        await idle(f"round {r} recompact", o.round_gap_s + o.list_page_s * math.ceil(len(judged) / 1000)
+                   + rejected / o.recompact_records_per_s + o.object_s * math.ceil(rejected / shard_n), rejected,
+                   math.ceil(rejected / shard_n))
+        last_recompact_s = loop.time() - t0
+        pending = _shards(rejected, shard_n)
+        r += 1
+        if decision.kind == "tail":
+            tail_from = r
+    if tail_from is not None:
+        k = spec.max_attempts - tail_from
+        e = expected_attempts(w.approval, k)
+        records = sum(pending)
+        tail = await phase(tail_from, "tail", pending, rates.per_attempt_s, k * (rates.infer_latency_s + rates.judge_latency_s) / 2,
+                           sample_level=True, attempts_per_record=e)
+        done = tail.summary.records_in
+        ok = split(done, 1 - (1 - w.approval) ** k) if k > 0 else 0
+        approved_total += ok
+        unfinished = done - ok + (records - done - tail.quarantined_records)
+        attempts["infer"] += done * e
+        attempts["judge"] += done * e
+    await asyncio.sleep(o.phase_launch_s)  # results + finalize
+    rounds.append(RoundRecord("results + finalize", approved_total, 0, o.phase_launch_s, 0.0, o.phase_launch_s))
+    wall = loop.time() - t_start
+    await sim.stop()
+    engine = sim.engine_busy_s()
+    return SimResult(
+        strategy=spec.strategy, wall_s=wall, engine_s=engine, gpu_s=(loop.time() - t_gpu) * cluster.replicas,
+        approved=approved_total, unfinished=unfinished, quarantined=quarantined, waves=waves,
+        redone_s=sim.redone_s, preemptions=sim.preemptions, retries=sim.retries,
+        model_calls=attempts["infer"] * rates.calls_per_record, engine_steps=attempts["infer"] * rates.steps_per_record,
+        tokens_out=attempts["infer"] * rates.infer_tokens_out, attempts=attempts["infer"], rounds=rounds, decisions=decisions,
+    )
