@@ -8,7 +8,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from rich.console import Console
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.measure import Measurement
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -126,7 +128,28 @@ def _k(x: Any) -> str:
     return f"{x / 1e6:.1f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else str(x)
 
 
-def _s(x: Any) -> str:
+def duration(seconds: float | None) -> str:
+    """A duration in the unit its magnitude calls for: ``3.3 ms``, ``189 ms``, ``12.3 s``, ``2.4 min``, ``3.1 h``."""
+    if seconds is None:
+        return "-"
+    s = abs(float(seconds))
+    sign = "-" if float(seconds) < 0 else ""
+    if s == 0:
+        return "0 s"
+    if s < 0.9995:  # (each bound is where the next unit's rounding would start)
+        ms = s * 1000
+        return f"{sign}{ms:.0f} ms" if ms >= 10 else f"{sign}{ms:.2g} ms"
+    if s < 9.995:
+        return f"{sign}{s:.2f} s"
+    if s < 59.95:
+        return f"{sign}{s:.1f} s"
+    if s < 3597:
+        return f"{sign}{s / 60:.1f} min"
+    h = s / 3600
+    return f"{sign}{h:.1f} h" if h < 99.95 else f"{sign}{h:,.0f} h"
+
+
+def _f(x: Any) -> str:
     return f"{float(x):.2f}" if x is not None else "-"
 
 
@@ -134,37 +157,105 @@ def _rate(tokens_per_s: float) -> str:
     return f"{tokens_per_s:,.0f}" if tokens_per_s else "-"
 
 
-def ledger_table(view: LedgerView, title: str) -> Table:
+# The ledger table's columns, and the order they are left out in when the console is too
+# narrow for all of them ("funnel bar": the funnel keeps its percentage, loses its bar).
+# When even the rest does not fit, each row is printed as a block of "name value" lines.
+COLUMNS: tuple[tuple[str, str], ...] = (
+    ("phase", "left"), ("in", "right"), ("approved", "right"), ("rejected", "right"), ("failed", "right"),
+    ("funnel", "left"), ("tokens in/out", "right"), ("engine", "right"), ("wall", "right"), ("out tok/s", "right"),
+    ("fill", "right"), ("next", "left"),
+)
+LEAVE_OUT_ORDER: tuple[str, ...] = ("fill", "out tok/s", "engine", "tokens in/out", "funnel bar", "wall")
+
+
+class LedgerTable:
+    """The ledger as a table that fits the width it is printed at (a rich renderable).
+
+    All columns when they fit; else columns left out in ``LEAVE_OUT_ORDER`` (named in the
+    caption); else one block per row. No value is ever cut to ``…``.
+    """
+
+    def __init__(self, title: str, rows: list[dict[str, str]], bars: dict[int, str]) -> None:
+        self.title, self.rows, self.bars = title, rows, bars  # bars: row index -> its funnel bar
+
+    def table(self, left_out: tuple[str, ...] = ()) -> Table:
+        caption = f"left out at this width: {', '.join(left_out)}" if left_out else None
+        table = Table(title=self.title, caption=caption, show_lines=False)
+        names = [name for name, _ in COLUMNS if name not in left_out]
+        for name, justify in COLUMNS:
+            if name in names:
+                table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+        bar = "funnel bar" not in left_out
+        for i, row in enumerate(self.rows):
+            cells = {**row, "funnel": f"{self.bars[i]} {row['funnel']}" if bar and i in self.bars else row["funnel"],
+                     "next": row.get("next") or row.get("note", "")}
+            table.add_row(*(cells.get(name, "") for name in names))
+        return table
+
+    def stacked(self, width: int) -> list[Text]:
+        """Each row as its label (and what follows it), then its "name value" pairs wrapped to ``width``."""
+        out: list[Text] = [Text(self.title, style="italic")]
+        for row in self.rows:
+            head = row["phase"] + (f" -> {row['next']}" if row.get("next") else "") + (f" ({row['note']})" if row.get("note") else "")
+            out.append(Text(head, style="bold"))
+            pairs = [f"{name} {row[name]}" for name, _ in COLUMNS if name not in ("phase", "next") and row.get(name)]
+            line = ""
+            for pair in pairs:
+                if line and cell_len(line) + 2 + cell_len(pair) > width:
+                    out.append(Text(line))
+                    line = ""
+                line = f"{line}, {pair}" if line else f"  {pair}"
+            if line:
+                out.append(Text(line))
+        return out
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        width = options.max_width
+        wide = options.update_width(1_000_000)
+        for n in range(len(LEAVE_OUT_ORDER) + 1):
+            table = self.table(LEAVE_OUT_ORDER[:n])
+            if Measurement.get(console, wide, table).maximum <= width:
+                yield table
+                return
+        yield from self.stacked(width)
+
+
+def ledger_table(view: LedgerView, title: str) -> LedgerTable:
     """Per round (and tail): the funnel, tokens, engine time, wall, output tokens/s (the
-    inference phase's: what the engine delivered), fill, and the decision.
+    inference phase's: what the engine delivered), fill, and the decision, fitted to the
+    console's width (``LedgerTable``).
 
     "in" is the round's pending records (quarantined shards included); "failed" the records
     that ended failed in it (its quarantined shards' and its permanent errors, ``RoundView.failed``);
     the funnel is approved / in (``RoundView.approval``).
     """
-    table = Table(title=title, show_lines=False)
-    for col, justify in [("phase", "left"), ("in", "right"), ("approved", "right"), ("rejected", "right"),
-                         ("failed", "right"), ("funnel", "left"), ("tokens in/out", "right"),
-                         ("engine s", "right"), ("wall s", "right"), ("out tok/s", "right"), ("fill", "right"),
-                         ("next", "left")]:
-        table.add_column(col, justify=justify, no_wrap=col in ("funnel", "tokens in/out"))  # type: ignore[arg-type]
+    rows: list[dict[str, str]] = []
+    bars: dict[int, str] = {}
     if s := view.shard:
         note = f"{s.shards} shards" + (f", {s.duplicate_ids} dup ids" if s.duplicate_ids else "")
-        table.add_row("shard", _n(s.records), "", "", "", "", "", "", _s(s.wall_s), "", "", note)
+        rows.append({"phase": "shard", "in": _n(s.records), "funnel": "", "wall": duration(s.wall_s), "note": note})
     for rnd in view.rounds:
         judged = rnd.judge is not None
-        table.add_row(f"round {rnd.round}", _n(rnd.records_in), _n(rnd.approved if judged else None),
-                      _n(rnd.rejected if judged else None), _n(rnd.failed),
-                      f"{_bar(rnd.approval)} {rnd.approval:.0%}", f"{_k(rnd.tokens_in)}/{_k(rnd.tokens_out)}",
-                      _s(rnd.engine_busy_s), _s(rnd.wall_s), _rate(rnd.output_tokens_per_s), _s(rnd.avg_fill),
-                      rnd.decision.kind if rnd.decision else "…")
+        waiting = judged and rnd.judge.counts.get("review") and rnd.decision is None  # type: ignore[union-attr]
+        bars[len(rows)] = _bar(rnd.approval)
+        rows.append({
+            "phase": f"round {rnd.round}", "in": _n(rnd.records_in), "approved": _n(rnd.approved if judged else None),
+            "rejected": _n(rnd.rejected if judged else None), "failed": _n(rnd.failed), "funnel": f"{rnd.approval:.0%}",
+            "tokens in/out": f"{_k(rnd.tokens_in)}/{_k(rnd.tokens_out)}", "engine": duration(rnd.engine_busy_s),
+            "wall": duration(rnd.wall_s), "out tok/s": _rate(rnd.output_tokens_per_s), "fill": _f(rnd.avg_fill),
+            "next": rnd.decision.kind if rnd.decision else "review" if waiting else "-",
+        })
     if t := view.tail:
         approval = rate(t.approved, t.records_total)
-        table.add_row(f"tail (from {t.round})", _n(t.records_total), _n(t.approved),
-                      f"{_n(t.counts.get('max_attempts', 0))}*", _n(t.records_quarantined + t.counts.get("error", 0)),
-                      f"{_bar(approval)} {approval:.0%}", f"{_k(t.tokens_in)}/{_k(t.tokens_out)}", _s(t.engine_busy_s),
-                      _s(t.wall_s), _rate(t.output_tokens_per_s), _s(t.avg_fill), "")
-    return table
+        bars[len(rows)] = _bar(approval)
+        rows.append({
+            "phase": f"tail (from {t.round})", "in": _n(t.records_total), "approved": _n(t.approved),
+            "rejected": f"{_n(t.counts.get('max_attempts', 0))}*", "failed": _n(t.records_quarantined + t.counts.get("error", 0)),
+            "funnel": f"{approval:.0%}", "tokens in/out": f"{_k(t.tokens_in)}/{_k(t.tokens_out)}",
+            "engine": duration(t.engine_busy_s), "wall": duration(t.wall_s), "out tok/s": _rate(t.output_tokens_per_s),
+            "fill": _f(t.avg_fill), "next": "",
+        })
+    return LedgerTable(title, rows, bars)
 
 
 def run_lines(view: LedgerView) -> list[str]:

@@ -93,6 +93,47 @@ def test_the_ledger_table_is_readable_off_a_terminal(tmp_path: Path) -> None:
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout
     header = next(line for line in proc.stdout.splitlines() if "phase" in line)
-    for column in ("in", "approved", "rejected", "failed", "funnel", "tokens in/out", "engine s", "wall s", "fill", "next"):
+    for column in ("in", "approved", "rejected", "failed", "funnel", "tokens in/out", "engine", "wall", "fill", "next"):
         assert f" {column} " in header, header
     assert any("round 1" in line and "exhausted" in line for line in proc.stdout.splitlines()), proc.stdout
+
+
+def test_status_fits_80_and_60_columns_without_cutting_a_value(tmp_path: Path) -> None:
+    """``COLUMNS=80`` / ``60 batch-inference status RUN``: columns are left out in the stated
+    order (named under the table), or each row is stacked; every header and value that is
+    shown is whole (never cut to ``…``) and no line is wider than the terminal."""
+    from batch_inference.pipeline import Ledger, RunLayout
+    from batch_inference.pipeline.report import LEAVE_OUT_ORDER, ledger_table
+
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(spec_dict(tmp_path, records=200, approval=0.5, max_rounds=2)))
+    assert CliRunner().invoke(run, [str(spec_path)]).exit_code == 3
+    rows = ledger_table(Ledger(RunLayout(str(tmp_path / "out"), "test-run")).view(), "t").rows
+    assert [r["phase"] for r in rows] == ["shard", "round 0", "round 1"]
+    for width in (80, 60):
+        env = {**os.environ, "COLUMNS": str(width)}
+        proc = subprocess.run([sys.executable, "-m", "batch_inference.cli.main", "status", str(spec_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout
+        out = proc.stdout
+        assert "…" not in out, out
+        assert max(len(line) for line in out.splitlines()) <= width, out
+        if width == 80:  # a table: what is left out is said, the rest is whole
+            header = next(line for line in out.splitlines() if "phase" in line and "approved" in line)
+            left_out = next(line for line in out.splitlines() if "left out at this width" in line)
+            for name in ("phase", "in", "approved", "rejected", "failed", "funnel", "wall", "next"):
+                assert f" {name} " in header, header
+            for name in ("fill", "out tok/s", "engine", "tokens in/out"):
+                assert name not in header and name in left_out, out
+            assert all(name in LEAVE_OUT_ORDER for name in ("fill", "out tok/s", "engine", "tokens in/out"))
+            for row in rows:
+                line = next(line for line in out.splitlines() if line.startswith(f"│ {row['phase']} "))
+                cells = [c.strip() for c in line.strip("│").split("│")]
+                assert cells[:5] == [row.get(k, "") for k in ("phase", "in", "approved", "rejected", "failed")], line
+                assert row["wall"] in cells and (row.get("next") or row.get("note")) in cells, line
+        else:  # stacked: each row's block names each figure beside its value
+            blocks = out.split("\n" + "round ")
+            for row in rows[1:]:
+                block = next(b for b in blocks if b.startswith(row["phase"].removeprefix("round ") + " -> "))
+                for name in ("in", "approved", "rejected", "failed", "funnel", "tokens in/out", "engine", "wall", "fill"):
+                    assert f"{name} {row[name]}" in block, (name, block)
