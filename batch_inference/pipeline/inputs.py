@@ -25,15 +25,20 @@ class InputError(SpecError):
 
 def first_records(url: str, n: int, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Up to ``n`` records from the start of a JSONL(.zst) file or JsonlDir (streamed; malformed lines skipped)."""
+    return [rec for _, rec in first_numbered(url, n, storage_options)]
+
+
+def first_numbered(url: str, n: int, storage_options: dict[str, Any] | None = None) -> list[tuple[int, dict[str, Any]]]:
+    """``first_records`` with each record's 0-based line number, the one sharding makes its id from."""
     if n <= 0:
         return []
     probe = JsonlFile(url, storage_options=storage_options)
     source: JsonlFile | JsonlDir = JsonlDir(url, storage_options=storage_options) if probe.fs.isdir(probe.path) else probe
     if isinstance(source, JsonlFile) and not source.exists_sync():
         raise InputError(f"input: {probe.url} does not exist")
-    out: list[dict[str, Any]] = []
-    for rec in source.iter_records_sync(on_error="quarantine", quarantine=lambda entry: None):
-        out.append(rec)
+    out: list[tuple[int, dict[str, Any]]] = []
+    for item in source.iter_numbered_sync(on_error="quarantine", quarantine=lambda entry: None):
+        out.append(item)
         if len(out) >= n:
             break
     return out

@@ -115,16 +115,17 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
     except ValueError as exc:
         raise SpecError(f"{_prompt_key(spec)}: {exc}") from None
     so = spec.storage_options or None
-    head = inputs.first_records(sharded or spec.input, max(spec.preflight_records, 1), so)
-    fmt, detected = ("jsonl", False) if sharded else inputs.resolve_format(spec, head)
+    head = inputs.first_numbered(sharded or spec.input, max(spec.preflight_records, 1), so)
+    fmt, detected = ("jsonl", False) if sharded else inputs.resolve_format(spec, [rec for _, rec in head])
     reader = inputs.openai_reader(spec) if fmt == "openai_batch" else None
     if reader is not None:
-        head = [reader.convert(rec, pos) for pos, rec in enumerate(head)]
-    records = head[: spec.preflight_records]
+        head = [(line, reader.convert(rec, line)) for line, rec in head]
+    numbered = head[: spec.preflight_records]
+    records = [rec for _, rec in numbered]
     record_errors: list[str] = []
     chat = isinstance(judge, LLMJudge) and judge.chat
-    for pos, rec in enumerate(records):
-        rec.setdefault("id", f"{pos:012d}")  # as sharding assigns it
+    for line, rec in numbered:
+        rec.setdefault("id", f"{line:012d}")  # as sharding assigns it
         try:
             request = builder.build(rec, 0)
         except MissingFieldError as exc:
@@ -186,10 +187,10 @@ def _count(spec: PipelineSpec, reader: Any) -> int:
     seen: set[str] = set()
     dups: dict[str, int] = {}
     n = 0
-    for pos, rec in enumerate(source.iter_records_sync(on_error="quarantine", quarantine=malformed)):
+    for line, rec in source.iter_numbered_sync(on_error="quarantine", quarantine=malformed):
         n += 1
         if reader is not None:
-            cid = str(reader.convert(rec, pos)["id"])
+            cid = str(reader.convert(rec, line)["id"])
             if cid in seen:
                 dups[cid] = dups.get(cid, 1) + 1
             seen.add(cid)

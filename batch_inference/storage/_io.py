@@ -105,6 +105,29 @@ def parse_blocks(
                 on_bad(_bad_line(raw, first + len(lines) - it.__length_hint__() - 1, url, None, on_error))  # type: ignore[arg-type]
 
 
+def parse_numbered_blocks(
+    blocks: Iterable[tuple[str, int, list[bytes]]], on_error: str, on_bad: Callable[[Quarantined], None]
+) -> Iterator[tuple[int, dict]]:
+    """``(index, record)`` from the same blocks as ``parse_blocks``: ``index`` is the 0-based
+    number of the record's line across the whole stream, blank and malformed lines counted,
+    so ids made from it name the line a quarantine entry would (its ``line`` is 1-based, per file)."""
+    loads, decode_error = orjson.loads, orjson.JSONDecodeError
+    index = 0
+    for url, first, lines in blocks:
+        for k, raw in enumerate(lines):
+            try:
+                rec = loads(raw)
+            except decode_error as exc:
+                if (bad := _bad_line(raw, first + k, url, exc, on_error)) is not None:
+                    on_bad(bad)
+                continue
+            if type(rec) is dict:
+                yield index + k, rec
+            else:
+                on_bad(_bad_line(raw, first + k, url, None, on_error))  # type: ignore[arg-type]
+        index += len(lines)
+
+
 class _ChunkStream(io.RawIOBase):
     """Decompressed chunks as a raw stream, so a BufferedReader can cut them into lines."""
 

@@ -25,6 +25,7 @@ from batch_inference.storage.file import (
     SyncJsonlWriter,
     aiter_records,
     check_sink,
+    numbered_records,
     sync_records,
 )
 from batch_inference.storage.lock import DirLock
@@ -131,6 +132,12 @@ class JsonlDir:
         self, *, on_error: OnError = "raise", quarantine: QuarantineSink | None = None
     ) -> Iterator[dict]:
         return sync_records(self.shards, on_error, quarantine)
+
+    def iter_numbered_sync(
+        self, *, on_error: OnError = "raise", quarantine: QuarantineSink | None = None
+    ) -> Iterator[tuple[int, dict]]:
+        """``(line number, record)``: 0-based over the shards in order, blank and malformed lines counted."""
+        return numbered_records(self.shards, on_error, quarantine)
 
     def iter_records(
         self, *, on_error: OnError = "raise", quarantine: QuarantineSink | None = None

@@ -68,6 +68,12 @@ class JsonlFile:
         """Stream records on this thread (CPU passes, scripts)."""
         return sync_records(lambda: [self], on_error, quarantine)
 
+    def iter_numbered_sync(
+        self, *, on_error: OnError = "raise", quarantine: QuarantineSink | None = None
+    ) -> Iterator[tuple[int, dict]]:
+        """``(0-based line number, record)`` on this thread: blank and malformed lines count."""
+        return numbered_records(lambda: [self], on_error, quarantine)
+
     def iter_records(
         self, *, on_error: OnError = "raise", quarantine: QuarantineSink | None = None
     ) -> AsyncIterator[dict]:
@@ -111,16 +117,27 @@ def _shard_blocks(list_shards: Callable[[], list[JsonlFile]]) -> Iterator[tuple[
         yield from shard._blocks()
 
 
-def sync_records(
-    list_shards: Callable[[], list[JsonlFile]], on_error: str, quarantine: QuarantineSink | None
-) -> Iterator[dict]:
+def _sync_sink(on_error: str, quarantine: QuarantineSink | None) -> Callable[[dict], None]:
     check_sink(on_error, quarantine)
 
     def on_bad(entry: dict) -> None:
         if inspect.isawaitable(quarantine(entry)):  # type: ignore[misc]
             raise TypeError("iter_records_sync needs a synchronous quarantine sink")
 
-    return _io.parse_blocks(_shard_blocks(list_shards), on_error, on_bad)  # one generator level per record
+    return on_bad
+
+
+def sync_records(
+    list_shards: Callable[[], list[JsonlFile]], on_error: str, quarantine: QuarantineSink | None
+) -> Iterator[dict]:
+    return _io.parse_blocks(_shard_blocks(list_shards), on_error, _sync_sink(on_error, quarantine))  # one generator level per record
+
+
+def numbered_records(
+    list_shards: Callable[[], list[JsonlFile]], on_error: str, quarantine: QuarantineSink | None
+) -> Iterator[tuple[int, dict]]:
+    """``(0-based line number across the shards, record)``: blank and malformed lines count."""
+    return _io.parse_numbered_blocks(_shard_blocks(list_shards), on_error, _sync_sink(on_error, quarantine))
 
 
 async def aiter_records(

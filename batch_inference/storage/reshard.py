@@ -1,7 +1,9 @@
 """reshard: stream one JSONL file (or a JsonlDir) into a JsonlDir of even shards, in constant memory.
 
 Also the place where records get their stable ``id``: a record without one gets
-``f"{line:012d}"`` of its 0-based position in the source. Duplicate ids are found
+``f"{line:012d}"``, the 0-based number of its line in the source (blank and malformed
+lines counted, so the id names the line the quarantine's 1-based ``line`` would: id
+``000000000004`` is line 5). Duplicate ids are found
 with a fixed-size Bloom filter (memory independent of the dataset) and confirmed
 exactly by a second pass over only the suspects.
 """
@@ -79,8 +81,9 @@ def reshard(
 
     Run it with ``asyncio.to_thread`` from async code; it is a CPU pass. With
     ``on_error="quarantine"`` malformed lines go to the (synchronous) ``quarantine`` sink
-    and the rest is resharded. ``transform(record, position)`` rewrites each record
-    before ids are assigned (e.g. an input format converted to native records).
+    and the rest is resharded. ``transform(record, line)`` rewrites each record (``line``:
+    0-based, as ids are assigned) before ids are assigned (e.g. an input format converted
+    to native records).
     """
     source = _source(src, storage_options)
     out = dst if isinstance(dst, JsonlDir) else JsonlDir(dst, storage_options=storage_options)
@@ -95,7 +98,7 @@ def reshard(
     with out.writer_sync(
         max_records_per_shard=records_per_shard, max_bytes_per_shard=max_bytes_per_shard, compression=compression
     ) as w:
-        for pos, rec in enumerate(source.iter_records_sync(on_error=on_error, quarantine=counted)):
+        for pos, rec in source.iter_numbered_sync(on_error=on_error, quarantine=counted):
             if transform is not None:
                 rec = transform(rec, pos)
             rid = rec.get("id")

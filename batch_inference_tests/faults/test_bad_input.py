@@ -14,6 +14,7 @@ import yaml
 import zstandard
 
 from batch_inference.pipeline import ConservationError, PipelineRun, PipelineSpec, RunLayout, SpecError, run_pipeline
+from batch_inference.pipeline.preflight import preflight
 from batch_inference.storage import CorruptShardError, JsonlDir, JsonlFile
 from batch_inference_tests.faults.helpers import assert_conserved, make_spec, spec_data, terminal_states, write_input
 
@@ -43,6 +44,29 @@ async def test_malformed_and_non_utf8_lines_are_quarantined_the_rest_goes_on(tmp
     assert "UTF-8" in by_line[41]["reason"] and "object" in by_line[71]["reason"]
     shard = orjson.loads((Path(spec.output) / spec.run / "ledger" / "shard.json").read_bytes())
     assert shard["malformed"] == 3
+
+
+async def test_ids_assigned_after_a_blank_and_a_malformed_line_name_their_lines(tmp_path: Path) -> None:
+    """An assigned id is its line's 0-based number, the quarantine's ``line`` its 1-based one:
+    a blank line and a malformed line before a record shift neither (preflight, sharding)."""
+    lines = [orjson.dumps({"prompt": f"question {i}"}) for i in range(8)]
+    lines[2] = b""  # line 3: blank
+    lines[5] = b'{"prompt": '  # line 6: malformed
+    lines[7] = orjson.dumps({"prompt": "question 7", "sampling": {"n": 2}})  # line 8: its own error names its id
+    src = tmp_path / "input.jsonl"
+    src.write_bytes(b"\n".join(lines) + b"\n")
+    spec = make_spec(tmp_path, input=str(src), preflight_records=8)
+    expected = {f"{n:012d}": f"question {n}" for n in (0, 1, 3, 4, 6, 7)}
+    (error,) = preflight(spec).record_errors
+    assert "record '000000000007'" in error, error
+    summary = await run_pipeline(spec)
+    assert summary.records == 6
+    assert_conserved(spec, list(expected))
+    assert terminal_states(spec)["000000000007"] == ["failed"]
+    sharded = PipelineRun(spec)._dir(RunLayout(spec.output, spec.run).sharded).iter_records_sync()
+    assert {r["id"]: r["prompt"] for r in sharded} == expected
+    (entry,) = JsonlFile(RunLayout(spec.output, spec.run).input_quarantine).iter_records_sync()
+    assert entry["line"] == 6
 
 
 async def test_truncated_zst_input_is_a_clear_error_naming_the_file(tmp_path: Path) -> None:

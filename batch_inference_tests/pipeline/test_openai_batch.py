@@ -12,6 +12,9 @@ import pytest
 from batch_inference.pipeline import PipelineRun, PipelineSpec, run_pipeline
 from batch_inference.pipeline.export import export_openai_batch
 from batch_inference.pipeline.inputs import InputError
+from batch_inference.pipeline.preflight import preflight
+from batch_inference.prompting.openai_batch import OpenAIBatchReader
+from batch_inference.storage import JsonlFile
 from batch_inference_tests.pipeline.conftest import spec_dict
 
 
@@ -120,6 +123,27 @@ async def test_file_level_problems_are_one_error_before_the_run(tmp_path: Path) 
                    "duplicate custom_id", "'dup' (2x)", "response_format: this run's engine cannot constrain", "custom_id 'schema'"):
         assert needle in text, needle
     assert PipelineRun(spec).ledger.read("shard") is None  # nothing recorded: fix the file and run again
+
+
+async def test_a_request_without_custom_id_is_named_by_its_line_after_a_blank_and_a_malformed_one(tmp_path: Path) -> None:
+    """The ``line N`` a refusal names is the file's line, as the quarantine's is: a blank and a
+    malformed line before it count (sharding and the full preflight)."""
+    spec = openai_spec(tmp_path, [], input_format="openai_batch")
+    no_id = chat_line("x", "x")
+    del no_id["custom_id"]
+    Path(spec.input).write_bytes(b"\n".join([orjson.dumps(chat_line("a", "x")), b"", b'{"custom_id": ',
+                                              orjson.dumps(chat_line("b", "y")), orjson.dumps(no_id)]) + b"\n")
+    with pytest.raises(InputError) as info:
+        await PipelineRun(spec).shard()
+    assert "custom_id must be a non-empty string: 1 request(s), e.g. custom_id 'line 5'" in str(info.value), info.value
+    (entry,) = JsonlFile(PipelineRun(spec).layout.input_quarantine).iter_records_sync()
+    assert entry["line"] == 3
+    with pytest.raises(InputError, match="custom_id 'line 5'"):
+        preflight(spec, full=True)
+    reader = OpenAIBatchReader()
+    rows = [reader.convert(rec, line) for line, rec in JsonlFile(spec.input).iter_numbered_sync(
+        on_error="quarantine", quarantine=lambda entry: None)]
+    assert [r["id"] for r in rows] == ["a", "b", "line-5"]
 
 
 async def test_model_aliases_and_unchecked_models(tmp_path: Path) -> None:

@@ -202,6 +202,22 @@ async def test_quarantine_sink_sync_and_async(tmp_path) -> None:
         list(JsonlFile(url).iter_records_sync(on_error="quarantine"))
 
 
+def test_numbered_records_count_every_line(tmp_path) -> None:
+    """``iter_numbered_sync``: each record with its line's 0-based number, blank and bad lines
+    counted (the quarantine's 1-based ``line`` is that number + 1); over a dir, the shards in order."""
+    url = str(tmp_path / "q.jsonl")
+    put_bytes(url, b'{"a": 1}\nnot json\n\n{"a": 3}\n"str"\n{"a": 6}\n')
+    got: list[dict] = []
+    assert list(JsonlFile(url).iter_numbered_sync(on_error="quarantine", quarantine=got.append)) == [
+        (0, {"a": 1}), (3, {"a": 3}), (5, {"a": 6})]
+    assert [q["line"] for q in got] == [2, 5]
+    with pytest.raises(MalformedRecordError, match=r"q\.jsonl:2: "):
+        list(JsonlFile(url).iter_numbered_sync())
+    with JsonlDir(str(tmp_path / "d")).writer_sync(max_records_per_shard=2, compression=None) as w:
+        w.write_many({"i": i} for i in range(5))
+    assert [n for n, _ in JsonlDir(str(tmp_path / "d")).iter_numbered_sync()] == [0, 1, 2, 3, 4]
+
+
 async def test_corrupt_and_truncated_zstd_name_the_shard(tmp_path) -> None:
     put_bytes(str(tmp_path / "garbage.jsonl.zst"), b"this is not zstd at all" * 10)
     with pytest.raises(CorruptShardError, match="garbage.jsonl.zst"):
