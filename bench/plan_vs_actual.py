@@ -33,7 +33,7 @@ from batch_inference.pipeline.layout import RunLayout
 from batch_inference.planning.plan import make_plan
 from batch_inference.planning.profiling import measure_profile
 from batch_inference.planning.progress import measured_phases
-from batch_inference.pipeline.run import run_pipeline
+from batch_inference.pipeline.driver import run_pipeline
 
 REPORT = Path(__file__).parent / "reports" / "plan_vs_actual.md"
 

@@ -5,6 +5,8 @@ its inputs and the ledger, describes its fan-out of shard tasks as a ``fanout.Ph
 (``FanOut`` skips the shards whose progress record says they are done and dispatches the
 rest, at most ``runner.limit`` in flight), and records its summary. So the Dagster layer can
 call each step from its own process, and a killed driver re-runs into a resume.
+``pipeline.driver`` calls the steps in sequence; ``pipeline.one_step`` calls one of them
+from outside an event loop.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from batch_inference.pipeline.summaries import (
     ShardSummary,
     StepOutcome,
 )
-from batch_inference.pipeline.transient import is_transient
 from batch_inference.pool.protocol import REVIEW_OUTPUT, TaskResult, TaskRunner, TaskSpec
 from batch_inference.review import lifecycle as review
 from batch_inference.storage import JsonlDir, JsonlFile
@@ -39,7 +40,7 @@ from batch_inference.storage.urls import join
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PipelineRun", "Reporter", "StepOrderError", "drive", "run_pipeline", "run_step"]
+__all__ = ["EtaEstimate", "PipelineRun", "Reporter", "StepOrderError"]
 
 
 class StepOrderError(RuntimeError):
@@ -526,96 +527,3 @@ class PipelineRun:
         if exhausted:
             log.warning("run %s: %d record(s) exhausted max_rounds: see %s", self.spec.run, exhausted, self.layout.exhausted)
         return summary
-
-
-async def drive(run: PipelineRun) -> RunSummary:
-    """Call the steps in sequence; every step resumes, so this is also the resume path."""
-    await run.shard()
-    if run.spec.strategy == "in_place":
-        await run.tail(0)
-        return await run.finalize()
-    r = 0
-    while True:
-        await run.infer(r)
-        await run.judge(r)
-        if await asyncio.to_thread(run.needs_review, r):
-            await run.wait_for_review(r)
-        decision = await asyncio.to_thread(run.decide, r)
-        if (decided := getattr(run.reporter, "round_decided", None)) is not None:
-            decided(r, decision.kind, decision.figures)
-        if decision.kind == "next_round":
-            await run.recompact(r)
-            r += 1
-            continue
-        if decision.kind == "tail":
-            await run.recompact(r)
-            await run.tail(r + 1)
-        break
-    return await run.finalize()
-
-
-async def drive_retrying(run: PipelineRun, *, retries: int = 5, backoff_s: float = 1.0) -> RunSummary:
-    """``drive``, resumed after a transient storage/network error (steps are idempotent).
-
-    Waits ``backoff_s``, doubling, up to ``retries`` times (defaults ride out ~30 s of
-    object-store outage), then lets the error through: the run stops, a re-run resumes.
-    """
-    for attempt in range(retries + 1):
-        try:
-            return await drive(run)
-        except Exception as exc:
-            if attempt >= retries or not is_transient(exc):
-                raise
-            wait = backoff_s * 2**attempt
-            log.warning("run %s: transient error (%s: %s); resuming in %.1fs (%d/%d)",
-                        run.spec.run, type(exc).__name__, exc, wait, attempt + 1, retries)
-            await asyncio.sleep(wait)
-    raise AssertionError("unreachable")
-
-
-async def run_pipeline(
-    spec: PipelineSpec, *, runner: TaskRunner | None = None, reporter: Reporter | None = None,
-    retries: int = 5, backoff_s: float = 1.0, eta: EtaEstimate | None = None,
-) -> RunSummary:
-    """Run (or resume) a whole pipeline; opens a runner from ``spec.pool`` when none is given.
-
-    Transient storage errors resume the run after a backoff (``retries``, ``backoff_s``);
-    ``eta`` adds the run's ETA to each round's decision (``PipelineRun``).
-    The spec is proven first (``preflight``: judge built, the first records rendered
-    through infer and judge), so a spec error stops the run before the pool spends anything.
-    """
-    from batch_inference.pipeline.preflight import preflight
-
-    probe = PipelineRun(spec)
-    resumed = await asyncio.to_thread(lambda: probe.ledger.read(RunLayout.SHARD) is not None and probe._dir(probe.layout.sharded).manifest() is not None)
-    await asyncio.to_thread(preflight, spec, sharded=probe.layout.sharded if resumed else None)
-    if runner is not None:
-        return await drive_retrying(PipelineRun(spec, runner, reporter=reporter, eta=eta), retries=retries, backoff_s=backoff_s)
-    from batch_inference.pipeline.runner import open_runner
-
-    async with open_runner(spec) as opened:
-        return await drive_retrying(PipelineRun(spec, opened, reporter=reporter, eta=eta), retries=retries, backoff_s=backoff_s)
-
-
-_NEEDS_RUNNER = {"infer", "judge", "tail", "judged_round", "tail_from", "inferred_round"}
-
-
-def run_step(spec: PipelineSpec, step: str, *args: Any, eta: EtaEstimate | None = None) -> Any:
-    """Blocking helper: run one step (opening a runner when the step needs one).
-
-    ``eta`` adds the run's ETA to a decision (``PipelineRun``)."""
-
-    async def go() -> Any:
-        if step not in _NEEDS_RUNNER:
-            fn = getattr(PipelineRun(spec, eta=eta), step)
-            res = fn(*args)
-            return await res if asyncio.iscoroutine(res) else res
-        from batch_inference.pipeline.runner import open_runner
-
-        async with open_runner(spec) as runner:
-            return await getattr(PipelineRun(spec, runner, eta=eta), step)(*args)
-
-    if step not in ("shard", "infer", "judge", "decide", "recompact", "tail", "finalize", "judged_round", "tail_from", "finish",
-                    "sharded_input", "pending_round", "inferred_round"):
-        raise ValueError(f"unknown step {step!r}")
-    return asyncio.run(go())

@@ -80,7 +80,7 @@ async def measure_profile(spec: PipelineSpec, *, records: int = 10_000, workdir:
     workers / records), and the fixed part becomes the plan's per-phase overhead.
     """
     from batch_inference.pipeline.ledger import Ledger
-    from batch_inference.pipeline.run import run_pipeline
+    from batch_inference.pipeline.driver import run_pipeline
 
     size = input_size(spec, sample=records)
     sample = size.sample[:records]

@@ -1,0 +1,93 @@
+"""The driving loop: a whole run, step after step, resumed after transient errors.
+
+``drive`` calls ``PipelineRun``'s steps in the order the strategy needs; every step
+resumes, so running it again is the resume path. ``run_pipeline`` proves the spec first
+(``preflight``), opens a runner from ``spec.pool`` when none is given, and rides out
+transient storage errors (``drive_retrying``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from batch_inference.pipeline.fanout import Reporter
+from batch_inference.pipeline.layout import RunLayout
+from batch_inference.pipeline.run import EtaEstimate, PipelineRun
+from batch_inference.pipeline.spec import PipelineSpec
+from batch_inference.pipeline.summaries import RunSummary
+from batch_inference.pipeline.transient import is_transient
+from batch_inference.pool.protocol import TaskRunner
+
+log = logging.getLogger(__name__)
+
+__all__ = ["drive", "drive_retrying", "run_pipeline"]
+
+
+async def drive(run: PipelineRun) -> RunSummary:
+    """Call the steps in sequence; every step resumes, so this is also the resume path."""
+    await run.shard()
+    if run.spec.strategy == "in_place":
+        await run.tail(0)
+        return await run.finalize()
+    r = 0
+    while True:
+        await run.infer(r)
+        await run.judge(r)
+        if await asyncio.to_thread(run.needs_review, r):
+            await run.wait_for_review(r)
+        decision = await asyncio.to_thread(run.decide, r)
+        if (decided := getattr(run.reporter, "round_decided", None)) is not None:
+            decided(r, decision.kind, decision.figures)
+        if decision.kind == "next_round":
+            await run.recompact(r)
+            r += 1
+            continue
+        if decision.kind == "tail":
+            await run.recompact(r)
+            await run.tail(r + 1)
+        break
+    return await run.finalize()
+
+
+async def drive_retrying(run: PipelineRun, *, retries: int = 5, backoff_s: float = 1.0) -> RunSummary:
+    """``drive``, resumed after a transient storage/network error (steps are idempotent).
+
+    Waits ``backoff_s``, doubling, up to ``retries`` times (defaults ride out ~30 s of
+    object-store outage), then lets the error through: the run stops, a re-run resumes.
+    """
+    for attempt in range(retries + 1):
+        try:
+            return await drive(run)
+        except Exception as exc:
+            if attempt >= retries or not is_transient(exc):
+                raise
+            wait = backoff_s * 2**attempt
+            log.warning("run %s: transient error (%s: %s); resuming in %.1fs (%d/%d)",
+                        run.spec.run, type(exc).__name__, exc, wait, attempt + 1, retries)
+            await asyncio.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+async def run_pipeline(
+    spec: PipelineSpec, *, runner: TaskRunner | None = None, reporter: Reporter | None = None,
+    retries: int = 5, backoff_s: float = 1.0, eta: EtaEstimate | None = None,
+) -> RunSummary:
+    """Run (or resume) a whole pipeline; opens a runner from ``spec.pool`` when none is given.
+
+    Transient storage errors resume the run after a backoff (``retries``, ``backoff_s``);
+    ``eta`` adds the run's ETA to each round's decision (``PipelineRun``).
+    The spec is proven first (``preflight``: judge built, the first records rendered
+    through infer and judge), so a spec error stops the run before the pool spends anything.
+    """
+    from batch_inference.pipeline.preflight import preflight
+
+    probe = PipelineRun(spec)
+    resumed = await asyncio.to_thread(lambda: probe.ledger.read(RunLayout.SHARD) is not None and probe._dir(probe.layout.sharded).manifest() is not None)
+    await asyncio.to_thread(preflight, spec, sharded=probe.layout.sharded if resumed else None)
+    if runner is not None:
+        return await drive_retrying(PipelineRun(spec, runner, reporter=reporter, eta=eta), retries=retries, backoff_s=backoff_s)
+    from batch_inference.pipeline.runner import open_runner
+
+    async with open_runner(spec) as opened:
+        return await drive_retrying(PipelineRun(spec, opened, reporter=reporter, eta=eta), retries=retries, backoff_s=backoff_s)
