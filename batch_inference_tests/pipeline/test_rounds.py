@@ -39,6 +39,29 @@ async def test_rounds_converge_over_several_rounds(make_spec) -> None:
     assert ledger(spec, f"round-{summary.rounds - 1:02d}-decision")["kind"] == "done"
 
 
+async def test_a_decision_carries_the_eta_of_the_estimate_the_run_is_given(make_spec) -> None:
+    asked = []
+
+    def eta(spec, r, infer, judge, decision_kind, *, recompact_s=0.0) -> float:
+        asked.append((r, decision_kind, infer.records_in))
+        return 12.34
+
+    spec = make_spec(approval=0.6, max_rounds=10, max_attempts=10)
+    assert (await run_pipeline(spec, eta=eta)).status == "converged"
+    first = ledger(spec, "round-00-decision")
+    assert first["figures"]["eta_run_s"] == 12.3 and asked[0] == (0, first["kind"], 600)
+
+    def broken(*args, **kwargs) -> float:
+        raise ZeroDivisionError("no throughput")
+
+    failing = make_spec(approval=0.6, max_rounds=10, max_attempts=10, run="eta-fails")
+    assert (await run_pipeline(failing, eta=broken)).status == "converged"  # an estimate never stops a run
+    plain = make_spec(approval=0.6, max_rounds=10, max_attempts=10, run="no-eta")
+    assert (await run_pipeline(plain)).status == "converged"
+    for s in (failing, plain):
+        assert "eta_run_s" not in ledger(s, "round-00-decision")["figures"]
+
+
 async def test_recompaction_shrinks_the_shard_count(make_spec) -> None:
     spec = make_spec(approval=0.7, records=1000, max_rounds=3)
     summary = await run_pipeline(spec)
