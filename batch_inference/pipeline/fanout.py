@@ -116,9 +116,9 @@ class FanOut:
 
     async def _failed(self, item: Item, exc: BaseException) -> None:
         if not isinstance(exc, TaskFailed):
-            # Cancellation, Ctrl-C, or the driver's own storage failing (e.g. writing the
-            # progress record of a task that succeeded): not the shard's fault, never
-            # quarantined; the run stops and a re-run resumes.
+            # Cancellation, Ctrl-C, the driver's own storage failing (e.g. writing the
+            # progress record of a task that succeeded), or a TaskConflict (the spec changed
+            # under a task id): not the shard's fault, never quarantined; the run stops.
             raise exc
         index, shard = item
         await asyncio.to_thread(self._discard_outputs, exc.spec)

@@ -184,9 +184,15 @@ class RunLayout:
         """
         return f"round-{r:02d}-{step}"
 
-    def task_id(self, r: int, kind: str, index: int) -> str:
-        """The pool's idempotency key of a shard task, stable across re-runs."""
-        return f"{self.run}/r{r:02d}/{kind}/{index:05d}"
+    def task_id(self, r: int, kind: str, index: int, *, instance: str) -> str:
+        """The pool's idempotency key of a shard task.
+
+        ``instance`` is the run instance (``ShardSummary.instance``, new each time the input
+        is sharded afresh): a resume of the run sends the same ids (a worker may answer a
+        finished task from memory), while the same run name sharded again after its
+        output was deleted sends new ones, which no worker has answered before.
+        """
+        return f"{self.run}/{instance}/r{r:02d}/{kind}/{index:05d}" if instance else f"{self.run}/r{r:02d}/{kind}/{index:05d}"
 
     def progress_dir(self, step: str) -> str:
         return join(self.ledger, "progress", step)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -128,10 +129,14 @@ class PipelineRun:
         summary = ShardSummary(
             input_url=self.spec.input, output_url=self.layout.sharded, records=report.records, shards=report.shards,
             ids_assigned=report.ids_assigned, duplicate_ids=len(dups), duplicate_examples=list(dups)[:10],
-            wall_s=time.perf_counter() - t0, malformed=report.malformed, input_format=fmt,
+            wall_s=time.perf_counter() - t0, malformed=report.malformed, input_format=fmt, instance=uuid.uuid4().hex[:12],
         )
         await asyncio.to_thread(self.ledger.write, RunLayout.SHARD, summary.as_dict())
         return summary
+
+    def _instance(self) -> str:
+        """The run instance every task id of this run carries (drawn at sharding)."""
+        return str(self._require(RunLayout.SHARD, "run shard() first").get("instance", ""))
 
     def _done_with_output(self, name: str, output_url: str) -> dict[str, Any] | None:
         """The step's ledger entry if it finished and its output directory is committed."""
@@ -150,10 +155,11 @@ class PipelineRun:
         if (done := await asyncio.to_thread(self._phase_done, name)) is not None:
             return done
         items, records = await asyncio.to_thread(self._pending_items, r)
+        instance = await asyncio.to_thread(self._instance)
 
         def make(index: int, shard: JsonlFile) -> TaskSpec:
             return TaskSpec(
-                task_id=self.layout.task_id(r, "infer", index), kind="infer", input_url=shard.url,
+                task_id=self.layout.task_id(r, "infer", index, instance=instance), kind="infer", input_url=shard.url,
                 outputs={"output": join(self.layout.inferred(r), part(index))}, infer=self.spec.infer,
                 chunk_size=self.spec.chunk_size, round=r, storage_options_ref=self.spec.pool.storage_options_ref,
             )
@@ -179,13 +185,14 @@ class PipelineRun:
         inferred = await asyncio.to_thread(self.ledger.progress, infer_step, indices)
         items = [(i, self._file(join(self.layout.inferred(r), part(i)))) for i in sorted(inferred)]
         written = {i: int(rec["records_in"]) for i, rec in inferred.items()}
+        instance = await asyncio.to_thread(self._instance)
 
         def make(index: int, shard: JsonlFile) -> TaskSpec:
             outputs = {"approved": self.layout.approved_shard(r, index), "rejected": join(self.layout.rejected(r), part(index))}
             if self.spec.judge.reviews:
                 outputs[REVIEW_OUTPUT] = join(self.layout.review_queue(r), part(index))
             return TaskSpec(
-                task_id=self.layout.task_id(r, "judge", index), kind="judge", input_url=shard.url,
+                task_id=self.layout.task_id(r, "judge", index, instance=instance), kind="judge", input_url=shard.url,
                 outputs=outputs,
                 judge=self.spec.judge, infer=self.spec.infer, chunk_size=self.spec.chunk_size, round=r,
                 storage_options_ref=self.spec.pool.storage_options_ref,
@@ -352,10 +359,11 @@ class PipelineRun:
         if attempts_left < 1:
             raise StepOrderError(f"tail({from_round}): no attempts left (max_attempts {self.spec.max_attempts})")
         items, records = await asyncio.to_thread(self._pending_items, from_round)
+        instance = await asyncio.to_thread(self._instance)
 
         def make(index: int, shard: JsonlFile) -> TaskSpec:
             return TaskSpec(
-                task_id=self.layout.task_id(from_round, "retry", index), kind="retry", input_url=shard.url,
+                task_id=self.layout.task_id(from_round, "retry", index, instance=instance), kind="retry", input_url=shard.url,
                 outputs={"output": join(self.layout.tail_output, part(index)), "checkpoint": self.layout.tail_checkpoint(index)},
                 infer=self.spec.infer, judge=self.spec.judge, max_attempts=attempts_left, chunk_size=self.spec.chunk_size,
                 round=from_round, storage_options_ref=self.spec.pool.storage_options_ref,

@@ -90,6 +90,9 @@ class ShardSummary(_Summary):
     resumed: bool = False
     malformed: int = 0  # input lines quarantined at sharding (see RunLayout.input_quarantine)
     input_format: str = "jsonl"  # "jsonl" (native records) or "openai_batch" (converted at sharding)
+    # The run instance: drawn when the input is sharded, part of every task id (RunLayout.task_id);
+    # empty in a ledger written before it was recorded.
+    instance: str = ""
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ _EXPORTS: dict[str, str] = {
     "dispatch_bounded": "batch_inference.pool.dispatch",
     "TaskSpec": "batch_inference.pool.protocol",
     "TaskResult": "batch_inference.pool.protocol",
+    "TaskConflict": "batch_inference.pool.protocol",
     "TaskFailed": "batch_inference.pool.protocol",
     "TaskRunner": "batch_inference.pool.protocol",
     "InferConfig": "batch_inference.pool.protocol",

@@ -5,8 +5,9 @@ replicas x concurrency tasks can be in flight. A task whose worker dies, times o
 answers 5xx is retried on another worker with exponential backoff, up to ``retries``
 times; "busy"/"shutting down" refusals (429/503) wait and go elsewhere without using a
 retry. A deterministic refusal (400/401/403/409/413/422) or exhausted retries raise
-``TaskFailed`` for the caller to quarantine; 507 (the worker's storage is full) raises
-``OSError(ENOSPC)`` so that the run stops instead.
+``TaskFailed`` for the caller to quarantine; 409 (the task id is held with another spec)
+raises ``TaskConflict`` and 507 (the worker's storage is full) ``OSError(ENOSPC)``, so that
+the run stops instead.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from batch_inference.pool.protocol import TaskFailed, TaskResult, TaskSpec
+from batch_inference.pool.protocol import TaskConflict, TaskFailed, TaskResult, TaskSpec
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +156,8 @@ class PoolClient:
                         raise TaskFailed(spec, [*errors, f"{endpoint}: {status} {message} (refused {refusals} times)"])
                     await asyncio.sleep(self._backoff(min(refusals, 5)))
                     continue
+                if status == 409:  # the spec changed under a task id: the user's to resolve, never the shard's
+                    raise TaskConflict(spec, f"{endpoint}: HTTP 409: {message}")
                 errors.append(f"{endpoint}: HTTP {status}: {message}")
                 if status < 500:  # the spec or its input is wrong: no worker will do better
                     raise TaskFailed(spec, errors)

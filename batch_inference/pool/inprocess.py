@@ -13,8 +13,8 @@ from typing import Any
 
 from batch_inference.engines import EngineConfig, EngineDeadError
 from batch_inference.pool.engine_host import BatcherOptions, EngineHost
-from batch_inference.pool.protocol import TaskFailed, TaskResult, TaskSpec
-from batch_inference.pool.runtime import EngineDead, Refused, WorkerRuntime, is_machine_error
+from batch_inference.pool.protocol import TaskConflict, TaskFailed, TaskResult, TaskSpec
+from batch_inference.pool.runtime import EngineDead, Refused, SpecConflict, WorkerRuntime, is_machine_error
 from batch_inference.pool.tasks import TaskInputError
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,8 @@ class InProcessPool:
                 # fault (no quarantine, no failed records). The run stops with this error;
                 # run it again to resume.
                 raise EngineDeadError(f"task {spec.task_id}: {exc}") from exc
+            except SpecConflict as exc:  # the user's to resolve: never a quarantine
+                raise TaskConflict(spec, str(exc)) from exc
             except (Refused, TaskInputError, ValueError) as exc:
                 # bad input or config, a conflicting spec, or a refusal: there is no other
                 # worker here to try, and the same call would fail the same way

@@ -70,6 +70,10 @@ class TaskSpec(_Wire):
         """Every URL the task reads or writes (for the worker's storage-root check)."""
         return [self.input_url, *self.outputs.values()]
 
+    def output_files(self) -> list[str]:
+        """The output shards a finished task has committed (not the retry task's checkpoint store)."""
+        return [url for key, url in self.outputs.items() if key != "checkpoint"]
+
 
 class TaskResult(_Wire):
     """What a finished task reports; ``cached`` means an idempotent replay."""
@@ -98,6 +102,21 @@ class TaskFailed(Exception):
         super().__init__(f"task {spec.task_id} ({spec.kind} {spec.input_url}) failed after {len(self.errors)} attempt(s): {last}")
 
 
+class TaskConflict(Exception):
+    """The pool already holds this task id with a different spec: never the shard's fault.
+
+    A task id names one task of one run instance, so the spec that built it changed while
+    the run was under way (e.g. a resume with an edited template). Retrying cannot help and
+    quarantining would blame the data: the run stops with this error for the user.
+    """
+
+    def __init__(self, spec: TaskSpec, detail: str) -> None:
+        self.spec = spec
+        super().__init__(
+            f"task {spec.task_id}: {detail}. The run's spec changed after this run instance started: "
+            "resume it with the spec it started with, or start it afresh (another run name, or delete the run's output)")
+
+
 @runtime_checkable
 class TaskRunner(Protocol):
     """What the pipeline drives: ``PoolClient`` (HTTP) and ``InProcessPool`` both fit."""
@@ -110,11 +129,11 @@ class TaskRunner(Protocol):
     def retried(self) -> int:  # tasks re-run after a failure so far (the ledger's task_retries)
         ...
 
-    async def run_task(self, spec: TaskSpec) -> TaskResult:  # retried inside; raises TaskFailed
+    async def run_task(self, spec: TaskSpec) -> TaskResult:  # retried inside; raises TaskFailed (or TaskConflict)
         ...
 
     async def stats(self) -> dict[str, Any]:  # the engine's figures (occupancy, batcher); a pool's has "workers"
         ...
 
 
-__all__ = ["OUTPUT_KEYS", "InferConfig", "SamplingConfig", "TaskFailed", "TaskKind", "TaskResult", "TaskRunner", "TaskSpec", "derive_seed"]
+__all__ = ["OUTPUT_KEYS", "InferConfig", "SamplingConfig", "TaskConflict", "TaskFailed", "TaskKind", "TaskResult", "TaskRunner", "TaskSpec", "derive_seed"]

@@ -2,8 +2,8 @@
 
 ``WorkerRuntime`` runs up to ``concurrency`` shard tasks at once on one event loop over
 one ``EngineHost``. It is idempotent by ``task_id`` (a finished task answers from its
-cached result, a running one is joined, never started twice) and refuses work beyond
-its slots with ``Busy`` (retryable). The HTTP worker and ``InProcessPool`` both use it,
+cached result while its output shards still exist, else it runs again; a running one is
+joined, never started twice) and refuses work beyond its slots with ``Busy`` (retryable). The HTTP worker and ``InProcessPool`` both use it,
 so the pipeline's fast tests run exactly the code a real worker runs.
 """
 
@@ -22,6 +22,7 @@ from batch_inference.engines import EngineDeadError
 from batch_inference.pool.engine_host import EngineHost
 from batch_inference.pool.protocol import TaskResult, TaskSpec
 from batch_inference.pool.tasks import TaskContext, run_task
+from batch_inference.storage import JsonlFile
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +123,13 @@ class WorkerRuntime:
             done_spec, result = self.finished[spec.task_id]
             if done_spec != spec:
                 raise SpecConflict(f"task {spec.task_id} already finished with a different spec")
-            self.finished.move_to_end(spec.task_id)
-            self.counters["cached"] += 1
-            return result.model_copy(update={"cached": True})
+            if await self._outputs_exist(spec):
+                self.finished.move_to_end(spec.task_id)
+                self.counters["cached"] += 1
+                return result.model_copy(update={"cached": True})
+            # The answer would stand for files that are gone (deleted, a wiped bucket): run it again.
+            log.info("task %s finished here before, but its outputs are gone: running it again", spec.task_id)
+            self.finished.pop(spec.task_id, None)
         if spec.task_id in self.running:
             run_spec, task = self.running[spec.task_id]
             if run_spec != spec:
@@ -147,6 +152,11 @@ class WorkerRuntime:
         self.running[spec.task_id] = (spec, task)
         self.last_activity = time.monotonic()
         return await self._join(task)
+
+    async def _outputs_exist(self, spec: TaskSpec) -> bool:
+        options = self.storage_options(spec)
+        files = [JsonlFile(url, storage_options=options) for url in spec.output_files()]
+        return all(await asyncio.gather(*(f.exists() for f in files)))
 
     async def _join(self, task: asyncio.Task[TaskResult]) -> TaskResult:
         try:

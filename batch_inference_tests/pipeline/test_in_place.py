@@ -120,7 +120,7 @@ def test_in_place_resumes_each_sample_at_its_attempt_after_sigkill(tmp_path: Pat
 
 
 async def test_a_quarantined_tail_shard_names_its_real_task_id(make_spec) -> None:
-    """The tail's tasks are ``<run>/rNN/retry/i``: its quarantine entry says so (not ``tail``)."""
+    """The tail's tasks are ``<run>/<instance>/rNN/retry/i``: its quarantine entry says so (not ``tail``)."""
     from batch_inference.pipeline.runner import open_runner
     from batch_inference_tests.pipeline.helpers import FailingShardRunner
 
@@ -129,5 +129,6 @@ async def test_a_quarantined_tail_shard_names_its_real_task_id(make_spec) -> Non
         runner = FailingShardRunner(pool, shard_name="sharded/part-00002.jsonl.zst", kind="retry")
         summary = await run_pipeline(spec, runner=runner)
     (entry,) = [q for q in orjson.loads((Path(spec.output) / spec.run / "ledger" / "tail.json").read_bytes())["quarantined"]]
-    assert entry["task_id"] == f"{spec.run}/r00/retry/00002"
+    instance = orjson.loads((Path(spec.output) / spec.run / "ledger" / "shard.json").read_bytes())["instance"]
+    assert entry["task_id"] == f"{spec.run}/{instance}/r00/retry/00002" and instance
     assert summary.status == "quarantined" and summary.quarantined == summary.failed == 100

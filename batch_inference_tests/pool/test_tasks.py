@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from batch_inference.judges import JudgeConfig
-from batch_inference.pool import InferConfig, SamplingConfig, TaskFailed, TaskSpec, derive_seed
+from batch_inference.pool import InferConfig, SamplingConfig, TaskConflict, TaskFailed, TaskSpec, derive_seed
 from batch_inference.pool.runtime import Abandoned, Busy
 from batch_inference.storage import CheckpointStore, JsonlFile
 from batch_inference_tests.fixtures.pool import SIM_ENGINE, infer_spec, read_rows, write_shard
@@ -157,7 +157,7 @@ async def test_idempotent_by_task_id_and_conflicting_spec_refused(tmp_path: Path
         first, joined = await asyncio.gather(pool.run_task(spec), pool.run_task(spec))  # the second joins the first
         again = await pool.run_task(spec)
         assert (await pool.stats())["tasks_completed"] == 1
-        with pytest.raises(TaskFailed, match="different spec"):
+        with pytest.raises(TaskConflict, match="different spec"):
             await pool.run_task(spec.model_copy(update={"chunk_size": 3}))
     assert not first.cached and again.cached
     assert again.model_copy(update={"cached": False}) == first == joined
