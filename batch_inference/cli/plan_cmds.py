@@ -81,12 +81,16 @@ def plan(spec_path: Path, gpus: int | None, price: float | None, profile_path: P
         return
     console = Console(width=None if Console().is_terminal else 160)
     table = Table(title=f"plan for {spec.run}: {p.records:,} records on {p.replicas} replica(s) x {p.concurrency}")
-    for col in ("strategy", "tokens in", "tokens out", "engine h", "wall h", "waves", "GPU-h", "cost", "approved", "unfinished"):
+    banded = any(s.wall_band_s for s in p.strategies)
+    cols = ("strategy", "tokens in", "tokens out", "engine h", "wall h", *(("wall 95% band h",) if banded else ()),
+            "waves", "GPU-h", "cost", "approved", "unfinished")
+    for col in cols:
         table.add_column(col, justify="left" if col == "strategy" else "right")
     for s in p.strategies:
         mark = " (spec)" if s.strategy == p.chosen else ""
         table.add_row(
             s.strategy + mark, f"{s.tokens_in:,.0f}", f"{s.tokens_out:,.0f}", f"{s.engine_s / 3600:.2f}", f"{s.wall_s / 3600:.2f}",
+            *((("-" if s.wall_band_s is None else f"{s.wall_band_s[0] / 3600:.2f}-{s.wall_band_s[1] / 3600:.2f}"),) if banded else ()),
             f"{s.waves:.1f}", f"{s.gpu_hours:,.1f}", "-" if s.cost is None else f"{s.cost:,.2f}", f"{s.approved:,}", f"{s.unfinished:,}",
         )
     console.print(table)

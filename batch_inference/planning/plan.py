@@ -43,6 +43,8 @@ class StrategyPlan:
     idle_share: float
     decisions: list[str]
     phases: list[dict[str, Any]]
+    # (low, high) wall over the approval's 95% interval when it was measured on a sample
+    wall_band_s: tuple[float, float] | None = None
 
     @classmethod
     def of(cls, res: SimResult, w: Workload, price: float | None, judge_tokens: float, replicas: int) -> StrategyPlan:
@@ -84,6 +86,8 @@ class RunPlan:
         }
         if s.cost is not None:
             out["plan.cost"] = round(s.cost, 2)
+        if s.wall_band_s is not None:
+            out["plan.wall_s.low"], out["plan.wall_s.high"] = (round(x, 1) for x in s.wall_band_s)
         for p in s.phases:
             out[f"plan.phase.{p['name']}.wall_s"] = p["wall_s"]
         return out
@@ -97,6 +101,28 @@ def judge_prompt_tokens(spec: PipelineSpec, prompt: float, output: float) -> flo
     t = spec.judge.template
     literal = re.sub(r"\{[^{}]*\}", "", t)
     return len(literal) / 4 + (prompt if "{prompt}" in t else 0.0) + (output if "{result}" in t else 0.0)
+
+
+def approval_bounds(w: Workload, profile: EngineProfile | None) -> tuple[Workload, Workload] | None:
+    """The workload at the low and high ends of the measured approvals' 95% intervals
+    (Wilson score), or None when the profile measured none."""
+    judged = (profile.measured.get("judged") if profile is not None else None) or []
+    if not judged or not judged[0]:
+        return None
+
+    def interval(p: float, n: int) -> tuple[float, float]:
+        if n <= 0:
+            return p, p
+        z = 1.96
+        centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+        half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+        return max(0.0, centre - half), min(1.0, centre + half)
+
+    lo0, hi0 = interval(w.approval, int(judged[0]))
+    later = w.retry_approval
+    n1 = int(judged[1]) if len(judged) > 1 else 0
+    lo1, hi1 = interval(later, n1) if later is not None else (None, None)
+    return (dataclasses.replace(w, approval=lo0, retry_approval=lo1), dataclasses.replace(w, approval=hi0, retry_approval=hi1))
 
 
 def linear_rates(spec: PipelineSpec, w: Workload) -> EngineRates:
@@ -155,20 +181,25 @@ def make_plan(
     else:
         out_mean, out_how = float(max_tokens), "max_tokens (an upper bound: run `batch-inference profile` to measure)"
     notes.append(f"output tokens: mean {out_mean:.1f} per inference ({out_how})")
+    a_later: float | None = None
     if approval is not None:
         a, a_how = approval, "given"
     elif profile is not None and profile.approval is not None:
         a, a_how = profile.approval, "measured by the profile"
+        a_later = profile.retry_approval
     elif sim_opts is not None and spec.judge.kind == "llm":
         a, a_how = sim_opts.approval_rate, "the simulated judge's approval_rate"
     else:
         a, a_how = 0.5, "assumed (pass --approval or run `batch-inference profile`)"
-    notes.append(f"approval per attempt: {a:.3f} ({a_how}), independent across attempts")
+    if a_later is None:
+        notes.append(f"approval per attempt: {a:.3f} ({a_how}), independent across attempts")
+    else:
+        notes.append(f"approval: {a:.3f} on a record's first attempt, {a_later:.3f} on a later one ({a_how})")
     judge_tokens = judge_prompt_tokens(spec, prompt_mean, out_mean)
     w = Workload(records=n, prompt_tokens=max(1.0, prompt_mean), output_tokens=max(1.0, out_mean), judge_prompt_tokens=judge_tokens,
                  output_lengths=(sim_opts.output_lengths if sim_opts is not None else "geometric"),
                  max_tokens=max_tokens, judge_output_tokens=spec.judge.max_tokens if spec.judge.kind == "llm" else 1,
-                 approval=a)
+                 approval=a, retry_approval=a_later)
     if profile is not None:
         rates = profile.rates()
         notes.append(f"engine: measured profile {profile.source}: {profile.infer_s * 1000:.3f} ms per inferred record, "
@@ -198,9 +229,17 @@ def make_plan(
                  f"resharding {o.reshard_records_per_s:,.0f} rec/s")
     if gpu_hour_price is not None:
         notes.append(f"cost: GPU-hours (replicas x wall from the first phase) x {gpu_hour_price}/GPU-hour")
+    bounds = approval_bounds(w, profile) if approval is None else None
+    if bounds is not None:
+        notes.append(f"band: the wall with approval at the ends of its 95% interval over the profile's "
+                     f"{sum(profile.measured.get('judged', [])):,} judged records (engine-time noise is not in it)")
     plans = []
     for strategy in strategies:
         s = spec.model_copy(update={"strategy": strategy})
         res = simulate(s, w, rates, cluster=cluster, overheads=o)
-        plans.append(StrategyPlan.of(res, w, gpu_hour_price, judge_tokens, cluster.replicas))
+        plan = StrategyPlan.of(res, w, gpu_hour_price, judge_tokens, cluster.replicas)
+        if bounds is not None:
+            walls = sorted(simulate(s, b, rates, cluster=cluster, overheads=o).wall_s for b in bounds)
+            plan.wall_band_s = (min(walls[0], res.wall_s), max(walls[-1], res.wall_s))
+        plans.append(plan)
     return RunPlan(spec.run, n, cluster.replicas, cluster.concurrency, gpu_hour_price, plans, notes, spec.strategy)

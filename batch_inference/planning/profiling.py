@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from batch_inference.pipeline.layout import RunLayout
-from batch_inference.pipeline.policy import expected_attempts
 from batch_inference.pipeline.spec import PipelineSpec
 from batch_inference.pipeline.summaries import PhaseSummary
 from batch_inference.planning.rates import EngineRates
 from batch_inference.planning.sizing import input_size
+from batch_inference.storage import JsonlDir
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,8 @@ class EngineProfile:
     infer_latency_s: float = 0.0
     judge_latency_s: float = 0.0
     output_tokens: float | None = None  # mean per inferred record
-    approval: float | None = None  # measured P(approved) per attempt
+    approval: float | None = None  # measured P(approved) on a record's first attempt
+    retry_approval: float | None = None  # measured P(approved) on a later attempt of a rejected record
     prompt_tokens: float | None = None
     overheads: dict[str, float] = field(default_factory=dict)  # Overheads fields measured with it
     measured: dict[str, Any] = field(default_factory=dict)  # the raw figures
@@ -72,12 +73,19 @@ class EngineProfile:
 async def measure_profile(spec: PipelineSpec, *, records: int = 10_000, workdir: str | None = None) -> EngineProfile:
     """Run a sample of the spec's input through the real pipeline on this hardware and time it.
 
-    Two short runs in a scratch output: the first ``records`` records by rounds (two
-    rounds: reshard, infer, judge, recompact, infer, judge), and half of them in place
-    (two attempts). Round 1 sees about ``1 - approval`` of round 0's records with the same
-    shard size, so each phase's wall is fitted as ``fixed + per_record x records`` from
-    the two rounds: per-record costs include everything on the task path (phase wall x
-    workers / records), and the fixed part becomes the plan's per-phase overhead.
+    Two short runs in a scratch output: ``records`` records drawn across the input by
+    rounds (two rounds: reshard, infer, judge, recompact, infer, judge), and half of them
+    in place (two attempts). Shards are sized so that round 0 occupies every slot of the
+    spec's pool (replicas x concurrency), as the run's own phases do: a profile run in
+    fewer shards than slots under-fills the batcher and overprices every record.
+
+    Round 1 sees about ``1 - approval`` of round 0's records with the same shard size, so
+    each phase's wall is fitted as ``fixed + per_record x records`` from the two rounds:
+    per-record costs include everything on the task path (phase wall x workers / records),
+    and the fixed part becomes the plan's per-phase overhead. Approval is measured per
+    attempt, first (round 0) and later (round 1, of records rejected once), and the
+    in-place attempt's cost is divided by the attempts the tail's rows record, never by
+    an attempt count that assumes independent attempts.
     """
     from batch_inference.pipeline.ledger import Ledger
     from batch_inference.pipeline.driver import run_pipeline
@@ -89,8 +97,9 @@ async def measure_profile(spec: PipelineSpec, *, records: int = 10_000, workdir:
     own = workdir is None
     base = Path(workdir or tempfile.mkdtemp(prefix="bi-profile-"))
     base.mkdir(parents=True, exist_ok=True)
-    half = sample[: len(sample) // 2]
-    shard = max(1, min(spec.shard_records, len(sample) // 4))
+    half = sample[::2]  # every other record: the sample is spread over the input, so is its half
+    slots = max(1, spec.pool.replicas * spec.pool.concurrency)
+    shard = max(1, min(spec.shard_records, len(sample) // (2 * slots)))  # round 0: two waves
     try:
         ledgers = {}
         walls = {}
@@ -111,17 +120,17 @@ async def measure_profile(spec: PipelineSpec, *, records: int = 10_000, workdir:
         recompact = rl.read(RunLayout.step_name(1, "recompact"))
         shard_big, shard_small = rl.read(RunLayout.SHARD) or {}, tl.read(RunLayout.SHARD) or {}
         tail_data = tl.read(RunLayout.TAIL)
+        tail_rows = list(JsonlDir(RunLayout(str(base / "out"), "profile-in-place").tail_output).iter_records_sync())
     finally:
         if own:
             shutil.rmtree(base, ignore_errors=True)
     workers = 1 if spec.pool.launcher == "inprocess" else max(1, i0.workers or spec.pool.replicas)
-    infer_c, infer_f = _fit(i0, i1)
-    judge_c, judge_f = _fit(j0, j1)
-    approved = j0.counts.get("approved", 0)
-    judged = approved + j0.counts.get("rejected", 0)
-    a = approved / judged if judged else 0.0
+    infer_c, infer_f = _fit(i0, i1, slots)
+    judge_c, judge_f = _fit(j0, j1, slots)
+    a, judged0 = _approval(j0)
+    a_later, judged1 = _approval(j1)
     tail = PhaseSummary.from_dict(tail_data) if tail_data else None
-    attempts = tail.records_in * expected_attempts(a, 2) if tail is not None else 0.0
+    attempts = float(sum(int(row.get("attempts") or 1) for row in tail_rows))
     fixed = (infer_f + judge_f) / 2
     overheads: dict[str, float] = {"task_s": 0.0, "phase_launch_s": fixed}
     if recompact and recompact.get("wall_s") and recompact.get("records"):
@@ -140,9 +149,11 @@ async def measure_profile(spec: PipelineSpec, *, records: int = 10_000, workdir:
         tail_attempt_s=(max(0.0, tail.wall_s - fixed) * workers / attempts) if tail is not None and attempts else 0.0,
         output_tokens=i0.tokens_out / max(1, i0.records_in),
         approval=a,
+        retry_approval=a_later if judged1 else None,
         prompt_tokens=i0.tokens_in / max(1, i0.records_in),
         overheads=overheads,
-        measured={"records": len(sample), "shard_records": shard, "rounds_wall_s": round(walls["profile-rounds"], 3),
+        measured={"records": len(sample), "sampled": size.sampled, "shard_records": shard, "slots": slots,
+                  "judged": [judged0, judged1], "tail_attempts": attempts, "rounds_wall_s": round(walls["profile-rounds"], 3),
                   "in_place_wall_s": round(walls["profile-in-place"], 3),
                   "infer_wall_s": [i0.wall_s, i1.wall_s], "infer_records": [i0.records_in, i1.records_in],
                   "judge_wall_s": [j0.wall_s, j1.wall_s], "infer_engine_s": i0.engine_busy_s, "judge_engine_s": j0.engine_busy_s,
@@ -151,10 +162,21 @@ async def measure_profile(spec: PipelineSpec, *, records: int = 10_000, workdir:
     )
 
 
-def _fit(big: PhaseSummary, small: PhaseSummary) -> tuple[float, float]:
-    """(seconds per record, fixed seconds) of a phase from two sizes (one size: no fixed part)."""
+def _approval(judge: PhaseSummary) -> tuple[float, int]:
+    """(approved share, records judged) of a judge phase."""
+    judged = judge.approved + judge.rejected
+    return (judge.approved / judged if judged else 0.0), judged
+
+
+def _fit(big: PhaseSummary, small: PhaseSummary, slots: int) -> tuple[float, float]:
+    """(seconds per record, fixed seconds) of a phase from two sizes.
+
+    Only sizes that both fill the pool's slots fit a line: a phase in fewer shards than
+    slots runs its engine part-empty, so its wall says how full the batch was, not what a
+    record costs. Otherwise the larger phase alone prices a record (no fixed part).
+    """
     dn = big.records_in - small.records_in
-    if dn > 0 and big.wall_s > small.wall_s:
+    if dn > 0 and big.wall_s > small.wall_s and min(big.shards, small.shards) >= slots:
         per = (big.wall_s - small.wall_s) / dn
         return per, max(0.0, big.wall_s - per * big.records_in)
     return big.wall_s / max(1, big.records_in), 0.0

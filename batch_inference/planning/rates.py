@@ -32,7 +32,27 @@ class Workload:
     judge_extra_tokens: int = 30  # the judge template around prompt + result
     judge_prompt_tokens: float | None = None  # when known (the planner counts it): replaces prompt + output + extra
     judge_output_tokens: int = 4
-    approval: float = 0.9  # P(approved) per attempt, independent across attempts
+    approval: float = 0.9  # P(approved) on a record's first attempt
+    # P(approved) on each later attempt of a record rejected before. Rejection is rarely
+    # independent across attempts (a hard record stays hard; greedy sampling repeats
+    # itself): None means the same as ``approval``.
+    retry_approval: float | None = None
+
+    @property
+    def later_approval(self) -> float:
+        return self.approval if self.retry_approval is None else self.retry_approval
+
+    def attempts(self, attempts_left: int, *, first: bool) -> tuple[float, float]:
+        """(mean attempts, P(approved within them)) of a record with ``attempts_left`` attempts;
+        ``first``: its next attempt is its first (else every attempt is a retry)."""
+        if attempts_left <= 0:
+            return 0.0, 0.0
+        a1 = self.approval if first else self.later_approval
+        a = self.later_approval
+        rest = attempts_left - 1
+        fail_later = (1 - a) ** rest
+        mean_later = rest if a <= 0 else (1 - fail_later) / a
+        return 1 + (1 - a1) * mean_later, 1 - (1 - a1) * fail_later
 
 
 @dataclass(frozen=True)

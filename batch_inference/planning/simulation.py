@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from batch_inference.pipeline.policy import decide_round, expected_attempts
+from batch_inference.pipeline.policy import decide_round
 from batch_inference.pipeline.spec import PipelineSpec
 from batch_inference.pipeline.summaries import Decision, PhaseSummary
 from batch_inference.planning.clock import run_virtual
@@ -187,7 +187,7 @@ async def _simulate(spec: PipelineSpec, w: Workload, rates: EngineRates, cluster
         if inf.quarantined_records:
             judged = _shards(judged_records, shard_n)
         jud = await phase(r, "judge", judged, rates.judge_s, rates.judge_latency_s)
-        approved = split(jud.summary.records_in, w.approval)
+        approved = split(jud.summary.records_in, w.approval if r == 0 else w.later_approval)
         rejected = jud.summary.records_in - approved
         approved_total += approved
         jud = replace(jud, summary=replace(jud.summary, counts={"approved": approved, "rejected": rejected}))
@@ -212,12 +212,12 @@ async def _simulate(spec: PipelineSpec, w: Workload, rates: EngineRates, cluster
             tail_from = r
     if tail_from is not None:
         k = spec.max_attempts - tail_from
-        e = expected_attempts(w.approval, k)
+        e, p_ok = w.attempts(k, first=tail_from == 0)
         records = sum(pending)
         tail = await phase(tail_from, "tail", pending, rates.per_attempt_s, k * (rates.infer_latency_s + rates.judge_latency_s) / 2,
                            sample_level=True, attempts_per_record=e)
         done = tail.summary.records_in
-        ok = split(done, 1 - (1 - w.approval) ** k) if k > 0 else 0
+        ok = split(done, p_ok) if k > 0 else 0
         approved_total += ok
         unfinished = done - ok + (records - done - tail.quarantined_records)
         attempts["infer"] += done * e

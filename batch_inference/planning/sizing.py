@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,31 +17,69 @@ class InputSize:
     records: int
     how: str  # "manifest" | "counted" | "estimated from N records"
     sample: list[dict[str, Any]]
+    sampled: str = "the whole input"  # where the sample was drawn from
+
+
+SAMPLE_SEED = 20_260_601  # a fixed seed: the same input gives the same sample, so plans repeat
+MANIFEST_SAMPLE_SHARDS = 16  # shards read for a sample of a directory with a manifest
+
+
+def _reservoir(records: Iterator[dict[str, Any]], k: int) -> tuple[int, list[dict[str, Any]]]:
+    """(records seen, a uniform sample of ``k`` of them in input order): one pass, k in memory."""
+    rng = random.Random(SAMPLE_SEED)
+    picked: list[tuple[int, dict[str, Any]]] = []
+    n = 0
+    for n, rec in enumerate(records, 1):
+        if len(picked) < k:
+            picked.append((n, rec))
+        else:
+            j = rng.randrange(n)
+            if j < k:
+                picked[j] = (n, rec)
+    return n, [rec for _, rec in sorted(picked, key=lambda p: p[0])]
+
+
+def _spread(d: JsonlDir, k: int) -> tuple[list[dict[str, Any]], str]:
+    """``k`` records from evenly spaced shards of a manifest directory, each read whole.
+
+    A prefix of the input is not the input: sorted or grouped inputs (by task, by length,
+    by source) put unlike records at the end. Reading up to ``MANIFEST_SAMPLE_SHARDS``
+    shards spread over the directory keeps the cost bounded at any size.
+    """
+    shards = d.shards()
+    if not shards:
+        return [], "the whole input"
+    take = min(len(shards), MANIFEST_SAMPLE_SHARDS)
+    chosen = sorted({round(i * (len(shards) - 1) / max(1, take - 1)) for i in range(take)})
+    per = max(1, -(-k // len(chosen)))
+    sample: list[dict[str, Any]] = []
+    for i in chosen:
+        _, recs = _reservoir(shards[i].iter_records_sync(), per)
+        sample.extend(recs)
+    where = "the whole input" if len(chosen) == len(shards) else f"{len(chosen)} of {len(shards)} shards, evenly spaced"
+    return sample[:k], where
 
 
 def input_size(spec: PipelineSpec, *, sample: int = 500, count_limit_bytes: int = 256 << 20) -> InputSize:
-    """The input's record count (manifest, count, or estimate) and its first ``sample`` records."""
+    """The input's record count (manifest, count, or estimate) and ``sample`` records drawn
+    across the whole input (uniformly where the input is read whole anyway)."""
     opts = spec.storage_options or None
     src = spec.input
     d = JsonlDir(src, storage_options=opts)
     if d.exists_sync() and not src.endswith((".jsonl", ".jsonl.zst")):
         man = d.manifest()
-        records = [r for _, r in zip(range(sample), d.iter_records_sync())]
         if man is not None:
-            return InputSize(man.records, "manifest", records)
-        return InputSize(d.count_records(), "counted", records)
+            records, where = _spread(d, sample)
+            return InputSize(man.records, "manifest", records, where)
+        n, records = _reservoir(d.iter_records_sync(), sample)
+        return InputSize(n, "counted", records)
     f = JsonlFile(src, storage_options=opts)
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(src, **(opts or {}))
     stored = int(fs.size(path))
     if stored <= count_limit_bytes:
-        recs: list[dict[str, Any]] = []
-        n = 0
-        for rec in f.iter_records_sync():
-            if n < sample:
-                recs.append(rec)
-            n += 1
+        n, recs = _reservoir(f.iter_records_sync(), sample)
         return InputSize(n, "counted", recs)
     head = [r for _, r in zip(range(max(sample, 5_000)), f.iter_records_sync())]
     raw = b"".join(json.dumps(r).encode() + b"\n" for r in head)
@@ -50,7 +90,9 @@ def input_size(spec: PipelineSpec, *, sample: int = 500, count_limit_bytes: int 
     else:
         ratio = 1.0
     est = int(stored * ratio / (len(raw) / max(1, len(head))))
-    return InputSize(est, f"estimated from the first {len(head):,} records and the stored size", head[:sample])
+    _, recs = _reservoir(iter(head), sample)
+    return InputSize(est, f"estimated from the first {len(head):,} records and the stored size", recs,
+                     f"the first {len(head):,} records (a single file too large to read whole: shard it for a spread sample)")
 
 
 def prompt_token_counts(spec: PipelineSpec, records: list[dict[str, Any]]) -> tuple[list[int], str]:
