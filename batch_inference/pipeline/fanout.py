@@ -23,6 +23,7 @@ from batch_inference.pipeline.summaries import PhaseSummary, QuarantineEntry
 from batch_inference.pool import dispatch_bounded
 from batch_inference.pool.protocol import TaskFailed, TaskResult, TaskRunner, TaskSpec
 from batch_inference.storage import JsonlFile
+from batch_inference.storage.urls import fs_for
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +81,13 @@ class FanOut:
         self.done: dict[int, dict[str, Any]] = {}
         self.quarantined: list[QuarantineEntry] = []
         self._last_start = 0.0
+        self._stale: set[str] = set()  # quarantine entries of shards to run, left by an earlier call
 
     async def run(self) -> PhaseSummary:
         phase = self.phase
         self.done = await asyncio.to_thread(self.ledger.progress, phase.step, [i for i, _ in phase.items])
         todo = [it for it in phase.items if it[0] not in self.done]
+        self._stale = await asyncio.to_thread(self._quarantined_before, [i for i, _ in todo])
         self.reporter.phase_started(phase.label, sum(phase.records.values()))
         for rec in self.done.values():  # resumed shards: done before this call, no throughput to show
             self.reporter.shard_done(phase.label, int(rec["records_in"]), rec["counts"])
@@ -106,7 +109,8 @@ class FanOut:
         rec = {**result.model_dump(mode="json"), "index": index, "input": shard.url}
         if self.phase.after is not None:
             rec["after"] = await asyncio.to_thread(self.phase.after, index, result)
-        await asyncio.to_thread(self._remove, self.phase.quarantine_url(index))  # an earlier interrupted call's
+        if (stale := self.phase.quarantine_url(index)) in self._stale:  # an earlier interrupted call's entry
+            await asyncio.to_thread(self._remove, stale)
         await asyncio.to_thread(self.ledger.write_progress, self.phase.step, index, rec)
         return rec
 
@@ -157,6 +161,24 @@ class FanOut:
 
     def _file(self, url: str) -> JsonlFile:
         return JsonlFile(url, storage_options=self.storage_options)
+
+    def _quarantined_before(self, indices: list[int]) -> set[str]:
+        """The quarantine entries among ``indices``' that exist: one listing per folder, not a
+        lookup per task (on an object store, a missing key's lookup is two round trips)."""
+        by_folder: dict[str, list[str]] = {}
+        for i in indices:
+            url = self.phase.quarantine_url(i)
+            by_folder.setdefault(url.rsplit("/", 1)[0], []).append(url)
+        found: set[str] = set()
+        for folder, urls in by_folder.items():
+            fs, path = fs_for(folder, self.storage_options)
+            try:
+                fs.invalidate_cache(path)
+                names = {n.rsplit("/", 1)[-1] for n in fs.ls(path, detail=False)}
+            except FileNotFoundError:
+                continue
+            found.update(u for u in urls if u.rsplit("/", 1)[-1] in names)
+        return found
 
     def _remove(self, url: str) -> None:
         if (f := self._file(url)).exists_sync():

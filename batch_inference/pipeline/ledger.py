@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import orjson
+from fsspec.asyn import AsyncFileSystem
 
 from batch_inference import rows
 from batch_inference.pipeline.layout import RunLayout
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 
 S = TypeVar("S")
 BUCKET_IDS = 250_000  # input ids per bucket held in memory at once during the check
+PROGRESS_READS_IN_FLIGHT = 64  # progress records read at once from an object store (Ledger.progress)
 # ``awaiting_review`` is a terminal-state-to-be: records of an open review queue.
 TERMINAL_STATES = (*(str(s) for s in rows.TERMINAL_STATES), str(rows.Status.AWAITING_REVIEW))
 
@@ -108,17 +110,42 @@ class Ledger:
         return self.read_url(self.layout.progress_file(step, index))
 
     def progress(self, step: str, indices: list[int]) -> dict[int, dict[str, Any]]:
-        """Progress records of ``step``'s finished shards among ``indices`` (one listing, then those reads)."""
+        """Progress records of ``step``'s finished shards among ``indices``, by index.
+
+        One listing, then the listed records read together: on an object store
+        ``PROGRESS_READS_IN_FLIGHT`` GETs at a time (``fs.cat`` of many paths), since
+        read one by one, thousands of shards cost thousands of round trips per phase.
+        """
         path = self._path(self.layout.progress_dir(step))
         try:
             self.fs.invalidate_cache(path)
             names = {n.rsplit("/", 1)[-1] for n in self.fs.ls(path, detail=False)}
         except FileNotFoundError:
             return {}
+        wanted = {self.fs._strip_protocol(self._path(self.layout.progress_file(step, i))): i
+                  for i in indices if self.layout.progress_name(i) in names}
         out: dict[int, dict[str, Any]] = {}
-        for i in indices:
-            if self.layout.progress_name(i) in names and (rec := self.read_progress(step, i)) is not None:
-                out[i] = rec
+        for key, data in self._cat_many(list(wanted)).items():
+            if isinstance(data, FileNotFoundError):  # removed since the listing: not done
+                continue
+            if isinstance(data, BaseException):
+                raise data
+            out[wanted[key]] = orjson.loads(data)
+        return dict(sorted(out.items()))
+
+    def _cat_many(self, paths: list[str]) -> dict[str, bytes | BaseException]:
+        """The bytes of each path (an exception in its place where its read failed)."""
+        if not paths:
+            return {}
+        if isinstance(self.fs, AsyncFileSystem):
+            got = self.fs.cat(paths, on_error="return", batch_size=PROGRESS_READS_IN_FLIGHT)
+            return {self.fs._strip_protocol(k): v for k, v in got.items()}
+        out: dict[str, bytes | BaseException] = {}
+        for p in paths:  # local disk, memory://: no round trip to save
+            try:
+                out[p] = self.fs.cat_file(p)
+            except FileNotFoundError as exc:
+                out[p] = exc
         return out
 
     def read_as(self, name: str, kind: type[S]) -> S | None:

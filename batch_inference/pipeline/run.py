@@ -97,10 +97,13 @@ class PipelineRun:
         items = list(enumerate(d.shards()))
         return items, {i: by_name.get(f.name, 0) for i, f in items}
 
-    async def _fan_out(self, phase: Phase) -> PhaseSummary:
+    def _fanout(self, phase: Phase) -> FanOut:
         if self.runner is None:
             raise StepOrderError(f"{phase.kind} needs a TaskRunner: PipelineRun(spec, runner)")
-        return await FanOut(phase, self.runner, self.ledger, self.reporter, self.storage_options).run()
+        return FanOut(phase, self.runner, self.ledger, self.reporter, self.storage_options)
+
+    async def _fan_out(self, phase: Phase) -> PhaseSummary:
+        return await self._fanout(phase).run()
 
     # -- step: shard ----------------------------------------------------------------
 
@@ -198,12 +201,13 @@ class PipelineRun:
                 storage_options_ref=self.spec.pool.storage_options_ref,
             )
 
-        summary = await self._fan_out(Phase(
+        fan = self._fanout(Phase(
             round=r, kind="judge", step=name, items=items, records=written, make_task=make,
             quarantine_url=lambda i: self.layout.failed_entry(r, "judge", i),
             input_url=self.layout.inferred(r), output_url=self.layout.rejected(r),
         ))
-        await asyncio.to_thread(self._check_round, r, written)
+        summary = await fan.run()
+        self._check_round(r, written, fan.done)  # the progress records the fan-out holds: no second read
         if summary.counts.get(REVIEW_OUTPUT, 0):
             await asyncio.to_thread(review.open_queue, self.ledger, r, summary.counts[REVIEW_OUTPUT])
         await asyncio.to_thread(self.ledger.write, name, summary.as_dict())
@@ -213,9 +217,9 @@ class PipelineRun:
         man = self._dir(self.layout.pending(r)).manifest()
         return list(range(len(man.shards))) if man else []
 
-    def _check_round(self, r: int, inferred: dict[int, int]) -> None:
-        """approved + rejected (+ awaiting review) == inferred for every judged shard, or fail naming the shards."""
-        judged = self.ledger.progress(self.layout.step_name(r, "judge"), sorted(inferred))
+    def _check_round(self, r: int, inferred: dict[int, int], judged: dict[int, dict[str, Any]]) -> None:
+        """approved + rejected (+ awaiting review) == inferred for every judged shard (``judged``: the
+        judge's progress records by shard index), or fail naming the shards."""
         bad = []
         for i, rec in judged.items():
             c = rec["counts"]

@@ -253,3 +253,19 @@ async def test_permanent_record_errors_count_as_failed_in_the_round_they_failed(
     assert cells[2:6] == ["200", str(r0.approved), str(r0.rejected), "2"], row
     funnel = next(line for line in funnel_markdown(view).splitlines() if "round 00" in line)
     assert f"| 200 | {r0.approved} | {r0.rejected} | 2 |" in funnel, funnel
+
+
+async def test_a_shard_quarantined_by_an_interrupted_call_that_succeeds_on_rerun_loses_its_entry(make_spec) -> None:
+    """The infer step quarantined shard 2 but its ledger entry never got written (the driver
+    died): the re-run runs shard 2 again, and once it succeeds its old entry is gone, so its
+    records are not counted failed as well as inferred."""
+    spec = make_spec(approval=1.0)
+    run_dir = Path(spec.output) / spec.run
+    async with open_runner(spec) as pool:
+        await PipelineRun(spec).shard()
+        failing = FailingShardRunner(pool, shard_name="sharded/part-00002.jsonl.zst", kind="infer")
+        assert len((await PipelineRun(spec, failing).infer(0)).quarantined) == 1
+        (run_dir / "ledger" / "round-00-infer.json").unlink()
+        again = await PipelineRun(spec, CountingRunner(pool)).infer(0)
+    assert again.quarantined == [] and again.shards_run == 1 and again.records_in == 600
+    assert list((run_dir / "round-00" / "failed").iterdir()) == []
