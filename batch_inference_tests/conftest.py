@@ -6,4 +6,6 @@ pytest_plugins = [
     "batch_inference_tests.fixtures.pool",
     "batch_inference_tests.fixtures.postgres",
     "batch_inference_tests.fixtures.seaweedfs",
+    "batch_inference_tests.fixtures.tiers",
+    "pytester",  # test_tiers.py runs small suites through the tier rules
 ]

@@ -136,6 +136,7 @@ def _recover(instance: dg.DagsterInstance) -> list[dg.RunRequest]:
     return recover(context, "round_sensor", ["round_job"], "batch_inference/run")
 
 
+@pytest.mark.process
 def test_a_process_is_alive_only_if_it_is_the_one_recorded() -> None:
     me = psutil.Process()
     assert Worker(me.pid, me.create_time()).is_alive()
@@ -144,6 +145,7 @@ def test_a_process_is_alive_only_if_it_is_the_one_recorded() -> None:
     assert not Worker(pid, born).is_alive()
 
 
+@pytest.mark.process
 def test_a_started_run_is_judged_dead_only_when_every_process_is_gone() -> None:
     instance = dg.DagsterInstance.ephemeral()
     pid, born = _dead_pid()

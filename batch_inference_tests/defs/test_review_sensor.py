@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import dagster as dg
+import pytest
 
 from batch_inference import review as rv
 from batch_inference.defs.driver import drive, start_run, tick
@@ -88,7 +89,7 @@ def test_sensor_waits_for_review_then_advances(defs, instance, write_spec) -> No
         assert c["inferred"] == c["approved"] + c["rejected"] + c["awaiting"] and c["awaiting"] == 0
 
 
-
+@pytest.mark.process
 def test_sensor_ticks_while_a_reviewer_works_through_the_real_server(defs, instance, write_spec) -> None:
     """Verdicts trickle in over HTTP from another thread while the sensor ticks; it advances once, when the queue is empty."""
     import re

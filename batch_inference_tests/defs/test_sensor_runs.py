@@ -189,6 +189,7 @@ def test_steps_of_an_unstarted_run_name_the_fix(defs, instance):
     assert not instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=SHARDED, asset_partitions=["ghost"]), limit=1).records
 
 
+@pytest.mark.process
 def test_the_daemon_resolves_the_sensors_requests(defs, write_spec, tmp_path):
     """Dagster's own tick evaluation (what the daemon runs) accepts every request: the new
     round label in the same result makes ``<run>|r00`` a valid partition of round_job."""

@@ -72,6 +72,7 @@ def test_factory_builds_simulated_from_dict() -> None:
     assert engine.simulated and "simulated" in engine.name and engine.max_model_len == 100
 
 
+@pytest.mark.process
 def test_factory_imports_lazily() -> None:
     """The simulated engine (and the judges) never import torch; vllm only when asked."""
     code = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from batch_inference.engines.tiny_model import make_tiny_model
@@ -30,6 +31,7 @@ def test_deterministic_per_seed(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert (again / "tokenizer.json").read_bytes() == (tiny_model_dir / "tokenizer.json").read_bytes()
 
 
+@pytest.mark.slow  # builds a model: imports torch and transformers
 def test_cli_make_model(tmp_path: Path) -> None:
     from batch_inference.cli.engine_cmds import make_model
 

@@ -236,6 +236,7 @@ def test_bucketed_shares_calls_across_output_lengths(engines_by_batching, monkey
     assert calls == [4] and [c.completion_tokens for c in out] == [8, 7, 8, 7]
 
 
+@pytest.mark.slow  # imports torch (the transformers engine module)
 def test_buckets_cut_where_padding_grows() -> None:
     from batch_inference.engines.transformers_engine import TransformersEngine
 

@@ -167,6 +167,7 @@ async def test_empty_input_completes_with_nothing_to_do(tmp_path: Path) -> None:
         assert summary.records == 0 and summary.status == "converged" and summary.conservation["ok"]
 
 
+@pytest.mark.process
 def test_missing_input_url_is_a_clear_cli_error(tmp_path: Path) -> None:
     spec_path = tmp_path / "spec.yaml"
     spec_path.write_text(yaml.safe_dump(spec_data(tmp_path, input=str(tmp_path / "nope.jsonl"))))
@@ -175,6 +176,7 @@ def test_missing_input_url_is_a_clear_cli_error(tmp_path: Path) -> None:
     assert res.returncode == 1 and "nope.jsonl" in out and "Traceback" not in out, out
 
 
+@pytest.mark.process
 def test_spec_with_unknown_keys_and_wrong_types_names_every_key(tmp_path: Path) -> None:
     data = spec_data(tmp_path)
     data["max_roundz"] = 3

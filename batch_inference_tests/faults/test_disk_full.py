@@ -91,6 +91,7 @@ async def _fill_then_grow(tmp_path: Path, out: str, grow: Any, run: Any = run_pi
     return message
 
 
+@pytest.mark.process
 async def test_disk_full_mid_round_is_a_clear_error_and_resumes(tmp_path: Path, small_disk: Path) -> None:
     def grow() -> None:
         subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True, timeout=30)

@@ -58,6 +58,7 @@ def _body(spec: Any) -> str:
     return spec.model_dump_json()
 
 
+@pytest.mark.process
 def test_off_loopback_needs_a_token(tmp_path: Path) -> None:
     for host in ("0.0.0.0", "10.1.2.3", "::"):
         with pytest.raises(PermissionError, match="token"):
@@ -72,6 +73,7 @@ def test_off_loopback_needs_a_token(tmp_path: Path) -> None:
     assert res.returncode != 0 and b"token" in res.stderr + res.stdout
 
 
+@pytest.mark.process
 async def test_requests_without_the_right_token_are_refused(worker: tuple[TestClient, Path]) -> None:
     client, root = worker
     write_shard(root / "in.jsonl", 5)
@@ -88,6 +90,7 @@ async def test_requests_without_the_right_token_are_refused(worker: tuple[TestCl
     assert not (root / "out.jsonl").exists() or (root / "out.jsonl").stat().st_size > 0
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("where", ["input_url", "output"])
 async def test_paths_outside_the_storage_roots_are_refused(worker: tuple[TestClient, Path], where: str) -> None:
     client, root = worker
@@ -105,6 +108,7 @@ async def test_paths_outside_the_storage_roots_are_refused(worker: tuple[TestCli
     assert not (root / "out.jsonl").exists()
 
 
+@pytest.mark.process
 async def test_oversized_bodies_pickles_and_arbitrary_rule_modules_are_refused(worker: tuple[TestClient, Path]) -> None:
     client, root = worker
     write_shard(root / "in.jsonl", 3)
@@ -139,6 +143,7 @@ async def test_oversized_bodies_pickles_and_arbitrary_rule_modules_are_refused(w
     assert resp.status == 200, await resp.text()
 
 
+@pytest.mark.process
 def test_the_token_never_reaches_the_worker_log(tmp_path: Path) -> None:
     """A real worker process with a token: its whole log, after refused and accepted requests."""
     import urllib.error
@@ -201,6 +206,7 @@ async def test_storage_secrets_never_reach_logs_ledger_or_metadata(tmp_path: Pat
     assert any('"key": "***"' in t or "'key': '***'" in t for t in texts), "the ledger records the spec, redacted"
 
 
+@pytest.mark.slow
 def test_secrets_never_reach_the_dagster_event_log(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """A whole Dagster-driven run with credentials in the spec file and in the storage resource:
     no event (materialisation metadata, check results, logs) and no ledger object carries them."""

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 from click.testing import CliRunner
 
@@ -47,6 +48,7 @@ def test_bad_spec_and_unknown_run(tmp_path: Path) -> None:
     assert missing.exit_code == 1 and "no ledger" in missing.output
 
 
+@pytest.mark.process
 def test_ctrl_c_stops_cleanly_and_rerun_resumes(tmp_path: Path) -> None:
     data = spec_dict(
         tmp_path, records=2000, approval=0.5, max_rounds=2, pool={"concurrency": 2},
@@ -83,6 +85,7 @@ def test_ctrl_c_stops_cleanly_and_rerun_resumes(tmp_path: Path) -> None:
     assert "conservation: OK" in again.output
 
 
+@pytest.mark.process
 def test_the_ledger_table_is_readable_off_a_terminal(tmp_path: Path) -> None:
     """``batch-inference status RUN | cat``: stdout is a pipe; every header stays whole."""
     spec_path = tmp_path / "spec.yaml"
@@ -98,6 +101,7 @@ def test_the_ledger_table_is_readable_off_a_terminal(tmp_path: Path) -> None:
     assert any("round 1" in line and "exhausted" in line for line in proc.stdout.splitlines()), proc.stdout
 
 
+@pytest.mark.process
 def test_status_fits_80_and_60_columns_without_cutting_a_value(tmp_path: Path) -> None:
     """``COLUMNS=80`` / ``60 batch-inference status RUN``: columns are left out in the stated
     order (named under the table), or each row is stacked; every header and value that is

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import orjson
+import pytest
 import yaml
 
 from batch_inference.pipeline import PipelineSpec, run_pipeline
@@ -52,6 +53,7 @@ def _segments_by_time(store: CheckpointStore, before_ns: int) -> tuple[list[dict
     return old, new
 
 
+@pytest.mark.process
 def test_in_place_resumes_each_sample_at_its_attempt_after_sigkill(tmp_path: Path) -> None:
     """The process running the worker's task code is SIGKILLed mid-tail; the re-run resumes."""
     data = spec_dict(

@@ -75,6 +75,7 @@ async def test_a_measured_profile_drives_the_plan(tmp_path: Path) -> None:
         EngineProfile.load(tmp_path / "bad.json")
 
 
+@pytest.mark.slow
 def test_cli_profile_then_plan(tmp_path: Path) -> None:
     import yaml
 

@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.process  # runs the bench script as a child process
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "pool_round.py"
 
 

@@ -13,6 +13,8 @@ from aiohttp.test_utils import TestServer
 from batch_inference.pool import PoolClient, TaskFailed, TaskResult, TaskSpec
 from batch_inference_tests.fixtures.pool import infer_spec
 
+pytestmark = pytest.mark.process  # workers faked by aiohttp servers listening on 127.0.0.1
+
 SPEC: TaskSpec = infer_spec("t1", "/data/in.jsonl", "/data/out.jsonl")
 
 

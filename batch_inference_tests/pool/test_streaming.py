@@ -150,6 +150,7 @@ async def test_streamed_task_rows_carry_their_own_results_and_per_record_errors(
     assert "batch_inference_output_tokens_per_second" in text and "batch_inference_engine_kv_cache_usage" in text
 
 
+@pytest.mark.process
 async def test_dead_engine_fails_the_task_never_its_records_and_the_worker_goes_unhealthy(toy: ToyStream, tmp_path: Path) -> None:
     write_shard(tmp_path / "in.jsonl", 10)
     die = InferConfig(template="{q} die", sampling=SamplingConfig(max_tokens=8))

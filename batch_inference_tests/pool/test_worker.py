@@ -230,6 +230,7 @@ def test_launcher_reuses_a_running_pool_and_replaces_a_changed_one(tmp_path: Pat
     assert changed.down() == 1 and changed.status() == []
 
 
+@pytest.mark.process
 def test_pool_cli_up_status_down(tmp_path: Path) -> None:
     state = str(tmp_path / "cli-state")
     base = [sys.executable, "-m", "batch_inference.cli.main", "pool"]

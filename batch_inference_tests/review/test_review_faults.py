@@ -164,6 +164,7 @@ def test_off_loopback_needs_a_token(review_spec, review_server, tmp_path) -> Non
     assert balanced(run)["awaiting"] == 4
 
 
+@pytest.mark.process
 def test_a_tokenless_server_answers_nothing_from_off_loopback(review_spec) -> None:
     """Defence in depth: even bound to every address by mistake (check_bind bypassed), no tokens = loopback only."""
     from batch_inference.review.server import start

@@ -68,6 +68,7 @@ async def test_reads_foreign_multi_frame_zstd_and_crlf(tmp_path) -> None:
     assert list(JsonlFile(str(tmp_path / "f.jsonl.zst")).iter_records_sync()) == [{"a": 1}, {"a": 2}, {"a": 3}]
 
 
+@pytest.mark.slow
 async def test_bounded_memory_independent_of_shard_size(tmp_path) -> None:
     """Reading a shard ~40x the read chunk keeps traced memory at a few chunks, whatever the size."""
     rng = random.Random(0)
@@ -335,6 +336,7 @@ async def test_rotation_bulk_path_matches_line_by_line(tmp_path) -> None:
     assert list(d.iter_records_sync()) == data
 
 
+@pytest.mark.slow
 async def test_sorted_write_order_past_ten_thousand_shards(tmp_path) -> None:
     """12,000 real shards list back in write order, with and without the manifest."""
     d = JsonlDir(str(tmp_path / "many"))
@@ -386,6 +388,7 @@ async def test_concurrent_dir_writers_get_a_clear_error(base_url: str) -> None:
     assert [r["n"] for r in d.iter_records_sync()] == list(range(20))
 
 
+@pytest.mark.process
 async def test_stale_lock_of_dead_writer_is_taken_over(tmp_path) -> None:
     import socket
     import subprocess
