@@ -114,17 +114,17 @@ def _rows(spec, d: str) -> list[dict]:
 
 
 class _TwoWorkers(CountingRunner):
-    """A runner whose tasks come back from two workers (as from two ``endpoints``)."""
+    """A runner whose tasks come back from two workers (as from two ``endpoints``), each task
+    having kept its engine busy 0.5 ms."""
 
     async def run_task(self, spec):
         result = await super().run_task(spec)
         self.calls["returned"] += 1
-        return result.model_copy(update={"worker": f"w{self.calls['returned'] % 2}"})
+        return result.model_copy(update={"worker": f"w{self.calls['returned'] % 2}", "engine_busy_s": 0.0005})
 
 
 async def test_crossover_divides_engine_time_by_the_workers_that_ran_the_round(make_spec) -> None:
     """pool.replicas says 3, but two workers (endpoints) ran the round: engine s / 2."""
-    from batch_inference.pipeline.policy import round_
     from batch_inference.pipeline.runner import open_runner
     from batch_inference.pipeline.summaries import PhaseSummary
 
@@ -135,6 +135,5 @@ async def test_crossover_divides_engine_time_by_the_workers_that_ran_the_round(m
         infer, judge = await run.infer(0), await run.judge(0)
     assert infer.workers == judge.workers == 2
     assert PhaseSummary.from_dict(ledger(spec, "round-00-infer")).workers == 2
-    decision = run.decide(0)
-    busy = (infer.engine_busy_s + judge.engine_busy_s) / 2
-    assert decision.figures["engine_s"] == round_(min(busy, infer.wall_s + judge.wall_s))
+    assert (infer.engine_busy_s, judge.engine_busy_s) == (0.003, 0.003)  # 6 shards' tasks, 0.5 ms each
+    assert run.decide(0).figures["engine_s"] == 0.003  # (3 + 3 ms) / 2 workers; / 3 replicas would be 0.002
