@@ -36,7 +36,8 @@ def with_row_count(meta: dict[str, Any], rows: int | None = None) -> dict[str, A
 
 def phase_metadata(summary: PhaseSummary | RoundView) -> dict[str, Any]:
     """Figures of one fan-out (a round's infer or judge phase, or the tail), or of a whole
-    round (``RoundView``: both phases; records = the round's pending records)."""
+    round (``RoundView``: both phases, and people's verdicts once its review is closed;
+    records = the round's pending records)."""
     if isinstance(summary, RoundView):
         records, quarantined = summary.records_in, summary.quarantined
         fill = summary.avg_fill
@@ -75,6 +76,8 @@ def phase_metadata(summary: PhaseSummary | RoundView) -> dict[str, Any]:
         "input": location(input_url),
         "output": location(output_url),
     }
+    if isinstance(summary, RoundView):  # records that ended failed in the round (RoundView.failed)
+        meta["failed_records"] = dg.MetadataValue.int(summary.failed)
     for key, value in extra.items():
         meta[f"count.{key}"] = dg.MetadataValue.int(int(value))
     for key, value in summary.engine.items():

@@ -37,6 +37,7 @@ from batch_inference.pipeline.summaries import (
     LedgerView,
     PhaseSummary,
     RecompactSummary,
+    ReviewSummary,
     RoundView,
     RunSummary,
     ShardSummary,
@@ -164,6 +165,7 @@ class Ledger:
                 judge=self.read_as(names.step_name(r, "judge"), PhaseSummary),
                 decision=self.read_as(names.step_name(r, "decision"), Decision),
                 recompact=self.read_as(names.step_name(r + 1, "recompact"), RecompactSummary),
+                review=self.read_as(names.step_name(r, "review"), ReviewSummary),  # review.ledger_resolved(r)
             )
             if rnd.infer is None and rnd.judge is None and rnd.decision is None:
                 break

@@ -227,7 +227,8 @@ def ledger_table(view: LedgerView, title: str) -> LedgerTable:
 
     "in" is the round's pending records (quarantined shards included); "failed" the records
     that ended failed in it (its quarantined shards' and its permanent errors, ``RoundView.failed``);
-    the funnel is approved / in (``RoundView.approval``).
+    approved and rejected count people's verdicts once the round's review is closed ("next" says
+    ``review`` while it is open); the funnel is approved / in (``RoundView.approval``).
     """
     rows: list[dict[str, str]] = []
     bars: dict[int, str] = {}
@@ -236,14 +237,13 @@ def ledger_table(view: LedgerView, title: str) -> LedgerTable:
         rows.append({"phase": "shard", "in": _n(s.records), "funnel": "", "wall": duration(s.wall_s), "note": note})
     for rnd in view.rounds:
         judged = rnd.judge is not None
-        waiting = judged and rnd.judge.counts.get("review") and rnd.decision is None  # type: ignore[union-attr]
         bars[len(rows)] = _bar(rnd.approval)
         rows.append({
             "phase": f"round {rnd.round}", "in": _n(rnd.records_in), "approved": _n(rnd.approved if judged else None),
             "rejected": _n(rnd.rejected if judged else None), "failed": _n(rnd.failed), "funnel": f"{rnd.approval:.0%}",
             "tokens in/out": f"{_k(rnd.tokens_in)}/{_k(rnd.tokens_out)}", "engine": duration(rnd.engine_busy_s),
             "wall": duration(rnd.wall_s), "out tok/s": _rate(rnd.output_tokens_per_s), "fill": _f(rnd.avg_fill),
-            "next": rnd.decision.kind if rnd.decision else "review" if waiting else "-",
+            "next": rnd.decision.kind if rnd.decision else "review" if rnd.awaiting_review else "-",
         })
     if t := view.tail:
         approval = rate(t.approved, t.records_total)
@@ -261,9 +261,9 @@ def ledger_table(view: LedgerView, title: str) -> LedgerTable:
 def run_lines(view: LedgerView) -> list[str]:
     """The run's verdict in a few lines (status, terminal counts, conservation)."""
     if not (r := view.run):
-        waiting = [f"round {x.round}: {x.judge.counts['review']} record(s) sent to human review "
+        waiting = [f"round {x.round}: {x.awaiting_review} record(s) sent to human review "
                    "(`batch-inference review SPEC` serves the page; the run goes on once they are decided)"
-                   for x in view.rounds if x.judge is not None and x.judge.counts.get("review") and x.decision is None]
+                   for x in view.rounds if x.awaiting_review]
         return [*waiting, "run not finalized yet (re-run `batch-inference run SPEC` to resume)"]
     c = r.conservation
     lines = [f"round {d.round} -> {d.kind}: {d.reason}" for d in (x.decision for x in view.rounds) if d]

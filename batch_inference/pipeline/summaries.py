@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
-from batch_inference.pool.protocol import PERMANENT_ERRORS
+from batch_inference.pool.protocol import PERMANENT_ERRORS, REVIEW_OUTPUT
 
 DecisionKind = Literal["next_round", "tail", "done", "exhausted"]
 # quarantined: a shard task exhausted its retries (infrastructure); exhausted: max_rounds or
@@ -179,6 +179,24 @@ class Decision(_Summary):
 
 
 @dataclass(frozen=True)
+class ReviewSummary(_Summary):
+    """A closed human review (``round-NN-review``): what people and the timeout policy decided."""
+
+    round: int
+    records: int
+    approved: int
+    rejected: int
+    by_reviewer: dict[str, int]
+    by_verdict: dict[str, int]
+    timed_out: int  # decided by the timeout policy
+    conflicts: int
+    conflict_examples: list[dict[str, Any]]
+    segments: int
+    sealed_at: float
+    wall_s: float
+
+
+@dataclass(frozen=True)
 class RunSummary(_Summary):
     """The end of a run: terminal counts, the conservation check, the status."""
 
@@ -222,6 +240,7 @@ class RoundView:
     judge: PhaseSummary | None = None
     decision: Decision | None = None
     recompact: RecompactSummary | None = None  # how pending(round + 1) was made from this round
+    review: ReviewSummary | None = None  # the round's human review, once closed
 
     @property
     def phases(self) -> list[PhaseSummary]:
@@ -234,12 +253,20 @@ class RoundView:
 
     @property
     def approved(self) -> int:
-        return self.judge.approved if self.judge else 0
+        """Approved by the judge, and by people once the round's review is closed."""
+        return (self.judge.approved if self.judge else 0) + (self.review.approved if self.review else 0)
 
     @property
     def rejected(self) -> int:
-        """Rejected records the next round (or the tail) retries: a permanent error is failed, not rejected."""
-        return self.judge.rejected - self.judge.permanent_errors if self.judge else 0
+        """Rejected records the next round (or the tail) retries, people's rejections included once
+        the review is closed; a permanent error is failed, not rejected."""
+        judged = self.judge.rejected - self.judge.permanent_errors if self.judge else 0
+        return judged + (self.review.rejected if self.review else 0)
+
+    @property
+    def awaiting_review(self) -> int:
+        """Records the judge sent to people while their review is open (0 once it is closed)."""
+        return int(self.judge.counts.get(REVIEW_OUTPUT, 0)) if self.judge and self.review is None else 0
 
     @property
     def quarantined(self) -> list[QuarantineEntry]:
@@ -316,7 +343,7 @@ class LedgerView:
 
         return {"spec": self.spec, "shard": d(self.shard), "tail": d(self.tail), "run": d(self.run),
                 "rounds": [{"round": r.round, "infer": d(r.infer), "judge": d(r.judge), "decision": d(r.decision),
-                            "recompact": d(r.recompact)} for r in self.rounds]}
+                            "recompact": d(r.recompact), "review": d(r.review)} for r in self.rounds]}
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from batch_inference.rows import Status
 from batch_inference.pipeline.layout import RunLayout
 from batch_inference.pipeline.ledger import Ledger
 from batch_inference.pipeline.spec import PipelineSpec
-from batch_inference.pipeline.summaries import _Summary
+from batch_inference.pipeline.summaries import ReviewSummary, _Summary  # ReviewSummary: read by the ledger view too
 from batch_inference.review.verdicts import ReviewLog, fold
 from batch_inference.storage import JsonlDir, JsonlFile
 
@@ -81,24 +81,6 @@ class ReviewStatus(_Summary):
         if self.due:
             return f"review timed out: {self.policy} ({self.left} left)"
         return f"waiting for review ({self.left} left)"
-
-
-@dataclass(frozen=True)
-class ReviewSummary(_Summary):
-    """A closed review: what people and the timeout policy decided."""
-
-    round: int
-    records: int
-    approved: int
-    rejected: int
-    by_reviewer: dict[str, int]
-    by_verdict: dict[str, int]
-    timed_out: int  # decided by the timeout policy
-    conflicts: int
-    conflict_examples: list[dict[str, Any]]
-    segments: int
-    sealed_at: float
-    wall_s: float
 
 
 def _policy_text(spec: PipelineSpec) -> str:

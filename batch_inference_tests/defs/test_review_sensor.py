@@ -75,6 +75,10 @@ def test_sensor_waits_for_review_then_advances(defs, instance, write_spec) -> No
     assert history(rest)[0] == ("review_job", "rev|r00")
     reviewed = latest(instance, REVIEWED, "rev|r00")
     assert reviewed["review_by_reviewer"] == {"alice": 9, "bob": 3} and reviewed["decision"] == "next_round"
+    # the round's figures count the people's verdicts (the judge's, on rejected, were 0 and 0)
+    assert (reviewed["approved"], reviewed["rejected"]) == (reviewed["review_approved"], reviewed["review_rejected"])
+    assert reviewed["approved"] + reviewed["rejected"] == 12 and reviewed["approval_rate"] == round(reviewed["approved"] / 12, 4)
+    assert f"| round 00 -> next_round | 12 | {reviewed['approved']} | {reviewed['rejected']} | 0 |" in reviewed["funnel"]
     assert ("round_job", "rev|r01") in history(rest)
     # round 1 waits for review again; its records are the ones people rejected
     rej1 = latest(instance, REJECTED, "rev|r01")

@@ -214,3 +214,43 @@ async def test_hybrid_reviews_the_rounds_then_hands_the_rest_to_the_tail(make_sp
     decision = run.decide(0)
     assert decision.kind == "tail" and decision.figures["reviewed_rejected"] == decision.figures["rejected"] > 0
     balanced(run, 0)
+
+
+async def test_the_status_row_and_the_round_metadata_count_the_reviewers_verdicts(make_spec) -> None:
+    """A human-judged round decided by a reviewer: its row in `batch-inference status`, the
+    funnel and the round's Dagster figures say 28 approved and 12 rejected, as storage does,
+    not the judge step's 0 and 0."""
+    from rich.console import Console
+
+    from batch_inference.defs.metadata import funnel_markdown, phase_metadata
+    from batch_inference.pipeline.report import ledger_table
+
+    def row(view) -> list[str]:
+        console = Console(width=200, record=True)
+        console.print(ledger_table(view, "t"))
+        line = next(line for line in console.export_text().splitlines() if "round 0" in line)
+        return [c.strip() for c in line.strip("│").split("│")]
+
+    spec = make_spec(records=40, judge={"kind": "human"}, max_rounds=2)
+    run = await judged_round(spec)
+    waiting = run.ledger.view()
+    rnd = waiting.rounds[0]
+    assert (rnd.approved, rnd.rejected, rnd.awaiting_review) == (0, 0, 40)
+    assert row(waiting)[:5] == ["round 0", "40", "0", "0", "0"] and row(waiting)[-1] == "review"
+    q = rv.ReviewQueue(spec)
+    await q.refresh()
+    for i in range(40):
+        item, lease = await q.claim("kim")
+        await q.decide(lease.reviewer, item.round, item.id, "approve" if i % 10 < 7 else "reject", reason="no")
+    await run.resolve_review(0)
+    run.decide(0)
+    view = run.ledger.view()
+    rnd = view.rounds[0]
+    c = balanced(run, 0)
+    assert (rnd.approved, rnd.rejected, rnd.awaiting_review) == (c["approved"], c["rejected"], 0) == (28, 12, 0)
+    assert rnd.approval == 0.7 and rnd.review is not None and rnd.review.by_reviewer == {"kim": 40}
+    cells = row(view)
+    assert cells[:5] == ["round 0", "40", "28", "12", "0"] and "70%" in cells[5] and cells[-1] == "next_round", cells
+    assert "| round 00 -> next_round | 40 | 28 | 12 | 0 | 70.0% |" in funnel_markdown(view)
+    meta = {k: v.value for k, v in phase_metadata(rnd).items()}
+    assert (meta["approved"], meta["rejected"], meta["approval_rate"]) == (28, 12, 0.7)

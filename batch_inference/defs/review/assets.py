@@ -10,13 +10,15 @@ it up the same way.
 import dagster as dg
 
 from batch_inference.defs.keys import CPU_OP_TAGS, REJECTED, REVIEWED
-from batch_inference.defs.metadata import location
+from batch_inference.defs.metadata import funnel_markdown, location, phase_metadata
 from batch_inference.defs.partitions import ROUNDS, parse_round_key
 from batch_inference.defs.recovery import record_worker
 from batch_inference.defs.review.metadata import review_page
 from batch_inference.defs.specs import load_spec
 from batch_inference.defs.steps import run_cpu_step
 from batch_inference.defs.storage.resources import StorageResource
+
+ROUND_OUTCOME = ("approved", "rejected", "failed_records", "approval_rate")  # of phase_metadata(RoundView)
 
 
 @dg.asset(
@@ -38,7 +40,13 @@ def reviewed(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.
     summary = run_cpu_step(spec, lambda run: run.resolve_review(key.round)).as_dict()
     run = PipelineRun(spec, eta=eta_after_round)
     decision = run.decide(key.round).as_dict()
+    view = run.ledger.view()
+    # the round's funnel with people's verdicts counted (the judge's metadata on approved /
+    # rejected was written before they were)
+    outcome = {k: v for k, v in phase_metadata(view.rounds[key.round]).items() if k in ROUND_OUTCOME}
     return dg.MaterializeResult(metadata={
+        **outcome,
+        "funnel": dg.MetadataValue.md(funnel_markdown(view)),
         "round": dg.MetadataValue.int(key.round),
         "records": dg.MetadataValue.int(int(summary["records"])),
         "dagster/row_count": dg.MetadataValue.int(int(summary["records"])),
