@@ -23,6 +23,7 @@ from batch_inference.defs.storage.resources import StorageResource
 def build_definitions(
     *,
     pool: PoolResource | None = None,
+    judge_pool: PoolResource | None = None,
     storage: StorageResource | None = None,
     schedule_spec: str | None = None,
     schedule_cron: str | None = None,
@@ -33,7 +34,7 @@ def build_definitions(
         runs_defs.build_definitions(schedule_spec=schedule_spec, schedule_cron=schedule_cron, schedule_input=schedule_input),
         rounds_defs.build_definitions(),
         review_defs.build_definitions(),
-        pool_defs.build_definitions(pool),
+        pool_defs.build_definitions(pool, judge_pool),
         storage_defs.build_definitions(storage),
     )
 

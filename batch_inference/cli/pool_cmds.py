@@ -29,6 +29,10 @@ import click
 @click.option("--allow-rule-module", "rule_modules", multiple=True,
               help="Module whose functions tasks may name as rule judges ('module:fn'); repeatable. Built-ins always.")
 @click.option("--checkpoint-interval-s", type=float, default=5.0, show_default=True, help="Retry-task checkpoint flush period.")
+@click.option("--judge-endpoint", "judge_endpoints", multiple=True,
+              help="A worker of the judge's own pool (repeatable): where retry tasks judge when the judge has its own model.")
+@click.option("--judge-token-file", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="The judge pool's bearer token file; else $BATCH_INFERENCE_JUDGE_TOKEN.")
 @click.option("--target-batch-tokens", type=int, default=12_800, show_default=True)
 @click.option("--max-batch-size", type=int, default=256, show_default=True)
 @click.option("--batch-timeout-s", type=float, default=0.05, show_default=True)
@@ -36,18 +40,21 @@ import click
 @click.option("--max-queue-size", type=int, default=5_000, show_default=True)
 def worker(engine_config: str, host: str, port: int, concurrency: int, storage_roots: tuple[str, ...],
            storage_options: str | None, token_file: str | None, idle_ttl_s: float | None, grace_s: float,
-           ready_file: str | None, rule_modules: tuple[str, ...], checkpoint_interval_s: float, target_batch_tokens: int, max_batch_size: int,
+           ready_file: str | None, rule_modules: tuple[str, ...], checkpoint_interval_s: float,
+           judge_endpoints: tuple[str, ...], judge_token_file: str | None, target_batch_tokens: int, max_batch_size: int,
            batch_timeout_s: float, prefetch_batches: int, max_queue_size: int) -> None:
     """Run one persistent worker: the engine loads once and serves shard tasks over HTTP."""
     import os
 
     from batch_inference.pool.engine_host import BatcherOptions
-    from batch_inference.pool.worker import WorkerSettings, check_security, read_token, run_worker
+    from batch_inference.pool.worker import JUDGE_TOKEN_ENV, WorkerSettings, check_security, read_token, run_worker
 
     settings = WorkerSettings(
         host=host, port=port, concurrency=concurrency, storage_roots=list(storage_roots) or [os.getcwd()],
         token=read_token(token_file), idle_ttl_s=idle_ttl_s, grace_s=grace_s, ready_file=ready_file,
         checkpoint_interval_s=checkpoint_interval_s, rule_modules=list(rule_modules),
+        judge_endpoints=list(judge_endpoints),
+        judge_token=read_token(judge_token_file) if judge_token_file else os.environ.get(JUDGE_TOKEN_ENV) or None,
     )
     try:
         check_security(settings)

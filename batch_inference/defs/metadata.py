@@ -82,7 +82,16 @@ def phase_metadata(summary: PhaseSummary | RoundView) -> dict[str, Any]:
         meta[f"count.{key}"] = dg.MetadataValue.int(int(value))
     for key, value in summary.engine.items():
         meta[f"engine.{key}"] = dg.MetadataValue.text(value) if isinstance(value, str) else dg.MetadataValue.float(float(value))
+    meta.update(placement_metadata(summary))
     return meta
+
+
+def placement_metadata(summary: PhaseSummary | RoundView) -> dict[str, Any]:
+    """The pool, model and adapter each phase ran on (``PhaseSummary.ran_on``): ``ran_on.<key>``
+    for a phase, ``ran_on.<phase>.<key>`` for a round's two."""
+    phases = [(f"{p.phase}.", p) for p in summary.phases] if isinstance(summary, RoundView) else [("", summary)]
+    return {f"ran_on.{prefix}{key}": dg.MetadataValue.text(str(value) if value is not None else "-")
+            for prefix, phase in phases for key, value in phase.ran_on.items()}
 
 
 def funnel_markdown(view: LedgerView) -> str:

@@ -28,14 +28,19 @@ def run_cpu_step(spec: PipelineSpec, step: Callable[[PipelineRun], Awaitable[T]]
     return asyncio.run(step(PipelineRun(spec, eta=eta_after_round)))
 
 
-def run_gpu_step(spec: PipelineSpec, pool: PoolResource, step: Callable[[PipelineRun], Awaitable[T]]) -> T:
-    """A step whose shard tasks go to the pool (infer, judge, tail)."""
-    from batch_inference.pipeline import PipelineRun
+def run_gpu_step(spec: PipelineSpec, pool: PoolResource, step: Callable[[PipelineRun], Awaitable[T]],
+                 judge_pool: PoolResource | None = None) -> T:
+    """A step whose shard tasks go to the pools (infer, judge, tail): ``pool`` runs the infer
+    model, ``judge_pool`` a judge's own model (when the spec gives it one)."""
+    from batch_inference.pipeline import PipelineRun, open_runner
     from batch_inference.planning.progress import eta_after_round
 
+    placed = pool.apply(spec)
+    if judge_pool is not None:
+        placed = judge_pool.apply(placed)
+
     async def go() -> T:
-        async with pool.runner(spec) as runner:
-            return await step(PipelineRun(pool.apply(spec), runner=runner, eta=eta_after_round))
+        async with open_runner(placed) as runner:
+            return await step(PipelineRun(placed, runner=runner, eta=eta_after_round))
 
     return asyncio.run(go())
-

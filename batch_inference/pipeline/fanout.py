@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from batch_inference.pipeline.ledger import Ledger
@@ -65,6 +65,7 @@ class Phase:
     input_url: str
     output_url: str
     after: Callable[[int, TaskResult], dict[str, Any]] | None = None  # blocking, per finished task (tail split)
+    ran_on: dict[str, Any] = field(default_factory=dict)  # pool, model, adapter (PipelineSpec.placement): the summary's
 
     @property
     def label(self) -> str:
@@ -157,6 +158,7 @@ class FanOut:
             warnings=[w for x in recs for w in x.get("warnings", [])],
             output_tokens_per_s=sum(int(x["tokens_out"]) for x in recs) / wall if wall > 0 else 0.0,
             engine=engine or {},
+            ran_on=dict(phase.ran_on),
         )
 
     def _file(self, url: str) -> JsonlFile:

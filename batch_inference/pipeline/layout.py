@@ -134,6 +134,10 @@ class RunLayout:
         """Per-sample, per-attempt checkpoint store of tail shard ``index``."""
         return join(self.tail, "checkpoints", f"part-{index:05d}")
 
+    def tail_judge_waves(self, index: int) -> str:
+        """Tail shard ``index``'s judge waves on the judge's own pool (scratch, removed once read)."""
+        return join(self.tail, "judge-waves", f"part-{index:05d}")
+
     @property
     def tail_failed(self) -> str:
         return join(self.tail, "failed")

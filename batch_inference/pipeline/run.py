@@ -23,6 +23,7 @@ from batch_inference.pipeline.fanout import FanOut, Item, NullReporter, Phase, R
 from batch_inference.pipeline.layout import RunLayout, part
 from batch_inference.pipeline.ledger import ConservationError, IdSource, Ledger, check_conservation
 from batch_inference.pipeline.policy import decide_round
+from batch_inference.pipeline.runner import PoolPair
 from batch_inference.pipeline.spec import PipelineSpec
 from batch_inference.pipeline.summaries import (
     Decision,
@@ -34,7 +35,7 @@ from batch_inference.pipeline.summaries import (
     ShardSummary,
     StepOutcome,
 )
-from batch_inference.pool.protocol import REVIEW_OUTPUT, TaskResult, TaskRunner, TaskSpec
+from batch_inference.pool.protocol import JUDGE_POOL_OUTPUT, REVIEW_OUTPUT, TaskResult, TaskRunner, TaskSpec
 from batch_inference.review import lifecycle as review
 from batch_inference.storage import JsonlDir, JsonlFile
 from batch_inference.storage.urls import join
@@ -100,7 +101,10 @@ class PipelineRun:
     def _fanout(self, phase: Phase) -> FanOut:
         if self.runner is None:
             raise StepOrderError(f"{phase.kind} needs a TaskRunner: PipelineRun(spec, runner)")
-        return FanOut(phase, self.runner, self.ledger, self.reporter, self.storage_options)
+        # where it runs, for the ledger; a judge with its own model runs its phase on its own pool (PoolPair)
+        phase = replace(phase, ran_on=self.spec.placement(phase.kind))
+        runner = self.runner.for_phase(phase.kind) if isinstance(self.runner, PoolPair) else self.runner
+        return FanOut(phase, runner, self.ledger, self.reporter, self.storage_options)
 
     async def _fan_out(self, phase: Phase) -> PhaseSummary:
         return await self._fanout(phase).run()
@@ -197,7 +201,7 @@ class PipelineRun:
             return TaskSpec(
                 task_id=self.layout.task_id(r, "judge", index, instance=instance), kind="judge", input_url=shard.url,
                 outputs=outputs,
-                judge=self.spec.judge, infer=self.spec.infer, chunk_size=self.spec.chunk_size, round=r,
+                judge=self.spec.judge.task_config(), infer=self.spec.infer, chunk_size=self.spec.chunk_size, round=r,
                 storage_options_ref=self.spec.pool.storage_options_ref,
             )
 
@@ -366,10 +370,13 @@ class PipelineRun:
         instance = await asyncio.to_thread(self._instance)
 
         def make(index: int, shard: JsonlFile) -> TaskSpec:
+            outputs = {"output": join(self.layout.tail_output, part(index)), "checkpoint": self.layout.tail_checkpoint(index)}
+            if self.spec.judge_pool is not None:  # the judge's own model: each wave is judged on its pool
+                outputs[JUDGE_POOL_OUTPUT] = self.layout.tail_judge_waves(index)
             return TaskSpec(
                 task_id=self.layout.task_id(from_round, "retry", index, instance=instance), kind="retry", input_url=shard.url,
-                outputs={"output": join(self.layout.tail_output, part(index)), "checkpoint": self.layout.tail_checkpoint(index)},
-                infer=self.spec.infer, judge=self.spec.judge, max_attempts=attempts_left, chunk_size=self.spec.chunk_size,
+                outputs=outputs, infer=self.spec.infer, judge=self.spec.judge.task_config(), max_attempts=attempts_left,
+                chunk_size=self.spec.chunk_size,
                 round=from_round, storage_options_ref=self.spec.pool.storage_options_ref,
             )
 

@@ -1,7 +1,8 @@
 """The TaskRunner a spec asks for: in this process, a running pool, or a launched one.
 
 The pipeline only ever sees the ``TaskRunner`` protocol (``limit``, ``run_task``); this
-module is the one place that maps ``spec.pool`` onto the pool layer's classes.
+module is the one place that maps ``spec.pool`` (and a judge's own ``judge.pool``) onto
+the pool layer's classes.
 """
 
 from __future__ import annotations
@@ -12,13 +13,54 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from batch_inference.pipeline.spec import PipelineSpec
-from batch_inference.pool.protocol import TaskRunner
+from batch_inference.engines import EngineConfig
+from batch_inference.pipeline.spec import PipelineSpec, PoolSpec
+from batch_inference.pool.protocol import TaskResult, TaskRunner, TaskSpec
+
+
+class PoolPair:
+    """The runner of a run whose judge has a model of its own: two persistent pools.
+
+    ``for_phase`` names the pool a phase runs on: the judge phase on the judge pool,
+    infer and the tail on the infer pool (whose retry tasks send their judge waves to the
+    judge pool themselves, ``pool.tasks.PoolJudging``). As a ``TaskRunner`` it routes each
+    task the same way, at most each pool's own ``limit`` in flight there.
+    """
+
+    def __init__(self, infer: TaskRunner, judge: TaskRunner) -> None:
+        self.infer, self.judge = infer, judge
+        self._slots = {"infer": asyncio.Semaphore(max(1, infer.limit)), "judge": asyncio.Semaphore(max(1, judge.limit))}
+
+    def for_phase(self, kind: str) -> TaskRunner:
+        """The pool phase ``kind`` (infer | judge | tail, or a task kind) runs on."""
+        return self.judge if kind == "judge" else self.infer
+
+    @property
+    def limit(self) -> int:
+        return max(self.infer.limit, self.judge.limit)
+
+    @property
+    def retried(self) -> int:
+        return self.infer.retried + self.judge.retried
+
+    async def run_task(self, spec: TaskSpec) -> TaskResult:
+        role = "judge" if spec.kind == "judge" else "infer"
+        async with self._slots[role]:
+            return await self.for_phase(spec.kind).run_task(spec)
+
+    async def stats(self) -> dict[str, Any]:
+        """Each pool's own figures, by role."""
+        return {"infer": await self.infer.stats(), "judge": await self.judge.stats()}
 
 
 @asynccontextmanager
 async def open_runner(spec: PipelineSpec, *, k8s_api: Any = None) -> AsyncIterator[TaskRunner]:
     """``async with open_runner(spec) as runner``: the runner ``spec.pool`` describes.
+
+    When the judge has an engine of its own (``judge.engine``) this is a ``PoolPair``:
+    the judge pool (``spec.judge_pool``) is opened first, then the infer pool, wired to
+    reach it (in process: the pool object; local workers: ``--judge-endpoint``, for the
+    strategies with an in-place tail). Each pool is opened as below.
 
     * ``endpoints`` given: a client to that running pool (for ``k8s`` too: an override).
     * ``launcher: k8s``: ``K8sLauncher`` discovers the ready pods of the deployed pool
@@ -31,8 +73,21 @@ async def open_runner(spec: PipelineSpec, *, k8s_api: Any = None) -> AsyncIterat
       left running for the next run (its ``idle_ttl_s`` shuts it down), as the
       reference's reusable containers are.
     """
-    pool = spec.pool
-    token = spec.pool_token()
+    judge_pool = spec.judge_pool
+    if judge_pool is None:
+        async with _open_pool(spec, spec.pool, spec.engine, k8s_api=k8s_api) as runner:
+            yield runner
+        return
+    async with _open_pool(spec, judge_pool, spec.judge_engine, k8s_api=k8s_api) as judge:
+        async with _open_pool(spec, spec.pool, spec.engine, k8s_api=k8s_api, judge=judge) as infer:
+            yield PoolPair(infer, judge)
+
+
+@asynccontextmanager
+async def _open_pool(spec: PipelineSpec, pool: PoolSpec, engine: EngineConfig, *, k8s_api: Any = None,
+                     judge: TaskRunner | None = None) -> AsyncIterator[TaskRunner]:
+    """One pool of ``pool`` running ``engine``; ``judge``: the judge pool its retry tasks reach."""
+    token = spec.pool_token(pool)
     if pool.endpoints:
         from batch_inference.pool import PoolClient
 
@@ -44,7 +99,7 @@ async def open_runner(spec: PipelineSpec, *, k8s_api: Any = None) -> AsyncIterat
         from batch_inference.pool import K8sLauncher
 
         # discovery only: nothing is rendered or applied, so no image is needed
-        launcher = K8sLauncher(spec.engine, image="", name=pool.k8s_name, namespace=pool.namespace,
+        launcher = K8sLauncher(engine, image="", name=pool.k8s_name, namespace=pool.namespace,
                                concurrency=pool.concurrency, token=token, apps_api=k8s_api, core_api=k8s_api)
         await asyncio.to_thread(launcher.wait_ready, replicas=pool.replicas, wait_s=pool.ready_timeout_s)
         client = await asyncio.to_thread(launcher.client, retries=pool.retries, timeout_s=pool.timeout_s)
@@ -58,8 +113,9 @@ async def open_runner(spec: PipelineSpec, *, k8s_api: Any = None) -> AsyncIterat
         # gets them as the worker's "default" profile (WorkerRuntime.storage_options).
         profiles = {pool.storage_options_ref or "default": spec.storage_options}
         async with InProcessPool(
-            spec.engine, concurrency=pool.concurrency * pool.replicas, batcher=pool.batcher or None,
+            engine, concurrency=pool.concurrency * pool.replicas, batcher=pool.batcher or None,
             retries=pool.retries, storage_profiles=profiles, checkpoint_interval_s=pool.checkpoint_interval_s,
+            judge_runner=judge,
         ) as runner:
             yield runner
         return
@@ -67,10 +123,14 @@ async def open_runner(spec: PipelineSpec, *, k8s_api: Any = None) -> AsyncIterat
 
     # the spec's own rule judge ("module:fn") may be imported by the workers this run starts
     rule = spec.judge.callable if spec.judge.kind == "rule" and ":" in (spec.judge.callable or "") else None
+    # Only a run with an in-place tail needs its infer workers to reach the judge pool; a
+    # rounds run leaves their configuration (and so a running pool's reuse) as it is.
+    judge_endpoints = list(getattr(judge, "endpoints", []) or []) if judge is not None and spec.strategy != "rounds" else []
     launcher = LocalLauncher(
-        spec.engine, replicas=pool.replicas, concurrency=pool.concurrency, batcher=pool.batcher or None,
+        engine, replicas=pool.replicas, concurrency=pool.concurrency, batcher=pool.batcher or None,
         storage_roots=pool.storage_roots or default_roots(spec), idle_ttl_s=pool.idle_ttl_s, name=pool.name,
         storage_profiles_file=pool.storage_profiles_file, rule_modules=[rule.partition(":")[0]] if rule else None,
+        judge_endpoints=judge_endpoints,
     )
     client = await asyncio.to_thread(launcher.client, retries=pool.retries, timeout_s=pool.timeout_s, token=token)
     async with client:

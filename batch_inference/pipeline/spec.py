@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model, field_serializer, model_validator
+from pydantic.fields import FieldInfo
 
 from batch_inference.engines import EngineConfig
 from batch_inference.judges import JudgeConfig
@@ -119,6 +120,37 @@ class PoolSpec(_Strict):
         return self
 
 
+# ``judge.pool``: any PoolSpec key, each optional; the keys it sets override the infer pool's
+# (``PipelineSpec.judge_pool``), so a judge pool says only what differs.
+JudgePoolOverrides = create_model(
+    "JudgePoolOverrides", __base__=_Strict, __doc__="The judge's own pool: PoolSpec keys that differ from the infer pool's.",
+    **{name: (f.annotation | None, FieldInfo.merge_field_infos(f, default=None, default_factory=None))  # type: ignore[call-overload]
+       for name, f in PoolSpec.model_fields.items()},
+)
+
+
+class JudgeSpec(JudgeConfig):
+    """The spec's ``judge``: a ``JudgeConfig`` plus where an llm judge runs.
+
+    ``engine`` (the top-level engine schema) gives the judge a model of its own, run on
+    a pool of its own (``pool``: the infer pool's settings with these keys overridden;
+    its name defaults to ``<pool.name>-judge``). Without ``engine`` the judge runs on the
+    infer engine. Tasks carry only the ``JudgeConfig`` part (``task_config``).
+    """
+
+    engine: EngineConfig | None = Field(None, description="the judge's own model (default: the infer engine)")
+    pool: JudgePoolOverrides | None = Field(None, description="the judge's own pool: keys that differ from the infer pool's")  # type: ignore[valid-type]
+
+    @field_serializer("pool")
+    def _dump_pool(self, pool: Any) -> dict[str, Any] | None:
+        """Only the keys the spec set: a re-parsed spec (the ledger's, Dagster's) inherits the rest again."""
+        return None if pool is None else pool.model_dump(mode="json", include=pool.model_fields_set)
+
+    def task_config(self) -> JudgeConfig:
+        """What a judge or retry task carries: the judge without its placement."""
+        return JudgeConfig.model_validate(self.model_dump(include=set(JudgeConfig.model_fields)))
+
+
 class OpenAIBatchOptions(_Strict):
     """OpenAI Batch input: which ``body.model`` values this run answers."""
 
@@ -139,7 +171,7 @@ class PipelineSpec(_Strict):
     output: str = Field(min_length=1, description="base URL; the run writes under <output>/<run>/")
     engine: EngineConfig
     infer: InferConfig
-    judge: JudgeConfig
+    judge: JudgeSpec
     strategy: Strategy = "rounds"
     max_rounds: int = Field(3, ge=1, le=99)
     max_attempts: int = Field(5, ge=1)
@@ -153,10 +185,14 @@ class PipelineSpec(_Strict):
     @model_validator(mode="after")
     def _check_structured_output(self) -> PipelineSpec:
         """Constrained output only where the engine constrains: never a run labelled constrained that is not."""
-        wants = [key for key, on in (("infer.response_format", self.infer.constrained),
-                                     ("judge.parse", self.judge.kind == "llm" and self.judge.parse == "json")) if on]
-        if wants and not self.engine.structured_output:
-            raise ValueError(f"{' and '.join(wants)}: engine kind {self.engine.kind!r} cannot constrain generation "
+        wants = [(key, engine_key, engine) for key, engine_key, engine, on in (
+            ("infer.response_format", "engine", self.engine, self.infer.constrained),
+            ("judge.parse", "judge.engine" if self.judge.engine else "engine", self.judge_engine,
+             self.judge.kind == "llm" and self.judge.parse == "json")) if on and not engine.structured_output]
+        if wants:
+            keys = " and ".join(key for key, _, _ in wants)
+            where = ", ".join(f"{engine_key} kind {engine.kind!r}" for _, engine_key, engine in wants)
+            raise ValueError(f"{keys}: {where} cannot constrain generation "
                              "to a JSON schema (vLLM's structured outputs can: engine.kind vllm); "
                              "remove it, or check results with a json_valid rule judge instead")
         return self
@@ -170,9 +206,35 @@ class PipelineSpec(_Strict):
 
     @model_validator(mode="after")
     def _check_model_path(self) -> PipelineSpec:
-        model = self.engine.model
-        if self.engine.kind in ("transformers", "vllm") and model and "://" not in model and not Path(model).expanduser().is_dir():
-            raise ValueError(f"engine.model: model directory {model!r} does not exist (build one with `batch-inference make-model DIR`)")
+        for key, engine in (("engine", self.engine), ("judge.engine", self.judge.engine)):
+            model = engine.model if engine is not None else None
+            if engine is not None and engine.kind in ("transformers", "vllm") and model and "://" not in model \
+                    and not Path(model).expanduser().is_dir():
+                raise ValueError(f"{key}.model: model directory {model!r} does not exist "
+                                 "(build one with `batch-inference make-model DIR`)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_judge_pool(self) -> PipelineSpec:
+        if self.judge.engine is not None and self.judge.kind != "llm":
+            raise ValueError(f"judge.engine: a {self.judge.kind} judge runs no model; only an llm judge takes an engine")
+        if self.judge.pool is not None and self.judge.engine is None:
+            raise ValueError("judge.pool: a judge pool needs judge.engine (without it the judge runs on the infer engine and pool)")
+        if self.judge.engine is not None:
+            try:
+                self.judge_pool  # noqa: B018 - the merged pool validates as a whole
+            except ValidationError as exc:
+                raise ValueError("judge.pool: " + "; ".join(_describe(e).strip() for e in exc.errors())) from None
+            judge_pool = self.judge_pool
+            assert judge_pool is not None
+            if (self.strategy != "rounds" and judge_pool.launcher == "inprocess" and not judge_pool.endpoints
+                    and (self.pool.launcher != "inprocess" or self.pool.endpoints)):
+                raise ValueError("judge.pool.launcher: the in-place tail judges from the infer pool's workers, which cannot "
+                                 "reach a judge pool inside this process; use judge.pool.launcher local (or endpoints)")
+            given = self.judge.pool.model_fields_set if self.judge.pool is not None else set()
+            if self.pool.endpoints and not given & {"endpoints", "launcher"}:
+                raise ValueError("judge.pool.endpoints: the infer pool is given by endpoints (pool.endpoints); "
+                                 "give the judge's running pool too, or a launcher (judge.pool.launcher)")
         return self
 
     # -- loading -------------------------------------------------------------------
@@ -230,9 +292,58 @@ class PipelineSpec(_Strict):
             return None
         return frozenset({self.model_name, *self.openai_batch.model_aliases})
 
-    def pool_token(self) -> str | None:
-        """The workers' bearer token, read from the environment (never stored in the spec)."""
-        return os.environ.get(self.pool.token_env) if self.pool.token_env else None
+    def pool_token(self, pool: PoolSpec | None = None) -> str | None:
+        """A pool's bearer token (default: the infer pool's), read from the environment (never stored in the spec)."""
+        pool = pool or self.pool
+        return os.environ.get(pool.token_env) if pool.token_env else None
+
+    # -- where each phase runs --------------------------------------------------------
+
+    @property
+    def judge_engine(self) -> EngineConfig:
+        """The engine the judge phase runs on: the judge's own, else the infer engine."""
+        return self.judge.engine or self.engine
+
+    @property
+    def judge_pool(self) -> PoolSpec | None:
+        """The judge's own pool (``judge.pool`` over the infer pool's settings), or None: the
+        judge shares the infer pool. Its own name (``<pool.name>-judge``) keeps a local
+        judge pool apart from the infer pool; endpoints are never inherited."""
+        if self.judge.engine is None:
+            return None
+        base = self.pool.model_dump(exclude={"endpoints"})
+        base.update(name=f"{self.pool.name}-judge", k8s_name=f"{self.pool.k8s_name}-judge")
+        if self.judge.pool is not None:
+            base.update(self.judge.pool.model_dump(include=self.judge.pool.model_fields_set))
+        return PoolSpec.model_validate(base)
+
+    def placement(self, phase: str) -> dict[str, str | None]:
+        """The pool, model and adapter a phase runs on (the ledger and Dagster metadata name them).
+
+        ``infer`` and the tail's generation run on the infer pool; ``judge`` on the judge's
+        pool when it has one; the tail (``tail``) names both.
+        """
+        infer = {"pool": self.pool.name, "model": engine_label(self.engine), "adapter": None}
+        judge_pool = self.judge_pool
+        judge = ({"pool": judge_pool.name, "model": engine_label(self.judge_engine), "adapter": None}
+                 if judge_pool is not None else dict(infer))
+        if self.judge.kind != "llm":
+            judge = {"pool": judge["pool"], "model": None, "adapter": None, "judge": self.judge.kind}
+        if phase == "infer":
+            return infer
+        if phase == "judge":
+            return judge
+        return {**infer, **{f"judge_{k}": v for k, v in judge.items() if k != "judge"}}
+
+
+def engine_label(engine: EngineConfig) -> str:
+    """How the ledger names a model: its directory, or the engine kind when it has none."""
+    if engine.model:
+        return engine.model
+    if engine.kind != "simulated":
+        return engine.kind
+    sim = engine.simulated
+    return "simulated" + (f":{sim.profile}" if sim.cost_model == "decode" else "") + (f":seed{engine.seed}" if engine.seed else "")
 
 
 def _describe(err: Any) -> str:

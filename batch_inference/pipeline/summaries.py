@@ -124,6 +124,8 @@ class PhaseSummary(_Summary):
     # averaged). utilization (engine_busy_s / wall_s) and avg_fill only say it was fed.
     output_tokens_per_s: float = 0.0
     engine: dict[str, Any] = field(default_factory=dict)
+    # where it ran: pool, model and adapter (the tail: its judge's too), as the spec places it
+    ran_on: dict[str, Any] = field(default_factory=dict)
 
     _nested: ClassVar[dict[str, Any]] = {"quarantined": _entries}
 

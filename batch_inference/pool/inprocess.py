@@ -13,7 +13,7 @@ from typing import Any
 
 from batch_inference.engines import EngineConfig, EngineDeadError
 from batch_inference.pool.engine_host import BatcherOptions, EngineHost
-from batch_inference.pool.protocol import TaskConflict, TaskFailed, TaskResult, TaskSpec
+from batch_inference.pool.protocol import TaskConflict, TaskFailed, TaskResult, TaskRunner, TaskSpec
 from batch_inference.pool.runtime import EngineDead, Refused, SpecConflict, WorkerRuntime, is_machine_error
 from batch_inference.pool.tasks import TaskInputError
 
@@ -26,7 +26,8 @@ class InProcessPool:
     ``retries`` re-runs a failed task that many times (input errors are not retried),
     waiting ``backoff_s`` (doubling) between tries so that a storage blip of a few
     seconds is ridden out, as PoolClient does; then ``TaskFailed`` is raised for the
-    caller to quarantine.
+    caller to quarantine. ``judge_runner`` is the judge's own pool, where retry tasks
+    with a ``judge_pool`` output send their judge waves.
     """
 
     def __init__(
@@ -39,12 +40,13 @@ class InProcessPool:
         storage_profiles: dict[str, dict[str, Any]] | None = None,
         checkpoint_interval_s: float = 5.0,
         backoff_s: float = 0.5,
+        judge_runner: TaskRunner | None = None,
     ) -> None:
         options = batcher if isinstance(batcher, BatcherOptions) or batcher is None else BatcherOptions.model_validate(batcher)
         self.host = EngineHost(engine_config, options)
         self.runtime = WorkerRuntime(
             self.host, concurrency=concurrency, name="inprocess",
-            storage_profiles=storage_profiles, checkpoint_interval_s=checkpoint_interval_s,
+            storage_profiles=storage_profiles, checkpoint_interval_s=checkpoint_interval_s, judge_runner=judge_runner,
         )
         self.retries = retries
         self.backoff_s = backoff_s

@@ -24,6 +24,10 @@ OUTPUT_KEYS: dict[str, frozenset[str]] = {
 }
 # A judge that escalates to people (or a human judge) also writes the round's review queue.
 REVIEW_OUTPUT = "review"
+# A retry task with this output judges on the worker's judge pool (the judge's own model):
+# each wave goes there as a judge task whose input and outputs lie under this folder.
+# Without it the retry task judges on its own worker's engine.
+JUDGE_POOL_OUTPUT = "judge_pool"
 # A judge count beside approved / rejected: how many of its rejected rows carry a permanent
 # error (rows.permanent_error). They stay in the rejected shard (recompaction ends them
 # ``failed``), so the round that saw them fail can count them as failed.
@@ -56,6 +60,8 @@ class TaskSpec(_Wire):
         want = OUTPUT_KEYS[self.kind]
         if self.kind == "judge" and self.judge is not None and self.judge.reviews:
             want = want | {REVIEW_OUTPUT}
+        if self.kind == "retry" and JUDGE_POOL_OUTPUT in self.outputs:
+            want = want | {JUDGE_POOL_OUTPUT}
         if self.kind == "retry" and self.judge is not None and self.judge.kind == "human":
             raise ValueError(f"task {self.task_id!r}: in-place retry has no round boundary for a human judge to review at")
         if set(self.outputs) != want:
@@ -136,4 +142,5 @@ class TaskRunner(Protocol):
         ...
 
 
-__all__ = ["OUTPUT_KEYS", "InferConfig", "SamplingConfig", "TaskConflict", "TaskFailed", "TaskKind", "TaskResult", "TaskRunner", "TaskSpec", "derive_seed"]
+__all__ = ["JUDGE_POOL_OUTPUT", "OUTPUT_KEYS", "InferConfig", "SamplingConfig", "TaskConflict", "TaskFailed", "TaskKind", "TaskResult",
+           "TaskRunner", "TaskSpec", "derive_seed"]

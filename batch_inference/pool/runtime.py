@@ -20,7 +20,7 @@ from typing import Any
 
 from batch_inference.engines import EngineDeadError
 from batch_inference.pool.engine_host import EngineHost
-from batch_inference.pool.protocol import TaskResult, TaskSpec
+from batch_inference.pool.protocol import TaskResult, TaskRunner, TaskSpec
 from batch_inference.pool.tasks import TaskContext, run_task
 from batch_inference.storage import JsonlFile
 
@@ -85,6 +85,7 @@ class WorkerRuntime:
         storage_profiles: dict[str, dict[str, Any]] | None = None,
         checkpoint_interval_s: float = 5.0,
         result_cache: int = 10_000,
+        judge_runner: TaskRunner | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
@@ -94,6 +95,7 @@ class WorkerRuntime:
         self.storage_profiles = storage_profiles or {}
         self.checkpoint_interval_s = checkpoint_interval_s
         self.result_cache = result_cache
+        self.judge_runner = judge_runner  # the judge's own pool, for retry tasks that judge there
         self.running: dict[str, tuple[TaskSpec, asyncio.Task[TaskResult]]] = {}
         self.finished: OrderedDict[str, tuple[TaskSpec, TaskResult]] = OrderedDict()
         self.draining = False
@@ -169,7 +171,8 @@ class WorkerRuntime:
 
     async def _execute(self, spec: TaskSpec, storage_options: dict[str, Any] | None) -> TaskResult:
         t0 = time.perf_counter()
-        ctx = TaskContext(spec, self.host, storage_options, checkpoint_interval_s=self.checkpoint_interval_s)
+        ctx = TaskContext(spec, self.host, storage_options, checkpoint_interval_s=self.checkpoint_interval_s,
+                          judge_runner=self.judge_runner)
         try:
             counts = await run_task(ctx)
         except EngineDeadError as exc:

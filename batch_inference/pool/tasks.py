@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -21,11 +22,11 @@ from batch_inference.engines import Completion, EngineDeadError, supports_struct
 from batch_inference.engines.base import unconstrained_error
 from batch_inference.judges import JudgeConfig, LLMJudge, Verdict, build_judge
 from batch_inference.pool.engine_host import EngineHost
-from batch_inference.pool.protocol import PERMANENT_ERRORS, REVIEW_OUTPUT, TaskSpec
+from batch_inference.pool.protocol import JUDGE_POOL_OUTPUT, PERMANENT_ERRORS, REVIEW_OUTPUT, TaskFailed, TaskRunner, TaskSpec
 from batch_inference.pool.request import GenRequest
 from batch_inference.prompting import Request, RequestBuilder, RequestError
 from batch_inference.rows import ErrorKind, Status, permanent_error
-from batch_inference.storage import CheckpointStore, JsonlFile
+from batch_inference.storage import CheckpointStore, JsonlFile, urls
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,11 @@ HUMAN_REVIEW = "human_review"
 
 class TaskInputError(ValueError):
     """The task's input is unusable as a whole (retrying cannot help): the worker answers 422."""
+
+
+class JudgePoolError(RuntimeError):
+    """The judge pool could not judge a retry task's wave: the task fails as a whole (its
+    checkpoints keep every record's progress), never a record."""
 
 
 @dataclass
@@ -69,6 +75,7 @@ class TaskContext:
     host: EngineHost
     storage_options: dict[str, Any] | None = None
     checkpoint_interval_s: float = 5.0
+    judge_runner: TaskRunner | None = None  # the worker's judge pool (retry tasks with a judge_pool output)
     meter: TaskMeter = field(default_factory=TaskMeter)
     warnings: list[str] = field(default_factory=list)  # reported in TaskResult.warnings
 
@@ -223,6 +230,73 @@ class Judging:
             except Exception as exc:  # a rule that crashes on one record rejects that record only
                 out.append(Verdict(False, _judge_error(exc)))
         return out
+
+
+# Where a row sat in its wave: the judge pool's approved / rejected split is read back by it
+# (ids may repeat in an input; positions do not).
+_WAVE_POS = "_judge_wave_pos"
+
+
+class PoolJudging:
+    """A retry task's judge on the worker's judge pool (the judge's own model).
+
+    Each wave is one judge task there, by reference: the wave's rows go to a shard under
+    the task's ``judge_pool`` folder, the judge pool splits them into approved / rejected
+    as a round's judge does, and the verdicts are read back by position. The judge task's
+    id carries a digest of the wave (ids and results), so a replay of this task gets the
+    same verdicts and no other wave ever reuses them. Escalation is applied here, as on
+    the worker's own engine: nobody reviews in place.
+    """
+
+    def __init__(self, ctx: TaskContext, config: JudgeConfig) -> None:
+        if ctx.judge_runner is None:
+            raise TaskInputError(f"task {ctx.spec.task_id} judges on a judge pool, but this worker has none "
+                                 "(start it with --judge-endpoint, or run the judge on this engine)")
+        self.ctx = ctx
+        self.runner = ctx.judge_runner
+        self.config = config.model_copy(update={"escalate": None})
+        self.escalate = config.escalate
+        self.base = ctx.spec.outputs[JUDGE_POOL_OUTPUT]
+
+    def escalated(self, verdict: Verdict) -> bool:
+        return self.escalate is not None and self.escalate.matches(verdict)
+
+    async def verdicts(self, records: Sequence[dict[str, Any]], results: Sequence[str]) -> list[Verdict]:
+        ctx = self.ctx
+        rows = [{**_clean(r), "result": res, "error": None, _WAVE_POS: i} for i, (r, res) in enumerate(zip(records, results))]
+        digest = hashlib.blake2b(repr([(r["id"], r["result"]) for r in rows]).encode(), digest_size=8).hexdigest()
+        folder = urls.join(self.base, digest)
+        task = TaskSpec(
+            task_id=f"{ctx.spec.task_id}/judge/{digest}", kind="judge", input_url=urls.join(folder, "input.jsonl.zst"),
+            outputs={"approved": urls.join(folder, "approved.jsonl.zst"), "rejected": urls.join(folder, "rejected.jsonl.zst")},
+            judge=self.config, chunk_size=ctx.spec.chunk_size, round=ctx.spec.round,
+            storage_options_ref=ctx.spec.storage_options_ref,
+        )
+        async with ctx.file(task.input_url).writer() as w:
+            await w.write_many(rows)
+        try:
+            result = await self.runner.run_task(task)
+        except TaskFailed as exc:
+            raise JudgePoolError(f"task {ctx.spec.task_id}: the judge pool failed a wave of {len(rows)}: {exc}") from exc
+        verdicts: list[Verdict | None] = [None] * len(rows)
+        for key in ("approved", "rejected"):
+            async for row in ctx.file(task.outputs[key]).iter_records():
+                v = row.get("verdict")
+                verdicts[int(row[_WAVE_POS])] = Verdict(**v) if v else Verdict(False, row.get("rejection") or "no_verdict")
+        if any(v is None for v in verdicts):
+            raise JudgePoolError(f"task {ctx.spec.task_id}: the judge pool returned {sum(v is not None for v in verdicts)} "
+                                 f"of {len(rows)} verdicts for {folder}")
+        ctx.meter.tokens_in += result.tokens_in
+        ctx.meter.tokens_out += result.tokens_out
+        await asyncio.to_thread(self._remove, folder)
+        return verdicts  # type: ignore[return-value]
+
+    def _remove(self, folder: str) -> None:
+        try:
+            fs, path = urls.fs_for(folder, self.ctx.storage_options)
+            fs.rm(path, recursive=True)
+        except (OSError, ValueError) as exc:  # scratch only: the verdicts are read
+            log.warning("could not remove the judge wave folder %s: %s", folder, exc)
 
 
 def _judge_error(exc: BaseException) -> str:
@@ -387,7 +461,7 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
     spec = ctx.spec
     assert spec.infer is not None and spec.judge is not None
     builder = RequestBuilder(spec.infer)
-    judging = Judging(ctx, spec.judge)
+    judging = PoolJudging(ctx, spec.judge) if JUDGE_POOL_OUTPUT in spec.outputs else Judging(ctx, spec.judge)
     store = CheckpointStore(spec.outputs["checkpoint"], storage_options=ctx.storage_options)
     states = await store.load()
     counts = {"approved": 0, "max_attempts": 0, "error": 0}
@@ -431,8 +505,8 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
     async def judge_wave(wave: list[_Sample], ckpt: CheckpointBuffer) -> None:
         try:
             verdicts = await judging.verdicts([s.record for s in wave], [s.result for s in wave])  # type: ignore[misc]
-        except EngineDeadError:
-            raise
+        except (EngineDeadError, JudgePoolError):
+            raise  # the infrastructure's fault: the task is retried and resumes from its checkpoints
         except Exception as exc:
             for s in wave:
                 s.error(_error_text(exc))
@@ -497,4 +571,4 @@ async def run_task(ctx: TaskContext) -> dict[str, int]:
 
 RESULT_FIELDS = rows.RESULT_FIELDS  # kept importable from here
 
-__all__ = ["RESULT_FIELDS", "TaskContext", "TaskInputError", "TaskMeter", "run_task"]
+__all__ = ["RESULT_FIELDS", "JudgePoolError", "TaskContext", "TaskInputError", "TaskMeter", "run_task"]

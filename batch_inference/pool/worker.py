@@ -45,6 +45,7 @@ from batch_inference.storage import CorruptShardError, MalformedRecordError, is_
 log = logging.getLogger("batch_inference.worker")
 
 TOKEN_ENV = "BATCH_INFERENCE_TOKEN"
+JUDGE_TOKEN_ENV = "BATCH_INFERENCE_JUDGE_TOKEN"
 MAX_BODY_BYTES = 1 << 20
 _USERINFO = re.compile(r"://[^/@]*@")
 
@@ -67,6 +68,12 @@ class WorkerSettings(BaseModel):
     # Modules whose functions a task's rule judge may name ("module:fn"); built-in rules
     # are always allowed. Importing a module a request names would run code by reference.
     rule_modules: list[str] = Field(default_factory=list)
+    # The judge's own pool (its own model): where retry tasks with a judge_pool output send
+    # their judge waves. Configured here, never named by a task: a task cannot make the
+    # worker call an address of its choosing.
+    judge_endpoints: list[str] = Field(default_factory=list)
+    judge_token: str | None = Field(None, repr=False)
+    judge_timeout_s: float = Field(3600.0, gt=0)
     # The engine thread and the event loop share the GIL: with CPython's default 5 ms
     # switch interval a finished batch can wait that long behind the loop's JSON work
     # before the next one is dispatched. The worker owns its process, so it shortens it.
@@ -92,13 +99,14 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def config_hash(engine_config: EngineConfig, batcher: BatcherOptions, concurrency: int, storage_roots: list[str]) -> str:
+def config_hash(engine_config: EngineConfig, batcher: BatcherOptions, concurrency: int, storage_roots: list[str],
+                judge_endpoints: list[str] | None = None) -> str:
     """Identity of a worker's configuration: a launcher reuses a running pool only if it matches."""
-    blob = orjson.dumps(
-        {"engine": engine_config.model_dump(mode="json"), "batcher": batcher.model_dump(mode="json"),
-         "concurrency": concurrency, "roots": sorted(urls.normalize(r) for r in storage_roots)},
-        option=orjson.OPT_SORT_KEYS,
-    )
+    identity: dict[str, Any] = {"engine": engine_config.model_dump(mode="json"), "batcher": batcher.model_dump(mode="json"),
+                                "concurrency": concurrency, "roots": sorted(urls.normalize(r) for r in storage_roots)}
+    if judge_endpoints:
+        identity["judge_endpoints"] = sorted(judge_endpoints)
+    blob = orjson.dumps(identity, option=orjson.OPT_SORT_KEYS)
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -205,12 +213,17 @@ async def serve(
     if settings.gil_switch_interval_s is not None:
         sys.setswitchinterval(settings.gil_switch_interval_s)
     batcher = batcher or BatcherOptions()
-    config_id = config_hash(engine_config, batcher, settings.concurrency, settings.storage_roots)
+    config_id = config_hash(engine_config, batcher, settings.concurrency, settings.storage_roots, settings.judge_endpoints)
     host = EngineHost(engine_config, batcher)
     await host.start()
     log.info("engine %s loaded in %.2fs", host.engine.name if host.engine else "?", host.load_time_s)
+    judge_pool = None
+    if settings.judge_endpoints:
+        from batch_inference.pool.client import PoolClient
+
+        judge_pool = PoolClient(settings.judge_endpoints, token=settings.judge_token, timeout_s=settings.judge_timeout_s)
     runtime = WorkerRuntime(host, concurrency=settings.concurrency, storage_profiles=storage_profiles,
-                            checkpoint_interval_s=settings.checkpoint_interval_s)
+                            checkpoint_interval_s=settings.checkpoint_interval_s, judge_runner=judge_pool)
     runner = web.AppRunner(create_app(runtime, settings, config_id=config_id), access_log=None,
                            shutdown_timeout=settings.grace_s + 5)
     await runner.setup()
@@ -246,6 +259,8 @@ async def serve(
         if abandoned:
             log.warning("abandoned %d task(s) (the dispatcher retries them): %s", len(abandoned), ", ".join(abandoned))
         await runner.cleanup()
+        if judge_pool is not None:
+            await judge_pool.close()
         await host.close()
     if runtime.engine_dead:
         raise SystemExit(f"worker {runtime.name}: engine dead ({runtime.engine_dead})")

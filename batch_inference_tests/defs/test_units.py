@@ -233,7 +233,7 @@ def test_the_code_location_is_every_domains_definitions_merged():
         "results_job", "review_job", "round_job", "shard_job", "start_pipeline_run", "tail_job"]
     assert [s.name for s in repo.sensor_defs] == ["round_sensor"]
     assert [s.name for s in repo.schedule_defs] == ["nightly_pipeline"]
-    assert sorted(defs.resources or {}) == ["pool", "storage"]
+    assert sorted(defs.resources or {}) == ["judge_pool", "pool", "storage"]
 
 
 def test_resources_and_the_schedule_read_the_environment():
@@ -245,6 +245,9 @@ def test_resources_and_the_schedule_read_the_environment():
                           "BATCH_INFERENCE_POOL_TOKEN_ENV": "TOK"})
     assert (pool.mode, pool.endpoints, pool.token_env) == ("endpoints", ["http://a:1", "http://b:2"], "TOK")
     assert (pool_from_env({}).mode, pool_from_env({}).token_env) == ("spec", None)
+    judge = pool_from_env({"BATCH_INFERENCE_POOL_MODE": "inprocess", "BATCH_INFERENCE_JUDGE_POOL_MODE": "endpoints",
+                           "BATCH_INFERENCE_JUDGE_POOL_ENDPOINTS": "http://j:1"}, role="judge")
+    assert (judge.role, judge.mode, judge.endpoints) == ("judge", "endpoints", ["http://j:1"])
     storage = storage_from_env({"BATCH_INFERENCE_BASE_URL": "s3://b/runs", "AWS_REGION": "eu-west-1"})
     assert (storage.base_url, storage.region_name, storage.endpoint_url) == ("s3://b/runs", "eu-west-1", None)
     (schedule,) = runs_definitions(env={"BATCH_INFERENCE_SCHEDULE_SPEC": "/specs/n.yaml",

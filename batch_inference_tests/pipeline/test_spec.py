@@ -107,3 +107,49 @@ def test_structured_output_is_refused_on_an_engine_that_cannot_constrain(tmp_pat
         PipelineSpec.parse({**base, "infer": {"template": "{q}"}, "judge": {"kind": "llm", "template": "{result}", "parse": "json"}})
     spec = PipelineSpec.parse({**base, "infer": {"template": "{q}", "response_format": {"type": "text"}}})
     assert not spec.infer.constrained
+
+
+# -- a judge of its own: judge.engine / judge.pool -------------------------------------
+
+
+def judge_engine_spec(tmp_path: Path, judge: dict | None = None, **overrides) -> dict:
+    own = {"engine": {"kind": "simulated", "seed": 1, "simulated": {"approval_rate": 1.0}}}
+    return spec_dict(tmp_path, judge={**own, **(judge or {})}, **overrides)
+
+
+def test_a_judge_engine_gets_a_pool_of_its_own_over_the_infer_pools_settings(tmp_path: Path) -> None:
+    spec = PipelineSpec.parse(judge_engine_spec(tmp_path, {"pool": {"replicas": 3, "idle_ttl_s": None}},
+                                                pool={"launcher": "local", "name": "gpu", "concurrency": 6}))
+    pool = spec.judge_pool
+    assert pool is not None and (pool.launcher, pool.concurrency, pool.replicas) == ("local", 6, 3)
+    assert pool.name == "gpu-judge" and pool.idle_ttl_s is None and spec.pool.idle_ttl_s == 600.0
+    assert spec.judge_engine.simulated.approval_rate == 1.0 and spec.engine.simulated.approval_rate == 0.5
+    # tasks carry the judge without its placement; the ledger's copy parses back to the same spec
+    assert set(spec.judge.task_config().model_dump()) == set(spec.judge.model_dump()) - {"engine", "pool"}
+    again = PipelineSpec.parse(spec.public_dict())
+    assert again.judge_pool == pool and again.judge.pool.model_fields_set == {"replicas", "idle_ttl_s"}
+    assert spec.placement("judge") == {"pool": "gpu-judge", "model": "simulated:seed1", "adapter": None}
+    assert spec.placement("tail") == {"pool": "gpu", "model": "simulated", "adapter": None,
+                                      "judge_pool": "gpu-judge", "judge_model": "simulated:seed1", "judge_adapter": None}
+
+
+def test_without_a_judge_engine_the_judge_runs_on_the_infer_engine_and_pool(tmp_path: Path) -> None:
+    spec = PipelineSpec.parse(spec_dict(tmp_path))
+    assert spec.judge_pool is None and spec.judge_engine is spec.engine
+    assert spec.placement("judge") == spec.placement("infer") == {"pool": "default", "model": "simulated", "adapter": None}
+
+
+@pytest.mark.parametrize(("judge", "overrides", "message"), [
+    ({"pool": {"replcas": 2}}, {}, "judge.pool.replcas: unknown key"),
+    ({"engine": {"kind": "transformers", "model": "/no/such/model"}}, {}, r"judge.engine.model: model directory '/no/such/model' does not exist"),
+    ({"engine": {"kind": "simulated", "simulated": {"approval": 1}}}, {}, "judge.engine.simulated.approval: unknown key"),
+    ({"kind": "rule", "callable": "regex", "template": None}, {}, "judge.engine: a rule judge runs no model"),
+    ({"engine": None, "pool": {"replicas": 2}}, {}, "judge.pool: a judge pool needs judge.engine"),
+    ({"pool": {"launcher": "k8s"}}, {}, "judge.pool: launcher 'k8s' needs 'token_env'"),
+    ({"parse": "json"}, {}, "judge.parse: judge.engine kind 'simulated' cannot constrain"),
+    ({}, {"pool": {"endpoints": ["http://127.0.0.1:9"]}}, "judge.pool.endpoints: the infer pool is given by endpoints"),
+    ({"pool": {"launcher": "inprocess"}}, {"pool": {"launcher": "local"}, "strategy": "hybrid"}, "judge.pool.launcher: the in-place tail judges from the infer pool's workers"),
+])
+def test_a_bad_judge_placement_names_its_key(tmp_path: Path, judge: dict, overrides: dict, message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        PipelineSpec.parse(judge_engine_spec(tmp_path, judge, **overrides))

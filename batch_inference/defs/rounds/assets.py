@@ -69,11 +69,12 @@ def pending(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.M
     kinds={"jsonl"},
     description="One inference per pending record, through the persistent pool; failed shard tasks are quarantined.",
 )
-def inferred(context: dg.AssetExecutionContext, pool: PoolResource, storage: StorageResource) -> dg.MaterializeResult:
+def inferred(context: dg.AssetExecutionContext, pool: PoolResource, judge_pool: PoolResource,
+             storage: StorageResource) -> dg.MaterializeResult:
     key = parse_round_key(context.partition_key)
     record_worker(context)  # lets the round sensor tell a dead run from a live one
     spec = load_spec(context.instance, key.run, storage)
-    outcome = run_gpu_step(spec, pool, lambda run: run.inferred_round(key.round))
+    outcome = run_gpu_step(spec, pool, lambda run: run.inferred_round(key.round), judge_pool)
     meta = {k: v for k, v in phase_metadata(outcome.summary).items() if k not in ("approved", "rejected", "approval_rate")}
     meta["shard_urls"] = shard_list(outcome.shards)
     meta.update(pool.describe(spec))
@@ -93,12 +94,12 @@ def inferred(context: dg.AssetExecutionContext, pool: PoolResource, storage: Sto
     partitions_def=ROUNDS,
     op_tags=GPU_OP_TAGS,
 )
-def judge(context: dg.AssetExecutionContext, pool: PoolResource, storage: StorageResource):
+def judge(context: dg.AssetExecutionContext, pool: PoolResource, judge_pool: PoolResource, storage: StorageResource):
     """One step: the round judged, what follows it decided (``PipelineRun.judged_round``)."""
     key = parse_round_key(context.partition_key)
     record_worker(context)  # lets the round sensor tell a dead run from a live one
     spec = load_spec(context.instance, key.run, storage)
-    judged = run_gpu_step(spec, pool, lambda run: run.judged_round(key.round))
+    judged = run_gpu_step(spec, pool, lambda run: run.judged_round(key.round), judge_pool)
     rnd = judged.round
     review_meta: dict[str, Any] = {}
     if judged.review is not None:  # people decide the rest: the round sensor waits on the queue
@@ -129,6 +130,7 @@ def judge(context: dg.AssetExecutionContext, pool: PoolResource, storage: Storag
         "funnel": dg.MetadataValue.md(funnel_markdown(judged.view)),
         **review_meta,
         **pool.describe(spec),
+        **judge_pool.describe(spec),
     }))
     quarantined = [q.as_dict() for q in rnd.quarantined]
     yield dg.MaterializeResult(asset_key=FAILED, metadata=with_row_count({

@@ -94,12 +94,12 @@ class TailConfig(dg.Config):
     kinds={"jsonl"},
     description="Strategy 2 over the stubborn tail: each worker keeps a record until approved or max_attempts, checkpointing per attempt.",
 )
-def tail_retry(context: dg.AssetExecutionContext, config: TailConfig, pool: PoolResource,
+def tail_retry(context: dg.AssetExecutionContext, config: TailConfig, pool: PoolResource, judge_pool: PoolResource,
                storage: StorageResource) -> dg.MaterializeResult:
     record_worker(context)  # lets the round sensor tell a dead run from a live one
     spec = load_spec(context.instance, context.partition_key, storage)
     r = config.from_round
-    outcome = run_gpu_step(spec, pool, lambda run: run.tail_from(r))  # one step: repack round r-1, then the tail
+    outcome = run_gpu_step(spec, pool, lambda run: run.tail_from(r), judge_pool)  # one step: repack round r-1, then the tail
     summary = outcome.summary
     meta = phase_metadata(summary)
     meta.update({
@@ -109,6 +109,7 @@ def tail_retry(context: dg.AssetExecutionContext, config: TailConfig, pool: Pool
         "unfinished": location(RunLayout(spec.output, spec.run).tail_unfinished),
         "funnel": dg.MetadataValue.md(funnel_markdown(outcome.view)),
         **pool.describe(spec),
+        **judge_pool.describe(spec),
     })
     return dg.MaterializeResult(metadata=with_row_count(meta))
 

@@ -90,6 +90,7 @@ class LocalLauncher:
         start_timeout_s: float = 180.0,
         python: str = sys.executable,
         rule_modules: list[str] | None = None,
+        judge_endpoints: list[str] | None = None,
     ) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
@@ -109,7 +110,10 @@ class LocalLauncher:
         self.start_timeout_s = start_timeout_s
         self.python = python
         self.rule_modules = list(rule_modules or [])
-        self.config_hash = config_hash(self.engine_config, self.batcher, concurrency, self.storage_roots) if self.engine_config else ""
+        # the judge's own pool, where the workers' retry tasks judge (part of their identity)
+        self.judge_endpoints = list(judge_endpoints or [])
+        self.config_hash = (config_hash(self.engine_config, self.batcher, concurrency, self.storage_roots, self.judge_endpoints)
+                            if self.engine_config else "")
         self._children: list[subprocess.Popen[bytes]] = []  # reaped as they exit (no zombies)
 
     # -- state ------------------------------------------------------------------
@@ -233,6 +237,8 @@ class LocalLauncher:
             cmd += ["--storage-root", root]
         for module in self.rule_modules:
             cmd += ["--allow-rule-module", module]
+        for endpoint in self.judge_endpoints:
+            cmd += ["--judge-endpoint", endpoint]
         if ttl:
             cmd += ["--idle-ttl-s", str(ttl)]
         if self.storage_profiles_file:
