@@ -14,7 +14,7 @@ import yaml
 from click.testing import CliRunner
 
 from batch_inference.cli.pipeline_cmds import run, status
-from batch_inference_tests.pipeline.conftest import spec_dict
+from batch_inference_tests.pipeline.helpers import spec_dict
 
 
 def test_run_then_status(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from batch_inference_tests.fixtures.pool import kill_worker
-from batch_inference_tests.pipeline.conftest import spec_dict
+from batch_inference_tests.pipeline.helpers import spec_dict
 
 pytestmark = pytest.mark.slow
 

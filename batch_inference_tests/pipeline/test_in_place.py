@@ -15,7 +15,7 @@ import yaml
 
 from batch_inference.pipeline import PipelineSpec, run_pipeline
 from batch_inference.storage import CheckpointStore, JsonlDir
-from batch_inference_tests.pipeline.conftest import spec_dict
+from batch_inference_tests.pipeline.helpers import spec_dict
 
 
 def rows_by_id(spec: PipelineSpec) -> dict[str, dict]:

@@ -15,7 +15,7 @@ from kubernetes import client
 
 from batch_inference.pipeline import PipelineSpec, SpecError, run_pipeline
 from batch_inference.pipeline.runner import open_runner
-from batch_inference_tests.pipeline.conftest import spec_dict
+from batch_inference_tests.pipeline.helpers import spec_dict
 
 
 class FakeCoreV1:

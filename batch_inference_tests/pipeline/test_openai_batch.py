@@ -15,7 +15,7 @@ from batch_inference.pipeline.inputs import InputError
 from batch_inference.pipeline.preflight import preflight
 from batch_inference.prompting.openai_batch import OpenAIBatchReader
 from batch_inference.storage import JsonlFile
-from batch_inference_tests.pipeline.conftest import spec_dict
+from batch_inference_tests.pipeline.helpers import spec_dict
 
 
 def chat_line(cid: str, content: str, **body: Any) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import pytest
 from batch_inference.pipeline import PipelineSpec, run_pipeline
 from batch_inference.storage import CheckpointStore
 from batch_inference_tests.fixtures.pool import kill_worker
-from batch_inference_tests.pipeline.conftest import spec_dict
+from batch_inference_tests.pipeline.helpers import spec_dict
 
 ENGINE = {"kind": "simulated", "simulated": {"approval_rate": 0.3, "latency_a_s": 0.03, "latency_b_s": 0.0}}
 

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from batch_inference.pipeline import PipelineSpec, SpecError, run_pipeline
 from batch_inference.pipeline.preflight import preflight
-from batch_inference_tests.pipeline.conftest import spec_dict
+from batch_inference_tests.pipeline.helpers import spec_dict
 
 
 class _NoPool:

@@ -15,8 +15,7 @@ import pytest
 from batch_inference.pipeline import PipelineRun, PipelineSpec, RunLayout, run_pipeline
 from batch_inference.pool import TaskConflict
 from batch_inference.storage import JsonlDir
-from batch_inference_tests.pipeline.conftest import spec_dict
-from batch_inference_tests.pipeline.helpers import CountingRunner
+from batch_inference_tests.pipeline.helpers import CountingRunner, spec_dict
 
 ENGINE = {"kind": "simulated", "simulated": {"approval_rate": 1.0, "latency_a_s": 0.002, "latency_b_s": 1e-5}}
 

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from batch_inference.pipeline import PipelineSpec, RunLayout, SpecError
-from batch_inference_tests.pipeline.conftest import spec_dict
+from batch_inference_tests.pipeline.helpers import spec_dict
 
 
 def test_yaml_and_toml_load_the_same_spec(tmp_path: Path) -> None:

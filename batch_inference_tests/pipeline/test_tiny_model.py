@@ -8,7 +8,7 @@ import pytest
 
 from batch_inference.pipeline import PipelineSpec, run_pipeline
 from batch_inference.storage import JsonlDir
-from batch_inference_tests.pipeline.conftest import spec_dict
+from batch_inference_tests.pipeline.helpers import spec_dict
 
 
 @pytest.mark.slow

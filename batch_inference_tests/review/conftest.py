@@ -18,7 +18,7 @@ import yaml
 
 from batch_inference.pipeline import PipelineRun, PipelineSpec
 from batch_inference.pipeline.runner import open_runner
-from batch_inference_tests.pipeline.conftest import spec_dict
+from batch_inference_tests.pipeline.helpers import spec_dict
 
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789ab",
           "carol": "carol-token-0123456789", "dave": "dave-token-0123456789a"}
