@@ -102,7 +102,7 @@ def test_sensor_ticks_while_a_reviewer_works_through_the_real_server(defs, insta
 
     import aiohttp
 
-    from batch_inference_tests.review.conftest import ReviewServer
+    from batch_inference_tests.review.helpers import ReviewServer
 
     spec_path = write_spec("drip", records=16, max_rounds=1, judge={"kind": "human"})
     spec = PipelineSpec.load(spec_path)

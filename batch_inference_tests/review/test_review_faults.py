@@ -19,7 +19,7 @@ import yaml
 from batch_inference import review as rv
 from batch_inference.pipeline import PipelineRun
 from batch_inference.review.server import check_bind
-from batch_inference_tests.review.conftest import TOKENS
+from batch_inference_tests.review.helpers import TOKENS
 
 
 def balanced(run: PipelineRun, r: int = 0) -> dict[str, int]:

@@ -16,7 +16,7 @@ from batch_inference import review as rv
 from batch_inference.pipeline import PipelineRun
 from batch_inference.storage import JsonlDir
 from batch_inference_tests.review.cdp import CHROMIUM, Browser
-from batch_inference_tests.review.conftest import TOKENS
+from batch_inference_tests.review.helpers import TOKENS
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
 # The screenshot the docs show (docs/review-page.png) is refreshed with
