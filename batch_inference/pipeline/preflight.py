@@ -11,7 +11,10 @@ the spec key and the record:
   ``judge.template``): a typo in the spec, not a bad record;
 * no prompt source (no template, and records have neither ``messages`` nor ``prompt``);
 * a rule judge that needs a record field the records lack (``KeyError``);
-* chat prompts on a model whose tokenizer has no chat template (``engine.model``);
+* a model folder neither engine can load (``engine.model``, ``judge.engine.model``: its
+  config is read, no weights);
+* chat prompts on a model whose tokenizer has no chat template (``engine.model``, or
+  ``judge.engine.model`` for a chat judge with its own model);
 * records asking for ``response_format`` on an engine that cannot constrain (``engine.kind``);
 * an OpenAI Batch file's own problems (``prompting.openai_batch``) when ``full`` is set.
 
@@ -28,7 +31,8 @@ from typing import Any
 from batch_inference.engines.base import ChatPrompt
 from batch_inference.judges import LLMJudge, MissingFieldError, RuleJudge, build_judge
 from batch_inference.pipeline import inputs
-from batch_inference.pipeline.spec import PipelineSpec, SpecError
+from batch_inference.engines import EngineConfig
+from batch_inference.pipeline.spec import PipelineSpec, SpecError, engine_label
 from batch_inference.prompting import RequestBuilder, RequestError
 from batch_inference.rows import ErrorKind
 from batch_inference.storage import ReshardReport
@@ -86,9 +90,29 @@ def _prompt_key(spec: PipelineSpec) -> str:
     return {"template": "infer.template", "messages": "infer.messages", "record": "infer"}[spec.infer.source]
 
 
-def _check_chat_template(spec: PipelineSpec) -> None:
+def _engines(spec: PipelineSpec) -> list[tuple[str, EngineConfig]]:
+    """Every engine the run loads, by the spec key that configures it."""
+    return [("engine", spec.engine)] + ([("judge.engine", spec.judge.engine)] if spec.judge.engine is not None else [])
+
+
+def _check_engine(key: str, engine: EngineConfig) -> None:
+    """An engine's model folder is one the engines can load: its config reads (no weights, no GPU)."""
+    if engine.kind not in ("transformers", "vllm") or not engine.model or "://" in engine.model:
+        return
+    try:
+        from transformers import AutoConfig
+    except ImportError:  # an environment without transformers: the worker's own load says what is wrong
+        return
+    try:
+        AutoConfig.from_pretrained(engine.model)
+    except (OSError, ValueError) as exc:
+        raise SpecError(f"{key}.model: {engine.model} is not a model folder the {engine.kind} engine can load "
+                        f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+
+
+def _check_chat_template(key: str, engine: EngineConfig, what: str) -> None:
     """Chat needs the model's chat template: load the tokenizer only (no weights, no GPU)."""
-    if spec.engine.kind not in ("transformers", "vllm") or not spec.engine.model:
+    if engine.kind not in ("transformers", "vllm") or not engine.model:
         return
     try:
         from transformers import AutoTokenizer
@@ -96,10 +120,10 @@ def _check_chat_template(spec: PipelineSpec) -> None:
         return
     from batch_inference.engines.chat import has_chat_template
 
-    tokenizer = AutoTokenizer.from_pretrained(spec.engine.model)
+    tokenizer = AutoTokenizer.from_pretrained(engine.model)
     if not has_chat_template(tokenizer):
-        raise SpecError(f"engine.model: {spec.engine.model} has no chat template, but the prompts are chat messages "
-                        "(infer.messages, records with messages, or judge.chat); use a text infer.template, or a model with one")
+        raise SpecError(f"{key}.model: {engine.model} has no chat template, but {what} are chat messages; "
+                        "use a text template, or a model with one")
 
 
 def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = None) -> Plan:
@@ -109,6 +133,8 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
     file checks the sharding pass would (duplicate custom_ids included). ``sharded``: a
     resumed run's committed shards (already native records) are checked instead of the input.
     """
+    for key, engine in _engines(spec):
+        _check_engine(key, engine)
     judge = _build_judge(spec)
     try:
         builder = RequestBuilder(spec.infer)
@@ -123,7 +149,8 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
     numbered = head[: spec.preflight_records]
     records = [rec for _, rec in numbered]
     record_errors: list[str] = []
-    chat = isinstance(judge, LLMJudge) and judge.chat
+    judge_chat = isinstance(judge, LLMJudge) and judge.chat
+    chat = False
     for line, rec in numbered:
         rec.setdefault("id", f"{line:012d}")  # as sharding assigns it
         try:
@@ -153,7 +180,9 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
             if kind is ErrorKind.RULE_ERROR and detail.startswith("KeyError"):
                 raise SpecError(f"judge.kwargs: rule {judge.name!r} needs a field record {rec['id']!r} lacks: {verdict.reason}")
     if chat:
-        _check_chat_template(spec)
+        _check_chat_template("engine", spec.engine, "the prompts (infer.messages, or records with messages)")
+    if judge_chat:
+        _check_chat_template("judge.engine" if spec.judge.engine else "engine", spec.judge_engine, "the judge's prompts (judge.chat)")
     n_records = n_shards = None
     if full:
         n_records = _count(spec, reader)
@@ -163,10 +192,13 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
                   else f"rule {spec.judge.callable} {spec.judge.kwargs or ''}".rstrip())
     if spec.judge.escalate is not None:
         judge_text += " + escalate to people"
+    if (judge_pool := spec.judge_pool) is not None:
+        judge_text += (f" on its own model {engine_label(spec.judge_engine)}, pool {judge_pool.name} "
+                       f"({judge_pool.launcher}, {judge_pool.replicas} x {judge_pool.concurrency})")
     return Plan(
         run=spec.run, input=spec.input, input_format=fmt, format_detected=detected,
         engine=f"{spec.engine.kind}{':' + spec.engine.model if spec.engine.model else ''}",
-        strategy=spec.strategy, prompt=spec.infer.source, chat=chat,
+        strategy=spec.strategy, prompt=spec.infer.source, chat=chat or judge_chat,
         constrained=spec.infer.constrained or (spec.judge.kind == "llm" and spec.judge.parse == "json"),
         judge=judge_text, checked_records=len(records), records=n_records, shards=n_shards, record_errors=record_errors,
     )

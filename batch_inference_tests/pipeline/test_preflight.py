@@ -119,3 +119,43 @@ def test_records_asking_for_structured_output_on_an_engine_that_cannot(tmp_path:
     data = spec_dict(tmp_path, input=str(src))
     with pytest.raises(SpecError, match="engine.kind: record 'j1' asks for response_format, but engine kind 'simulated'"):
         preflight(PipelineSpec.parse(data))
+
+
+def bare_chat_model(tmp_path: Path, tiny_model_dir: Path) -> Path:
+    """A copy of the tiny model without its chat template."""
+    import json
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_model_dir, bare)
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((bare / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return bare
+
+
+def test_validate_checks_the_judges_own_model_and_names_its_key(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from batch_inference.cli.main import cli
+
+    not_a_model = tmp_path / "not-a-model"
+    not_a_model.mkdir()
+    data = spec_dict(tmp_path, judge={"engine": {"kind": "transformers", "model": str(not_a_model), "device": "cpu"}})
+    with pytest.raises(SpecError, match=r"judge.engine.model: .*not-a-model is not a model folder the transformers engine can load"):
+        preflight(PipelineSpec.parse(data))
+    data["engine"] = {"kind": "transformers", "model": str(not_a_model), "device": "cpu"}
+    del data["judge"]["engine"]
+    with pytest.raises(SpecError, match=r"^engine.model: .*not-a-model is not a model folder"):
+        preflight(PipelineSpec.parse(data))
+    # a chat judge on its own model needs that model's chat template (the infer model's does not count)
+    data = spec_dict(tmp_path, judge={"chat": True, "engine": {"kind": "transformers", "model": str(bare_chat_model(tmp_path, tiny_model_dir)),
+                                                               "device": "cpu"}},
+                     engine={"kind": "transformers", "model": str(tiny_model_dir), "device": "cpu"})
+    with pytest.raises(SpecError, match=r"judge.engine.model: .*bare has no chat template, but the judge's prompts \(judge.chat\)"):
+        preflight(PipelineSpec.parse(data))
+    data["judge"]["engine"]["model"] = str(tiny_model_dir)
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(__import__("yaml").safe_dump(data))
+    result = CliRunner().invoke(cli, ["validate", str(spec_path)])
+    assert result.exit_code == 0, result.output
+    assert f"on its own model {tiny_model_dir}, pool default-judge (inprocess, 1 x 4)" in result.output
