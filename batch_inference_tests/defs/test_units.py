@@ -124,6 +124,28 @@ def test_phase_metadata_and_funnel():
     assert any("round 0" in line and " 12 " in line and " 2 " in line and "50%" in line for line in captured.get().splitlines())
 
 
+def test_round_metadata_counts_permanent_errors_as_failed_and_the_review_outcome():
+    """The funnel and a round's figures: a judge's permanent errors are failed, not rejected;
+    a closed review's verdicts count in approved / rejected."""
+    from batch_inference.pipeline.summaries import ReviewSummary
+
+    base = {"round": 0, "input_url": "/r/in", "output_url": "/r/out", "shards": 1, "shards_run": 1, "records_in": 40,
+            "tokens_in": 0, "tokens_out": 0, "engine_busy_s": 0.0, "wall_s": 1.0, "drain_s": 0.0, "avg_fill": 0.0,
+            "cached_tasks": 0}
+    infer = PhaseSummary.from_dict({**base, "phase": "infer", "counts": {"ok": 38, "error": 2}})
+    judge = PhaseSummary.from_dict({**base, "phase": "judge", "counts": {"approved": 20, "rejected": 5, "permanent_errors": 2,
+                                                                        "review": 15}})
+    review = ReviewSummary(0, 15, 9, 6, {"kim": 15}, {"approve": 9, "reject": 6}, 0, 0, [], 1, 0.0, 0.1)
+    rnd = RoundView(0, infer=infer, judge=judge, decision=Decision(0, "next_round", "9 rejected", {}), review=review)
+    assert (rnd.approved, rnd.rejected, rnd.failed, rnd.awaiting_review, rnd.approval) == (29, 9, 2, 0, 0.725)
+    m = {k: v.value for k, v in phase_metadata(rnd).items()}
+    assert (m["approved"], m["rejected"], m["failed_records"], m["approval_rate"]) == (29, 9, 2, 0.725)
+    view = LedgerView(spec=None, shard=None, rounds=[rnd])
+    assert "| round 00 -> next_round | 40 | 29 | 9 | 2 | 72.5% |" in funnel_markdown(view)
+    waiting = RoundView(0, infer=infer, judge=judge)
+    assert (waiting.approved, waiting.rejected, waiting.awaiting_review) == (20, 3, 15)
+
+
 def test_a_backlog_larger_than_a_tick_is_handled_oldest_first(monkeypatch):
     """With more events than one tick takes, the cursor stops at the last one handled."""
     from batch_inference.defs.partitions import RUNS
