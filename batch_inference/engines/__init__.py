@@ -16,6 +16,7 @@ from batch_inference.engines.base import (
     ResponseFormat,
     SamplingParams,
     StreamingEngine,
+    Tokens,
     is_streaming,
     supports_structured_output,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "SamplingParams",
     "SimulatedOptions",
     "StreamingEngine",
+    "Tokens",
     "TransformersOptions",
     "VllmOptions",
     "build_engine",

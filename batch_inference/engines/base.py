@@ -44,8 +44,22 @@ class ChatPrompt:
         return [{"role": role, "content": content} for role, content in self.messages]
 
 
-# What engines take per request: raw text (tokenised as is, special tokens added) or chat.
+# What a request's prompt is: raw text (tokenised as is, special tokens added) or chat.
 Prompt = str | ChatPrompt
+
+
+@dataclass(frozen=True, slots=True)
+class Tokens:
+    """A prompt encoded by the engine that runs it (its ``encode``): the engine takes ``ids`` as they are.
+
+    The shard task encodes each request once, off the event loop, and hands these to the
+    engine, so no prompt is tokenised twice (once to cost it for the batcher, again to run
+    it). ``source`` is the prompt the ids encode: the simulated engines, which have no
+    vocabulary (their ids are positions), answer from its text.
+    """
+
+    ids: Sequence[int]
+    source: Prompt
 
 
 @dataclass(frozen=True)
@@ -112,9 +126,11 @@ class Engine(Protocol):
     max_model_len: int
     simulated: bool
 
-    def count_tokens(self, prompts: list[Prompt]) -> list[int]: ...
+    def encode(self, prompts: Sequence[Prompt]) -> list[Tokens | Completion]:
+        """Each prompt's ``Tokens``, or the failed Completion of one it cannot encode (it fails alone)."""
+        ...
 
-    def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams]) -> list[Completion]: ...
+    def generate(self, prompts: Sequence[Prompt | Tokens], params: SamplingParams | Sequence[SamplingParams]) -> list[Completion]: ...
 
     def close(self) -> None: ...
 
@@ -157,13 +173,13 @@ class StreamingEngine(Protocol):
     max_model_len: int
     simulated: bool
 
-    def count_tokens(self, prompts: list[Prompt]) -> list[int]: ...
+    def encode(self, prompts: Sequence[Prompt]) -> list[Tokens | Completion]: ...
 
     async def start(self) -> None:
         """Bind to the running event loop (called once, on the worker's loop)."""
         ...
 
-    async def complete(self, prompt: Prompt, params: SamplingParams) -> Completion: ...
+    async def complete(self, prompt: Prompt | Tokens, params: SamplingParams) -> Completion: ...
 
     def capacity(self) -> int:
         """How many requests to keep in flight so the engine's scheduler is never starved."""
@@ -192,7 +208,12 @@ def unconstrained_error(engine_name: str) -> str:
                                                     "(vLLM's structured outputs can); the request was not run unconstrained")
 
 
-def expand_params(prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams]) -> list[SamplingParams]:
+def token_counts(encoded: Sequence[Tokens | Completion]) -> list[int]:
+    """Prompt token counts from ``encode`` (0 for a prompt it could not encode)."""
+    return [len(e.ids) if isinstance(e, Tokens) else 0 for e in encoded]
+
+
+def expand_params(prompts: Sequence[Prompt | Tokens], params: SamplingParams | Sequence[SamplingParams]) -> list[SamplingParams]:
     """One SamplingParams per prompt (a single one is shared)."""
     if isinstance(params, SamplingParams):
         return [params] * len(prompts)

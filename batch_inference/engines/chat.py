@@ -13,7 +13,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from batch_inference.engines.base import ChatPrompt, Prompt
+from batch_inference.engines.base import ChatPrompt, Completion, Prompt, Tokens
 from batch_inference.rows import ErrorKind
 
 
@@ -55,6 +55,27 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]
     return out  # type: ignore[return-value]
 
 
+def encode_error(exc: Exception) -> Completion:
+    """The failed Completion of a prompt the tokenizer (or its chat template) rejects."""
+    text = str(exc) if isinstance(exc, ChatTemplateError) else ErrorKind.TOKENIZER_ERROR.tag(f"{type(exc).__name__}: {exc}")
+    return Completion.failed(text)
+
+
+def encode_each(tokenizer: Any, prompts: Sequence[Prompt]) -> list[Tokens | Completion]:
+    """``Tokens`` per prompt in one batched call; per prompt only if that call raises, so a
+    prompt the tokenizer (or chat template) rejects fails alone."""
+    try:
+        return [Tokens(ids, p) for ids, p in zip(encode_prompts(tokenizer, prompts), prompts)]
+    except Exception:
+        out: list[Tokens | Completion] = []
+        for p in prompts:
+            try:
+                out.append(Tokens(encode_prompts(tokenizer, [p])[0], p))
+            except Exception as exc:
+                out.append(encode_error(exc))
+        return out
+
+
 def prompt_text(prompt: Prompt) -> str:
     """A plain-text view of a prompt (engines without a tokenizer, logs): chat turns as
     ``role: content`` lines ending in ``assistant: ``."""
@@ -64,13 +85,14 @@ def prompt_text(prompt: Prompt) -> str:
 
 
 class TokenizerCopy:
-    """``count_tokens``' own copy of an engine's tokenizer, used by one thread at a time.
+    """``encode``'s own copy of an engine's tokenizer, used by one thread at a time.
 
-    ``count_tokens`` runs on worker threads (``asyncio.to_thread``, one per concurrent
-    task) while ``generate`` runs on the engine's thread; a Hugging Face fast tokenizer
-    keeps padding/truncation state in Rust and fails ("Already borrowed") or mixes
-    settings when two threads use it at once. So counting never touches the tokenizer
-    ``generate`` uses, and counting calls take turns on the copy.
+    ``encode`` runs on worker threads (``asyncio.to_thread``, one per concurrent task)
+    while ``generate`` runs on the engine's thread (and a streaming engine detokenizes on
+    the event loop); a Hugging Face fast tokenizer keeps padding/truncation state in Rust
+    and fails ("Already borrowed") or mixes settings when two threads use it at once. So
+    encoding never touches the tokenizer the engine runs with, and encoding calls take
+    turns on the copy.
     """
 
     def __init__(self, tokenizer: Any) -> None:

@@ -21,8 +21,8 @@ prompt), one word per output token; the first word is APPROVED with probability
 attempts with different seeds are independent. Output lengths are drawn per record from
 the same hash (``output_lengths``: fixed / geometric / pareto, mean ``output_tokens``),
 so a record's length never depends on what else is in flight. Token counting is a cheap
-documented rule: ``max(1, ceil(len(text) / 4))``; chat prompts count (and hash) as their
-plain-text view (``engines.chat.prompt_text``).
+documented rule: ``max(1, ceil(len(text) / 4))``, its ids the positions (``encode``); chat
+prompts count (and hash) as their plain-text view (``engines.chat.prompt_text``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 
 from batch_inference.engines.base import (
@@ -41,7 +42,9 @@ from batch_inference.engines.base import (
     EngineOccupancy,
     Prompt,
     SamplingParams,
+    Tokens,
     expand_params,
+    token_counts,
     too_long_error,
     truncate_at_stop,
 )
@@ -63,10 +66,16 @@ def simulated_token_count(text: str) -> int:
     return max(1, math.ceil(len(text) / 4))
 
 
-def simulated_completion(prompt: Prompt, p: SamplingParams, options: SimulatedOptions, *, seed: int, max_model_len: int) -> Completion:
+def simulated_encode(prompt: Prompt) -> Tokens:
+    """The simulated tokenizer's ``Tokens``: positions as ids (it has no vocabulary)."""
+    return Tokens(range(simulated_token_count(prompt_text(prompt))), prompt)
+
+
+def simulated_completion(prompt: Prompt | Tokens, p: SamplingParams, options: SimulatedOptions, *, seed: int, max_model_len: int) -> Completion:
     """What every simulated engine answers for one prompt (its length drives the cost)."""
-    prompt = prompt_text(prompt)
-    n_prompt = simulated_token_count(prompt)
+    tokens = prompt if isinstance(prompt, Tokens) else simulated_encode(prompt)
+    prompt = prompt_text(tokens.source)
+    n_prompt = len(tokens.ids)
     if options.fail_on is not None and options.fail_on in prompt:
         return Completion.failed(ErrorKind.SIMULATED_ERROR.tag(f"prompt contains {options.fail_on!r}"), prompt_tokens=n_prompt)
     if err := too_long_error(n_prompt, p.max_tokens, max_model_len):
@@ -111,10 +120,13 @@ class _Answers:
         self.busy_s = 0.0  # total modelled engine time, for reports
         self._lock = threading.Lock()
 
-    def count_tokens(self, prompts: list[Prompt]) -> list[int]:
-        return [simulated_token_count(prompt_text(p)) for p in prompts]
+    def encode(self, prompts: Sequence[Prompt]) -> list[Tokens | Completion]:
+        return [simulated_encode(p) for p in prompts]
 
-    def _answer(self, prompt: Prompt, p: SamplingParams) -> Completion:
+    def count_tokens(self, prompts: list[Prompt]) -> list[int]:
+        return token_counts(self.encode(prompts))
+
+    def _answer(self, prompt: Prompt | Tokens, p: SamplingParams) -> Completion:
         return simulated_completion(prompt, p, self.options, seed=self.seed, max_model_len=self.max_model_len)
 
     def _count_call(self) -> int:
@@ -152,7 +164,7 @@ class LinearSimulatedEngine(_Answers):
         batch_tokens = len(totals) * max(totals) if self.options.padded else sum(totals)
         return self.options.latency_a_s + self.options.latency_b_s * batch_tokens
 
-    def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+    def generate(self, prompts: Sequence[Prompt | Tokens], params: SamplingParams | Sequence[SamplingParams]) -> list[Completion]:
         per_item = expand_params(prompts, params)
         self._count_call()
         started = time.perf_counter()
@@ -194,7 +206,7 @@ class DecodeBatchEngine(_Answers):
             sched.add(i, p, max(1, o))
         return sched.run_until_idle()
 
-    def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+    def generate(self, prompts: Sequence[Prompt | Tokens], params: SamplingParams | Sequence[SamplingParams]) -> list[Completion]:
         per_item = expand_params(prompts, params)
         dead_after = self.options.die_after_requests
         if dead_after is not None and self.completed >= dead_after:
@@ -253,7 +265,7 @@ class DecodeStreamingEngine(_Answers):
         self._wake = asyncio.Event()
         self._loop_task = asyncio.get_running_loop().create_task(self._step_loop(), name="simulated-engine-steps")
 
-    async def complete(self, prompt: Prompt, params: SamplingParams) -> Completion:
+    async def complete(self, prompt: Prompt | Tokens, params: SamplingParams) -> Completion:
         if self._dead is not None:
             raise self._dead
         if self._loop_task is None or self._wake is None:

@@ -1,8 +1,9 @@
 """The transformers engine: ``AutoModelForCausalLM`` with left-padded batched generate.
 
 Runs the tiny offline model on CPU in tests and any causal LM on CUDA where present.
-Per-item safety: each prompt is tokenised and length-checked alone (an overlong prompt
-becomes a ``prompt_too_long`` error, its neighbours run); prompts are grouped by their
+Per-item safety: each prompt is tokenised once (by the shard task through ``encode``, or
+here when given text) and length-checked alone (an overlong prompt becomes a
+``prompt_too_long`` error, its neighbours run); prompts are grouped by their
 SamplingParams (seeds aside; ``bucketed`` and ``continuous`` also set output lengths aside)
 and each group runs as ``generate`` calls (``TransformersOptions.batching``); if a whole call
 raises, its items are retried one by one so a single bad item cannot fail the others.
@@ -11,6 +12,7 @@ raises, its items are retried one by one so a single bad item cannot fail the ot
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -22,13 +24,15 @@ from batch_inference.engines.base import (
     Completion,
     Prompt,
     SamplingParams,
+    Tokens,
     combine_seeds,
     expand_params,
     group_by_params,
+    token_counts,
     too_long_error,
     truncate_at_stop,
 )
-from batch_inference.engines.chat import TokenizerCopy, encode_prompts
+from batch_inference.engines.chat import TokenizerCopy, encode_each, encode_prompts
 from batch_inference.engines.config import EngineConfig, TransformersOptions
 from batch_inference.rows import ErrorKind
 
@@ -68,7 +72,7 @@ class TransformersEngine:
         self.max_model_len = max_model_len or int(getattr(self.model.config, "max_position_embeddings", 2048))
         self.name = f"transformers:{model}"
         self._eos_ids = _eos_ids(self.model, self.tokenizer)
-        self._counting = TokenizerCopy(self.tokenizer)  # count_tokens runs on other threads than generate
+        self._counting = TokenizerCopy(self.tokenizer)  # encode runs on other threads than generate
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> TransformersEngine:
@@ -79,27 +83,33 @@ class TransformersEngine:
     def _encode(self, prompts: list[Prompt], tokenizer: Any = None) -> list[list[int]]:
         return encode_prompts(tokenizer or self.tokenizer, prompts)
 
-    def count_tokens(self, prompts: list[Prompt]) -> list[int]:
-        """Exact: the same tokenisation ``generate`` feeds the model (0 for a prompt it cannot
-        encode; ``generate`` gives that prompt its error), on a copy of the tokenizer."""
+    def encode(self, prompts: Sequence[Prompt]) -> list[Tokens | Completion]:
+        """The token ids ``generate`` feeds the model, on a copy of the tokenizer (this runs on
+        other threads than ``generate``)."""
         with self._counting as tokenizer:
-            return [0 if isinstance(ids, Exception) else len(ids) for ids in self._encode_each(prompts, tokenizer)]
+            return encode_each(tokenizer, prompts)
 
-    def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+    def count_tokens(self, prompts: list[Prompt]) -> list[int]:
+        """Exact prompt token counts (0 for a prompt it cannot encode)."""
+        return token_counts(self.encode(prompts))
+
+    def generate(self, prompts: Sequence[Prompt | Tokens], params: SamplingParams | Sequence[SamplingParams]) -> list[Completion]:
+        """``Tokens`` run as they are; a text or chat prompt is encoded here first."""
         per_item = expand_params(prompts, params)
         out: list[Completion | None] = [None] * len(prompts)
+        raw = [i for i, p in enumerate(prompts) if not isinstance(p, Tokens)]
+        fresh = dict(zip(raw, encode_each(self.tokenizer, [prompts[i] for i in raw]))) if raw else {}  # type: ignore[misc]
         encoded: dict[int, list[int]] = {}
-        for i, ids in enumerate(self._encode_each(prompts)):
-            if isinstance(ids, Exception):  # a prompt the tokenizer (or chat template) rejects fails alone
-                text = str(ids)
-                out[i] = Completion.failed(text if ErrorKind.of(text) is ErrorKind.CHAT_TEMPLATE_ERROR
-                                           else ErrorKind.TOKENIZER_ERROR.tag(f"{type(ids).__name__}: {ids}"))
-            elif err := too_long_error(len(ids), per_item[i].max_tokens, self.max_model_len):
-                out[i] = Completion.failed(err, prompt_tokens=len(ids))
-            elif not ids:
+        for i, prompt in enumerate(prompts):
+            tokens = prompt if isinstance(prompt, Tokens) else fresh[i]
+            if isinstance(tokens, Completion):  # a prompt the tokenizer (or chat template) rejects fails alone
+                out[i] = tokens
+            elif err := too_long_error(len(tokens.ids), per_item[i].max_tokens, self.max_model_len):
+                out[i] = Completion.failed(err, prompt_tokens=len(tokens.ids))
+            elif not tokens.ids:
                 out[i] = Completion.failed(ErrorKind.EMPTY_PROMPT.tag("the prompt has no tokens"))
             else:
-                encoded[i] = ids
+                encoded[i] = list(tokens.ids)
         runnable = list(encoded)
         # Seeds do not split groups (the pool sends one per record): a group is sampled
         # with one generator seeded from all its items' seeds, so sampling is repeatable
@@ -120,19 +130,6 @@ class TransformersEngine:
             for i, completion in done.items():
                 out[i] = completion
         return [c for c in out if c is not None]
-
-    def _encode_each(self, prompts: list[Prompt], tokenizer: Any = None) -> list[list[int] | Exception]:
-        """Token ids per prompt; one batched call, per prompt only if that call fails."""
-        try:
-            return list(self._encode(prompts, tokenizer))
-        except Exception:
-            results: list[list[int] | Exception] = []
-            for prompt in prompts:
-                try:
-                    results.append(self._encode([prompt], tokenizer)[0])
-                except Exception as exc:
-                    results.append(exc)
-            return results
 
     def _buckets(self, items: list[int], encoded: dict[int, list[int]], per_item: list[SamplingParams]) -> list[list[int]]:
         """Items sorted by (output, prompt) length, cut where a padded bucket would cost more

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -37,10 +38,12 @@ from batch_inference.engines.base import (
     EngineOccupancy,
     Prompt,
     SamplingParams,
+    Tokens,
     expand_params,
+    token_counts,
     too_long_error,
 )
-from batch_inference.engines.chat import ChatTemplateError, TokenizerCopy, encode_chat
+from batch_inference.engines.chat import TokenizerCopy, encode_chat, encode_error
 from batch_inference.engines.config import EngineConfig
 from batch_inference.rows import ErrorKind
 
@@ -75,7 +78,7 @@ def structured_outputs_kwargs(p: SamplingParams) -> dict[str, Any]:
 
 
 def split_runnable(
-    token_ids: list[list[int]], params: list[SamplingParams], max_model_len: int
+    token_ids: Sequence[Sequence[int]], params: Sequence[SamplingParams], max_model_len: int
 ) -> tuple[list[int], dict[int, Completion]]:
     """Indices that may go to vLLM, and the per-item errors for the rest."""
     runnable: list[int] = []
@@ -105,16 +108,18 @@ def _is_engine_dead(exc: BaseException) -> bool:
     return any(type(e).__name__ in ("EngineDeadError", "AsyncEngineDeadError") for e in (exc, exc.__cause__) if e is not None)
 
 
-def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int] | Completion:
-    """The prompt's token ids (chat prompts through the model's chat template), or its own error."""
+def encode_prompt(tokenizer: Any, prompt: Prompt) -> Tokens | Completion:
+    """The prompt's ``Tokens`` (chat prompts through the model's chat template), or its own error."""
     try:
         if isinstance(prompt, ChatPrompt):
-            return encode_chat(tokenizer, prompt)
-        return list(tokenizer.encode(prompt))
-    except ChatTemplateError as exc:  # fails alone
-        return Completion.failed(str(exc))
+            return Tokens(encode_chat(tokenizer, prompt), prompt)
+        return Tokens(list(tokenizer.encode(prompt)), prompt)
     except Exception as exc:  # fails alone
-        return Completion.failed(ErrorKind.TOKENIZER_ERROR.tag(f"{type(exc).__name__}: {exc}"))
+        return encode_error(exc)
+
+
+def _as_list(ids: Sequence[int]) -> list[int]:
+    return ids if isinstance(ids, list) else list(ids)
 
 
 def completion_from_output(output: Any) -> Completion:
@@ -154,7 +159,7 @@ class VllmEngine:
 
         self._llm = LLM(**engine_kwargs(cfg))
         self.tokenizer = self._llm.get_tokenizer()  # generate's (LLM.generate detokenizes with it too)
-        self._counting = TokenizerCopy(self.tokenizer)  # count_tokens runs on other threads than generate
+        self._counting = TokenizerCopy(self.tokenizer)  # encode runs on other threads than generate
         self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
         self.name = f"vllm:{cfg.model}"
 
@@ -162,42 +167,35 @@ class VllmEngine:
     def from_config(cls, cfg: EngineConfig) -> VllmEngine:
         return cls(cfg)
 
-    def _encode(self, prompt: Prompt, tokenizer: Any = None) -> list[int]:
-        tokenizer = tokenizer or self.tokenizer
-        if isinstance(prompt, ChatPrompt):
-            return encode_chat(tokenizer, prompt)
-        return list(tokenizer.encode(prompt))
+    def encode(self, prompts: Sequence[Prompt]) -> list[Tokens | Completion]:
+        """On a copy of the tokenizer (never generate's: this runs on other threads)."""
+        with self._counting as tokenizer:
+            return [encode_prompt(tokenizer, p) for p in prompts]
 
     def count_tokens(self, prompts: list[Prompt]) -> list[int]:
-        """Prompt token counts on a copy of the tokenizer (never generate's, from another thread)."""
-        counts = []
-        with self._counting as tokenizer:
-            for p in prompts:
-                try:
-                    counts.append(len(self._encode(p, tokenizer)))
-                except Exception:  # generate gives this prompt its error
-                    counts.append(0)
-        return counts
+        return token_counts(self.encode(prompts))
 
-    def generate(self, prompts: list[Prompt], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+    def generate(self, prompts: Sequence[Prompt | Tokens], params: SamplingParams | Sequence[SamplingParams]) -> list[Completion]:
+        """``Tokens`` run as they are; a text or chat prompt is encoded here first."""
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.inputs import TokensPrompt
 
         per_item = expand_params(prompts, params)
-        token_ids: list[list[int]] = []
+        token_ids: list[Sequence[int]] = []
         tokenizer_errors: dict[int, Completion] = {}
         for i, prompt in enumerate(prompts):
-            ids = encode_prompt(self.tokenizer, prompt)
-            if isinstance(ids, Completion):
-                tokenizer_errors[i] = ids
-                ids = []
-            token_ids.append(ids)
+            tokens = prompt if isinstance(prompt, Tokens) else encode_prompt(self.tokenizer, prompt)
+            if isinstance(tokens, Completion):
+                tokenizer_errors[i] = tokens
+                token_ids.append([])
+            else:
+                token_ids.append(tokens.ids)
         runnable, errors = split_runnable(token_ids, per_item, self.max_model_len)
         errors.update(tokenizer_errors)
         runnable = [i for i in runnable if i not in tokenizer_errors]
         results: dict[int, Completion] = dict(errors)
         if runnable:
-            requests = [TokensPrompt(prompt_token_ids=token_ids[i]) for i in runnable]
+            requests = [TokensPrompt(prompt_token_ids=_as_list(token_ids[i])) for i in runnable]
             sampling = [VllmSamplingParams(**vllm_sampling_kwargs(per_item[i])) for i in runnable]
             try:
                 outputs = self._llm.generate(requests, sampling_params=sampling, use_tqdm=False)
@@ -290,23 +288,28 @@ class VllmStreamingEngine:
         return type("OccupancyLogger", (base,), {**hooks, "__init__": no_op, "record": record,
                                                   "__doc__": "The engine core's scheduler figures, nothing else."})
 
-    def count_tokens(self, prompts: list[Prompt]) -> list[int]:
-        """On a copy of the tokenizer: the event loop (``complete``, vLLM's detokenizer) uses the other."""
+    def encode(self, prompts: Sequence[Prompt]) -> list[Tokens | Completion]:
+        """On a copy of the tokenizer: the event loop (vLLM's detokenizer) uses the other."""
         with self._counting as tokenizer:
-            return [0 if isinstance(ids := encode_prompt(tokenizer, p), Completion) else len(ids) for p in prompts]
+            return [encode_prompt(tokenizer, p) for p in prompts]
+
+    def count_tokens(self, prompts: list[Prompt]) -> list[int]:
+        return token_counts(self.encode(prompts))
 
     async def start(self) -> None:
         """Nothing to bind eagerly: AsyncLLM starts its output handler on the first request."""
 
-    async def complete(self, prompt: Prompt, params: SamplingParams) -> Completion:
+    async def complete(self, prompt: Prompt | Tokens, params: SamplingParams) -> Completion:
+        """``Tokens`` run as they are; a text or chat prompt is encoded here first (on the loop)."""
         from vllm import SamplingParams as VllmSamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         if self._llm.errored:
             raise EngineDeadError(f"{self.name}: the vLLM engine core is dead")
-        ids = encode_prompt(self.tokenizer, prompt)
-        if isinstance(ids, Completion):
-            return ids
+        tokens = prompt if isinstance(prompt, Tokens) else encode_prompt(self.tokenizer, prompt)
+        if isinstance(tokens, Completion):
+            return tokens
+        ids = tokens.ids
         _, errors = split_runnable([ids], [params], self.max_model_len)
         if errors:
             return errors[0]
@@ -318,7 +321,7 @@ class VllmStreamingEngine:
                                       detokenize=detokenize)
         final = None
         try:
-            async for output in self._llm.generate(self._tokens_input(ids), sampling, f"bi-{next(self._ids)}"):
+            async for output in self._llm.generate(self._tokens_input(_as_list(ids)), sampling, f"bi-{next(self._ids)}"):
                 final = output
         except asyncio.CancelledError:
             raise  # AsyncLLM.generate aborts the request in the engine on its way out

@@ -34,6 +34,7 @@ from batch_inference.engines import (
     EngineOccupancy,
     Prompt,
     StreamingEngine,
+    Tokens,
     build_engine,
     is_streaming,
 )
@@ -135,11 +136,12 @@ class EngineHost:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def count_tokens(self, prompts: list[Prompt]) -> list[int]:
-        """Exact prompt token counts (one tokenizer call per chunk, off the event loop)."""
+    async def encode(self, prompts: list[Prompt]) -> list[Tokens | Completion]:
+        """Each prompt's ``Tokens`` (or its failed Completion): one tokenizer pass per chunk, off
+        the event loop. The engine runs these ids as they are, so a prompt is tokenised once."""
         if not prompts:
             return []
-        return await asyncio.to_thread(self._engine().count_tokens, prompts)
+        return await asyncio.to_thread(self._engine().encode, prompts)
 
     async def submit(self, requests: list[GenRequest]) -> list[asyncio.Future[Completion]]:
         """One future per request; suspends only while the batcher's queue (or the gate) is full."""

@@ -8,23 +8,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batch_inference.engines import Prompt, SamplingParams
+from batch_inference.engines import Prompt, SamplingParams, Tokens
 
 
 @dataclass(slots=True)
 class GenRequest:
-    """One prompt on its way through the batcher.
+    """One prompt on its way through the batcher or the streaming gate.
 
-    ``cost`` is prompt tokens (exact, from the engine's tokenizer) plus ``max_tokens``:
-    the KV cache grows with every decoded token, so the budget must count them. For
-    task accounting the batcher's inference function fills ``engine_s`` (this request's
-    token-weighted share of its batch's engine time) and ``fill`` (its batch's cost /
-    budget); the streaming gate fills ``engine_s`` (its fair share of the engine's time
-    while it was in flight) and ``fill`` (in-flight / capacity when it was admitted).
-    A streaming engine tokenises for itself, so ``prompt_tokens`` is 0 there.
+    ``prompt`` is the engine's ``Tokens`` from the shard task's one ``encode`` (text or
+    chat messages are encoded by the engine itself). ``cost`` is prompt tokens plus
+    ``max_tokens``: the KV cache grows with every decoded token, so the budget must count
+    them. For task accounting the batcher's inference function fills ``engine_s`` (this
+    request's token-weighted share of its batch's engine time) and ``fill`` (its batch's
+    cost / budget); the streaming gate fills ``engine_s`` (its fair share of the engine's
+    time while it was in flight) and ``fill`` (in-flight / capacity when it was admitted).
     """
 
-    prompt: Prompt  # text or chat messages; the engine renders chat with its chat template
+    prompt: Prompt | Tokens
     params: SamplingParams
     prompt_tokens: int
     engine_s: float = 0.0

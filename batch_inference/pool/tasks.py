@@ -116,10 +116,16 @@ class TaskContext:
                     out[i] = Completion.failed(unconstrained_error(getattr(self.host.engine, "name", "?")))
                 else:
                     live.append(i)
-        prompts = [requests[i].prompt for i in live]  # type: ignore[union-attr]
-        # a streaming engine tokenises for itself; the batcher needs exact costs first
-        tokens = [0] * len(prompts) if self.host.streaming else await self.host.count_tokens(prompts)
-        gen = [GenRequest(requests[i].prompt, requests[i].params, n) for i, n in zip(live, tokens)]  # type: ignore[union-attr]
+        # The one tokenisation of each prompt: its ids cost it for the batcher and go on to the engine.
+        encoded = await self.host.encode([requests[i].prompt for i in live])  # type: ignore[union-attr]
+        gen: list[GenRequest] = []
+        runs: list[int] = []
+        for i, tokens in zip(live, encoded):
+            if isinstance(tokens, Completion):  # the tokenizer (or chat template) rejects this prompt
+                out[i] = tokens
+            else:
+                gen.append(GenRequest(tokens, requests[i].params, len(tokens.ids)))  # type: ignore[union-attr]
+                runs.append(i)
         futures = await self.host.submit(gen)
         try:
             done = await asyncio.gather(*futures, return_exceptions=True)
@@ -127,7 +133,7 @@ class TaskContext:
             for f in futures:
                 f.cancel()
             raise
-        for i, request, result in zip(live, gen, done):
+        for i, request, result in zip(runs, gen, done):
             if isinstance(result, EngineDeadError):
                 raise result
             if isinstance(result, Completion):
@@ -451,7 +457,7 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
     """In-place retry: each record is re-inferred and re-judged until approved or max_attempts.
 
     A chunk advances in waves: every sample that needs inference is submitted in one
-    ``generate`` call (one token-count hop, one ``submit_many``), then every sample with
+    ``generate`` call (one tokenizer pass, one ``submit_many``), then every sample with
     a result is judged in one call, so the per-sample cost equals a round's. A record's
     state is checkpointed per attempt, so a task retried after an eviction resumes every
     record at the attempt it was on: a result already inferred but not yet judged is

@@ -10,10 +10,12 @@ All three are permanent: retrying the same record cannot fix it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, replace
 from typing import Any
 
+import orjson
 from pydantic import ValidationError
 
 from batch_inference.engines.base import ChatPrompt, Prompt, ResponseFormat, SamplingParams
@@ -126,21 +128,29 @@ class RequestBuilder:
         raise RequestError(ErrorKind.BAD_REQUEST, rid, "has neither 'messages' (chat) nor a string 'prompt', and infer has no template")
 
     def params(self, record: dict[str, Any], attempt: int) -> SamplingParams:
-        """This attempt's sampling: the spec's, the record's overrides within limits, a derived seed."""
+        """This attempt's sampling: the spec's, the record's overrides within limits, a derived seed.
+
+        One ``SamplingParams`` per record and attempt, built once from the checked overrides:
+        the engine converts that one to its own."""
         rid = record.get("id")
-        params, base_seed = self.base, self.base_seed
+        updates: dict[str, Any] = {}
+        base_seed = self.base_seed
         overrides = record.get(self.config.sampling_field) if self.config.sampling_field else None
         if overrides is not None:
-            params, base_seed = self._override(overrides, rid)
+            updates, base_seed = self._override(overrides, rid)
         fmt = self._response_format(record.get("response_format"), rid) if "response_format" in record else self.response_format
-        return replace(params, seed=derive_seed(base_seed, str(rid), attempt), response_format=fmt)
+        try:
+            return replace(self.base, **updates, seed=derive_seed(base_seed, str(rid), attempt), response_format=fmt)
+        except ValueError as exc:  # e.g. min_tokens > max_tokens
+            raise RequestError(ErrorKind.BAD_SAMPLING, rid, f"{self.config.sampling_field}: {exc}") from None
 
     def build(self, record: dict[str, Any], attempt: int) -> Request:
         return Request(self.prompt(record), self.params(record, attempt))
 
     # -- per-record overrides -----------------------------------------------------------
 
-    def _override(self, value: Any, rid: Any) -> tuple[SamplingParams, int | None]:
+    def _override(self, value: Any, rid: Any) -> tuple[dict[str, Any], int | None]:
+        """The record's checked sampling fields (as ``SamplingParams`` fields) and its base seed."""
         field = self.config.sampling_field
         limits = self.config.limits
         if not isinstance(value, dict):
@@ -176,18 +186,38 @@ class RequestBuilder:
         if stop is not None and len(stop) > limits.stop:
             raise RequestError(ErrorKind.BAD_SAMPLING, rid, f"{field}.stop has {len(stop)} strings > limits.stop {limits.stop}")
         seed = v.pop("seed", self.base_seed)
-        updates = {k: (tuple(stop) if k == "stop" and stop is not None else v[k]) for k in v}
-        try:
-            return replace(self.base, **updates), seed
-        except ValueError as exc:  # e.g. min_tokens > max_tokens
-            raise RequestError(ErrorKind.BAD_SAMPLING, rid, f"{field}: {exc}") from None
+        return {k: (tuple(stop) if k == "stop" and stop is not None else v[k]) for k in v}, seed
 
     def _response_format(self, value: Any, rid: Any) -> ResponseFormat | None:
         if value is None:
             return self.response_format
-        try:
-            return ResponseFormatConfig.model_validate(value).to_format()
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(x) for x in first["loc"])
-            raise RequestError(ErrorKind.BAD_REQUEST, rid, f"response_format{'.' + where if where else ''}: {first['msg']}") from None
+        fmt = response_format(value)
+        if isinstance(fmt, str):
+            raise RequestError(ErrorKind.BAD_REQUEST, rid, fmt)
+        return fmt
+
+
+def response_format(value: Any) -> ResponseFormat | None | str:
+    """A record's ``response_format`` as the engine's ``ResponseFormat``, or why it is invalid.
+
+    Records of a run mostly share one format: each distinct one (by its canonical JSON) is
+    validated and its schema serialised once per process, not once per record and attempt."""
+    try:
+        key = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except TypeError:  # not JSON (no record read from a file holds one): validated uncached
+        return _validated_format(value)
+    return _cached_format(key)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_format(key: bytes) -> ResponseFormat | None | str:
+    return _validated_format(orjson.loads(key))
+
+
+def _validated_format(value: Any) -> ResponseFormat | None | str:
+    try:
+        return ResponseFormatConfig.model_validate(value).to_format()
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        return f"response_format{'.' + where if where else ''}: {first['msg']}"

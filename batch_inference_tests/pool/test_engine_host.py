@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from batch_inference.engines import Completion, EngineOccupancy, SamplingParams
+from batch_inference.engines import Completion, EngineOccupancy, SamplingParams, Tokens
 from batch_inference.pool import engine_host as engine_host_module
 from batch_inference.pool.engine_host import EngineHost
 
@@ -24,8 +24,8 @@ class StartFails:
     def __init__(self) -> None:
         self.closed = 0
 
-    def count_tokens(self, prompts: list[str]) -> list[int]:
-        return [1 for _ in prompts]
+    def encode(self, prompts: list[str]) -> list[Tokens]:
+        return [Tokens([1], p) for p in prompts]
 
     async def start(self) -> None:
         raise RuntimeError("engine core failed to bind")
@@ -84,8 +84,8 @@ async def test_a_batcher_that_fails_to_start_closes_the_engine(monkeypatch: pyte
     class Blocking:
         name, max_model_len, simulated = "blocking", 4096, True
 
-        def count_tokens(self, prompts: list[str]) -> list[int]:
-            return [1 for _ in prompts]
+        def encode(self, prompts: list[str]) -> list[Tokens]:
+            return [Tokens([1], p) for p in prompts]
 
         def generate(self, prompts: list[str], params: object) -> list[Completion]:
             raise AssertionError("never reached")

@@ -57,10 +57,12 @@ class _ConstrainingHost:
     """A host whose engine says it constrains; every completion is cut at max_tokens."""
 
     engine = type("E", (), {"structured_output": True, "name": "fake"})()
-    streaming = False  # fed like a blocking engine: prompt tokens counted first
+    streaming = False
 
-    async def count_tokens(self, prompts):
-        return [3 for _ in prompts]
+    async def encode(self, prompts):
+        from batch_inference.engines import Tokens
+
+        return [Tokens([1, 2, 3], p) for p in prompts]
 
     async def submit(self, requests):
         import asyncio

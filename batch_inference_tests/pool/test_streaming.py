@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from batch_inference.engines import Completion, EngineDeadError, EngineOccupancy, SamplingParams, is_streaming
+from batch_inference.engines import Completion, EngineDeadError, EngineOccupancy, SamplingParams, Tokens, is_streaming
 from batch_inference.pool import InferConfig, SamplingConfig
 from batch_inference.pool import engine_host as engine_host_module
 from batch_inference.pool.engine_host import EngineHost
@@ -40,13 +40,14 @@ class ToyStream:
         self.dead = False
         self._ids = 0
 
-    def count_tokens(self, prompts: list[str]) -> list[int]:
-        return [len(p.split()) for p in prompts]
+    def encode(self, prompts: list[str]) -> list[Tokens]:
+        return [Tokens(range(len(p.split())), p) for p in prompts]
 
     async def start(self) -> None:
         pass
 
-    async def complete(self, prompt: str, params: SamplingParams) -> Completion:
+    async def complete(self, prompt: str | Tokens, params: SamplingParams) -> Completion:
+        prompt = prompt.source if isinstance(prompt, Tokens) else prompt
         if self.dead or "die" in prompt:
             self.dead = True
             raise EngineDeadError("toy engine core exited")

@@ -104,3 +104,23 @@ def test_config_errors() -> None:
         InferConfig(template="{q}", system="x")
     with pytest.raises(ValueError, match="sampling.max_tokens 5000 > limits.max_tokens 4096"):
         InferConfig(template="{q}", sampling={"max_tokens": 5000})
+
+
+def test_a_response_format_is_validated_once_per_process_not_per_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    from batch_inference.prompting import builder as builder_module
+
+    validated: list[object] = []
+    real = builder_module._validated_format
+    monkeypatch.setattr(builder_module, "_validated_format", lambda value: validated.append(value) or real(value))
+    builder_module._cached_format.cache_clear()
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+    b = RequestBuilder(InferConfig(template="{q}"))
+    formats = {b.build({"id": f"r{i}", "q": "x", "response_format": schema}, attempt).params.response_format
+               for i in range(20) for attempt in range(2)}
+    assert formats == {ResponseFormat("json_schema", '{"properties":{"a":{"type":"integer"}},"type":"object"}')}
+    assert len(validated) == 1  # 40 requests, one validation and one schema serialisation
+    b.build({"id": "s", "q": "x", "response_format": {"type": "json_object"}}, 0)
+    for rid in ("bad-1", "bad-2"):  # a bad format is still each record's own error, naming it
+        with pytest.raises(RequestError, match=f"bad_request: record '{rid}': response_format"):
+            b.build({"id": rid, "q": "x", "response_format": {"type": "yaml"}}, 0)
+    assert len(validated) == 3

@@ -44,7 +44,7 @@ def test_chat_tokens_equal_apply_chat_template(engine: VllmEngine, tiny_model_di
     for chat in chats:
         want = hf.apply_chat_template(chat.as_dicts(), add_generation_prompt=True, tokenize=True)
         want = list(want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want)
-        assert engine._encode(chat) == want
+        assert list(engine.encode([chat])[0].ids) == want
     out = engine.generate(chats, SamplingParams(max_tokens=4, min_tokens=4))
     assert all(c.error is None and c.completion_tokens == 4 for c in out)
     assert [c.prompt_tokens for c in out] == engine.count_tokens(chats)
