@@ -34,8 +34,9 @@ from batch_inference.pipeline import inputs
 from batch_inference.engines import EngineConfig
 from batch_inference.pipeline.spec import PipelineSpec, SpecError, engine_label
 from batch_inference.prompting import RequestBuilder, RequestError
+from batch_inference.prompting.openai_batch import OpenAIBatchReader, record_id
 from batch_inference.rows import ErrorKind
-from batch_inference.storage import ReshardReport
+from batch_inference.storage import ReshardReport, assigned_id
 
 SAMPLE_RESULT = "preflight result"  # what judge templates and rules see as {result}
 
@@ -143,16 +144,17 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
     so = spec.storage_options or None
     head = inputs.first_numbered(sharded or spec.input, max(spec.preflight_records, 1), so)
     fmt, detected = ("jsonl", False) if sharded else inputs.resolve_format(spec, [rec for _, rec in head])
-    reader = inputs.openai_reader(spec) if fmt == "openai_batch" else None
-    if reader is not None:
-        head = [(line, reader.convert(rec, line)) for line, rec in head]
+    openai = fmt == "openai_batch"
+    if openai:  # lines with file-level problems are the full check's to report (the file is refused)
+        reader = inputs.openai_reader(spec)
+        head = [(line, typed.record()) for line, rec in head if (typed := reader.line(rec, line)) is not None]
     numbered = head[: spec.preflight_records]
     records = [rec for _, rec in numbered]
     record_errors: list[str] = []
     judge_chat = isinstance(judge, LLMJudge) and judge.chat
     chat = False
     for line, rec in numbered:
-        rec.setdefault("id", f"{line:012d}")  # as sharding assigns it
+        rec.setdefault("id", assigned_id(line))  # as sharding assigns it
         try:
             request = builder.build(rec, 0)
         except MissingFieldError as exc:
@@ -185,7 +187,7 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
         _check_chat_template("judge.engine" if spec.judge.engine else "engine", spec.judge_engine, "the judge's prompts (judge.chat)")
     n_records = n_shards = None
     if full:
-        n_records = _count(spec, reader)
+        n_records = _count(spec, inputs.openai_reader(spec) if openai else None)
         n_shards = math.ceil(n_records / spec.shard_records) if n_records else 0
     judge_text = ("human (review queue)" if spec.judge.kind == "human"
                   else f"llm ({spec.judge.parse}{', chat' if spec.judge.chat else ''})" if spec.judge.kind == "llm"
@@ -204,7 +206,7 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
     )
 
 
-def _count(spec: PipelineSpec, reader: Any) -> int:
+def _count(spec: PipelineSpec, reader: OpenAIBatchReader | None) -> int:
     """Records in the whole input; for OpenAI Batch the sharding pass's file checks too."""
     from batch_inference.storage import JsonlDir, JsonlFile
 
@@ -221,8 +223,9 @@ def _count(spec: PipelineSpec, reader: Any) -> int:
     n = 0
     for line, rec in source.iter_numbered_sync(on_error="quarantine", quarantine=malformed):
         n += 1
-        if reader is not None:
-            cid = str(reader.convert(rec, line)["id"])
+        if reader is not None:  # the sharding pass's checks, on the typed line (no record built)
+            reader.line(rec, line)
+            cid = record_id(rec, line)
             if cid in seen:
                 dups[cid] = dups.get(cid, 1) + 1
             seen.add(cid)

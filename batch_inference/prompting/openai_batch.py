@@ -1,7 +1,8 @@
 """The OpenAI Batch API file format, in and out (the format ``vllm run-batch``, OpenAI and most
 gateways share): https://platform.openai.com/docs/guides/batch
 
-In: each line ``{custom_id, method, url, body}`` becomes a native record at sharding
+In: each line ``{custom_id, method, url, body}`` is read as a typed ``BatchLine`` (pydantic,
+shared by the sharding pass and the preflight) and becomes a native record at sharding
 (``OpenAIBatchReader.convert``): ``id`` = ``custom_id``, ``messages`` (chat) or ``prompt``
 (completions), the body's sampling fields under ``sampling`` (bounded per record by the
 spec's ``infer.limits`` when the request is built), ``response_format``, and
@@ -20,18 +21,96 @@ from __future__ import annotations
 import hashlib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from batch_inference.rows import ErrorKind
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n")
-BODY_FIELDS = {
-    "chat": frozenset({"model", "messages", "response_format", *SAMPLING_FIELDS}),
-    "completions": frozenset({"model", "prompt", *SAMPLING_FIELDS}),
-}
-LINE_KEYS = frozenset({"custom_id", "method", "url", "body"})
 EXAMPLES = 5  # custom_ids named per problem
+
+
+class _Body(BaseModel):
+    """The body fields this run reads. Their values are the request's own (checked when its
+    request is built, within the spec's limits: a bad one is that request's error), so they
+    are kept as given; any other field is kept too (``extra``) so the reader can name it."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+    temperature: Any = None
+    top_p: Any = None
+    seed: Any = None
+    stop: Any = None
+    n: Any = None
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling fields the request gives (an explicit null included)."""
+        given = self.model_fields_set
+        return {k: getattr(self, k) for k in SAMPLING_FIELDS if k in given}
+
+
+class ChatBody(_Body):
+    messages: Any = None
+    response_format: Any = None
+
+
+class CompletionsBody(_Body):
+    prompt: Annotated[str | None, Field(strict=True)] = None  # one string: several prompts per request are not supported
+
+
+class _Line(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    custom_id: Annotated[str, Field(min_length=1, strict=True)]
+    method: Literal["POST"] = "POST"
+
+
+class ChatLine(_Line):
+    """A ``/v1/chat/completions`` request line."""
+
+    url: Literal["/v1/chat/completions"]
+    body: ChatBody
+
+    def record(self) -> dict[str, Any]:
+        """The native record: ``id``, ``messages``, ``response_format``, ``sampling``, ``openai``."""
+        body = self.body
+        record: dict[str, Any] = {"id": self.custom_id}
+        if "messages" in body.model_fields_set:
+            record["messages"] = body.messages
+        if body.response_format is not None:
+            record["response_format"] = body.response_format
+        return _finish(record, self.url, body)
+
+
+class CompletionsLine(_Line):
+    """A ``/v1/completions`` request line."""
+
+    url: Literal["/v1/completions"]
+    body: CompletionsBody
+
+    def record(self) -> dict[str, Any]:
+        """The native record: ``id``, ``prompt``, ``sampling``, ``openai``."""
+        record: dict[str, Any] = {"id": self.custom_id}
+        if "prompt" in self.body.model_fields_set:
+            record["prompt"] = self.body.prompt
+        return _finish(record, self.url, self.body)
+
+
+def _finish(record: dict[str, Any], url: str, body: _Body) -> dict[str, Any]:
+    if sampling := body.sampling():
+        record["sampling"] = sampling
+    record["openai"] = {"url": url, "model": body.model}
+    return record
+
+
+# One request line of an OpenAI Batch input file: ``{custom_id, method, url, body}``, read by its url.
+BatchLine = ChatLine | CompletionsLine
+LINES: dict[str, type[ChatLine] | type[CompletionsLine]] = {"/v1/chat/completions": ChatLine, "/v1/completions": CompletionsLine}
 
 
 def looks_like_openai_batch(record: Any) -> bool:
@@ -43,9 +122,40 @@ class OpenAIBatchError(ValueError):
     """An OpenAI Batch file this run cannot take as it is; the message lists every problem."""
 
 
+def _custom_id(raw: dict[str, Any]) -> str | None:
+    cid = raw.get("custom_id")
+    return cid if isinstance(cid, str) and cid else None
+
+
+def record_id(raw: dict[str, Any], line: int) -> str:
+    """The one id rule for a request line (``line``: 0-based): its ``custom_id``, or
+    ``line-N`` (N 1-based) for a line without a usable one, whose file is refused anyway."""
+    return _custom_id(raw) or f"line-{line + 1}"
+
+
+def _example(raw: dict[str, Any], pos: int) -> str:
+    """How a problem names a line: its custom_id, or its line number when it has none."""
+    return _custom_id(raw) or f"line {pos + 1}"
+
+
+def _what(error: Any, raw: dict[str, Any]) -> str:
+    """A validation error of a line as the problem the reader lists."""
+    loc = tuple(str(x) for x in error["loc"])
+    if loc == ("custom_id",):
+        return "custom_id must be a non-empty string"
+    if loc == ("method",):
+        return f"method {raw.get('method')!r} (only POST)"
+    if loc == ("body",):
+        return "body must be an object"
+    if loc == ("body", "prompt"):
+        return "body.prompt must be one string (several prompts in one request are not supported)"
+    return f"{'.'.join(loc)}: {error['msg']}"
+
+
 @dataclass
 class OpenAIBatchReader:
-    """Converts request lines to native records, collecting file-level problems (never raises per line).
+    """Reads request lines as typed ``BatchLine`` s and converts them to native records,
+    collecting file-level problems (never raises per line).
 
     ``models``: the ``body.model`` values this run answers (None: any). ``constrains``:
     whether the run's engine can constrain generation (``response_format``).
@@ -62,54 +172,43 @@ class OpenAIBatchReader:
         if len(self.problems[what]) < EXAMPLES:
             self.problems[what].append(repr(custom_id))
 
-    def convert(self, line: dict[str, Any], pos: int) -> dict[str, Any]:
-        """The native record for one request line (``pos``: its 0-based line number)."""
-        cid = line.get("custom_id")
-        if not isinstance(cid, str) or not cid:
-            self._problem("custom_id must be a non-empty string", cid if cid is not None else f"line {pos + 1}")
-            cid = f"line-{pos + 1}"
-        extra = line.keys() - LINE_KEYS  # (set views: the common, clean line costs no sort)
-        if extra:
-            self._problem(f"unsupported line keys {sorted(extra)}", cid)
-        if line.get("method", "POST") != "POST":
-            self._problem(f"method {line.get('method')!r} (only POST)", cid)
-        url = line.get("url")
-        kind = ENDPOINTS.get(url) if isinstance(url, str) else None
-        if kind is None:
-            self._problem(f"url {url!r} (supported: {', '.join(ENDPOINTS)})", cid)
-            kind = "chat"
+    def line(self, raw: dict[str, Any], pos: int) -> ChatLine | CompletionsLine | None:
+        """The typed line (``pos``: its 0-based line number), its problems collected; None when
+        it is not a request line this run can read (its problems say why)."""
+        url = raw.get("url")
         self.endpoints[str(url)] += 1
-        body = line.get("body")
-        if not isinstance(body, dict):
-            self._problem("body must be an object", cid)
-            body = {}
-        unsupported = body.keys() - BODY_FIELDS[kind]
-        for name in sorted(unsupported) if unsupported else ():
-            self._problem(f"unsupported body field {name!r} for {url}", cid)
-        model = body.get("model")
-        if self.models is not None and model is not None and model not in self.models:
-            self._problem(f"body.model {model!r} is not served by this run (accepted: {', '.join(sorted(self.models))}); "
+        model = LINES.get(url) if isinstance(url, str) else None
+        try:
+            if model is None:
+                self._problem(f"url {url!r} (supported: {', '.join(ENDPOINTS)})", _example(raw, pos))
+                return None
+            line = model.model_validate(raw)
+        except ValidationError as exc:
+            for error in exc.errors(include_url=False, include_input=False):
+                self._problem(_what(error, raw), _example(raw, pos))
+            return None
+        cid = line.custom_id
+        if line.model_extra:
+            self._problem(f"unsupported line keys {sorted(line.model_extra)}", cid)
+        body = line.body
+        for name in sorted(body.model_extra) if body.model_extra else ():
+            self._problem(f"unsupported body field {name!r} for {line.url}", cid)
+        if self.models is not None and body.model is not None and body.model not in self.models:
+            self._problem(f"body.model {body.model!r} is not served by this run (accepted: {', '.join(sorted(self.models))}); "
                           f"to answer it, list it in the spec's openai_batch.model_aliases, or set "
                           f"openai_batch.check_model: false to answer every model", cid)
-        record: dict[str, Any] = {"id": cid}
-        if kind == "chat":
-            if "messages" in body:
-                record["messages"] = body["messages"]
-            fmt = body.get("response_format")
-            if fmt is not None:
-                if not self.constrains and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-                    self._problem("response_format: this run's engine cannot constrain generation "
-                                  "(vLLM's structured outputs can); refusing to run it unconstrained", cid)
-                record["response_format"] = fmt
-        elif "prompt" in body:
-            if not isinstance(body["prompt"], str):
-                self._problem("body.prompt must be one string (several prompts in one request are not supported)", cid)
-            record["prompt"] = body["prompt"]
-        sampling = {k: body[k] for k in SAMPLING_FIELDS if k in body}
-        if sampling:
-            record["sampling"] = sampling
-        record["openai"] = {"url": url, "model": model}
-        return record
+        if isinstance(body, ChatBody) and body.response_format is not None and not self.constrains:
+            fmt = body.response_format
+            if not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+                self._problem("response_format: this run's engine cannot constrain generation "
+                              "(vLLM's structured outputs can); refusing to run it unconstrained", cid)
+        return line
+
+    def convert(self, raw: dict[str, Any], pos: int) -> dict[str, Any]:
+        """The native record for one request line. A line with problems refuses the whole file
+        (``error``), so its record keeps only its id (``record_id``)."""
+        line = self.line(raw, pos)
+        return line.record() if line is not None else {"id": record_id(raw, pos)}
 
     def error(self, source: str) -> str | None:
         """One message naming every problem (count and example custom_ids), or None."""

@@ -10,7 +10,7 @@ from batch_inference.storage.checkpoints import CheckpointStore
 from batch_inference.storage.errors import ConcurrentWriteError, CorruptShardError, MalformedRecordError
 from batch_inference.storage.directory import DirManifest, JsonlDir, JsonlDirWriter, SyncJsonlDirWriter
 from batch_inference.storage.file import JsonlFile, JsonlWriter, QuarantineSink, SyncJsonlWriter
-from batch_inference.storage.reshard import ReshardReport, reshard
+from batch_inference.storage.reshard import ReshardReport, assigned_id, reshard
 from batch_inference.storage.urls import fs_for, is_under, join
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "MalformedRecordError",
     "QuarantineSink",
     "ReshardReport",
+    "assigned_id",
     "SyncJsonlDirWriter",
     "SyncJsonlWriter",
     "fs_for",

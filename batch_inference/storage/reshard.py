@@ -51,6 +51,11 @@ class ReshardReport:
     malformed: int = 0  # lines handed to the quarantine sink (on_error="quarantine")
 
 
+def assigned_id(pos: int) -> str:
+    """The id of a record that has none: its 0-based position in the source, zero-padded."""
+    return f"{pos:012d}"
+
+
 def _source(src: str | JsonlFile | JsonlDir, storage_options: dict | None) -> JsonlFile | JsonlDir:
     if isinstance(src, (JsonlFile, JsonlDir)):
         return src
@@ -103,7 +108,7 @@ def reshard(
                 rec = transform(rec, pos)
             rid = rec.get("id")
             if rid is None and assign_ids:
-                rid = rec["id"] = f"{pos:012d}"
+                rid = rec["id"] = assigned_id(pos)
                 report.ids_assigned += 1
             if bloom is not None and rid is not None and bloom.add(str(rid)):
                 suspects.add(str(rid))

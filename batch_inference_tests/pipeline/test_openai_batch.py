@@ -146,6 +146,30 @@ async def test_a_request_without_custom_id_is_named_by_its_line_after_a_blank_an
     assert [r["id"] for r in rows] == ["a", "b", "line-5"]
 
 
+async def test_preflight_and_sharding_read_lines_alike(tmp_path: Path) -> None:
+    """One typed line model and one id rule: the full preflight refuses a file with exactly the
+    sharding pass's problems (structure, body fields, duplicates)."""
+    lines = [
+        chat_line("ok", "x"), chat_line("ok", "y"),
+        {"method": "POST", "url": "/v1/chat/completions", "body": {"messages": []}},  # no custom_id
+        chat_line("get", "x") | {"method": "GET"},
+        {"custom_id": "str-body", "method": "POST", "url": "/v1/chat/completions", "body": "hello"},
+        {"custom_id": "two-prompts", "method": "POST", "url": "/v1/completions", "body": {"model": "tiny", "prompt": ["a", "b"]}},
+        chat_line("extra", "x") | {"priority": 1},
+    ]
+    spec = openai_spec(tmp_path, lines, input_format="openai_batch")
+    with pytest.raises(InputError) as checked:
+        preflight(spec, full=True)
+    with pytest.raises(InputError) as sharded:
+        await PipelineRun(spec).shard()
+    assert str(checked.value) == str(sharded.value)
+    text = str(sharded.value)
+    for needle in ("custom_id must be a non-empty string: 1 request(s), e.g. custom_id 'line 3'", "method 'GET' (only POST)",
+                   "body must be an object: 1 request(s), e.g. custom_id 'str-body'", "body.prompt must be one string",
+                   "unsupported line keys ['priority']", "'ok' (2x)"):
+        assert needle in text, needle
+
+
 async def test_model_aliases_and_unchecked_models(tmp_path: Path) -> None:
     line = chat_line("a", "x") | {"body": {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}]}}
     spec = openai_spec(tmp_path, [line], openai_batch={"model": "tiny", "model_aliases": ["gpt-4o-mini"]})
