@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# GPU check: vLLM and transformers-on-CUDA through our engine protocols, on the tiny model,
-# then bench/engine_ceiling.py (pipeline vs raw vLLM) on the GPU -> bench/reports/engine_ceiling_cuda.md.
+# GPU check, one short run: vLLM (streaming, the default, and blocking) and transformers-on-CUDA
+# through our engine protocols on the tiny model, then bench/engine_ceiling.py on the GPU: the
+# pipeline (streaming inprocess and local pool, and the blocking design) against raw vLLM
+# -> bench/reports/engine_ceiling_cuda.md.
 # Run from the repository root on a machine with an NVIDIA GPU:
 #     bash bench/gpu_check.sh [VENV_DIR]        (default .venv-gpu; needs python3.11/3.12 + pip access)
-# vLLM 0.33 pins torch==2.14.0, so it gets its own venv (the CPU test venv pins torch 2.13).
+# The `vllm` extra (vllm 0.32.0, the release CI tests on CPU) pins torch==2.13.0's CUDA wheel,
+# so it gets its own venv (the CPU test venv has torch 2.13.0's CPU wheel).
 set -euo pipefail
 VENV="${1:-.venv-gpu}"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -51,9 +54,47 @@ for cfg in (
     engine.close()
 print("\ngreedy text equal across engines (bf16 kernels may differ):", results["transformers"] == results["vllm"])
 PY
+
+# The default engine: streaming through AsyncLLM (a process of its own: one vLLM engine per process).
+"$VENV/bin/python" - "$MODEL" <<'PY'
+import asyncio, sys, time
+from batch_inference.engines import SamplingParams, Tokens, build_engine, is_streaming
+
+async def main(model: str) -> None:
+    engine = build_engine({"kind": "vllm", "model": model, "dtype": "bfloat16", "max_model_len": 2048,
+                           "vllm": {"gpu_memory_utilization": 0.3}})
+    assert is_streaming(engine), engine
+    await engine.start()
+    greedy = SamplingParams(max_tokens=16, min_tokens=16)
+    prompts = ["hello world", "word " * 3000, "Question: what is the capital of France?"]
+    encoded = engine.encode(prompts)  # the pool's path: encoded once, the ids go to the engine
+    assert all(isinstance(t, Tokens) for t in encoded)
+    out = await asyncio.gather(*(engine.complete(t, greedy) for t in encoded))
+    print(f"\n== {engine.name} (streaming): capacity {engine.capacity()}, max_model_len {engine.max_model_len}")
+    for c in out:
+        print(f"   {c.finish_reason:6} prompt={c.prompt_tokens:5} out={c.completion_tokens:3} error={c.error} text={c.text[:40]!r}")
+    assert out[1].error and out[1].error.startswith("prompt_too_long"), "overlong prompt must be a per-item error"
+    assert out[0].error is None and out[2].error is None and out[0].completion_tokens == 16
+    # bf16 GPU kernels can differ with batch shape: report these, do not assert them
+    alone = await engine.complete("hello world", greedy)  # a text prompt, encoded by complete itself
+    print(f"   greedy alone (text) == in flight (Tokens): {alone.text == out[0].text}")
+    seeded = [SamplingParams(max_tokens=16, min_tokens=16, temperature=1.0, seed=s) for s in (1, 2, 1)]
+    s = await asyncio.gather(*(engine.complete("hello world", p) for p in seeded))
+    print(f"   seeded sampling: seed 1 twice equal={s[0].text == s[2].text}, seed 1 vs 2 differ={s[0].text != s[1].text}")
+    t = time.perf_counter()
+    big = await asyncio.gather(*(engine.complete(f"prompt {i} " * 8, greedy) for i in range(256)))
+    wall = time.perf_counter() - t
+    print(f"   256 x 16 tokens in flight: {wall * 1000:.0f} ms, {256 * 16 / wall:.0f} output tok/s, "
+          f"errors={sum(c.error is not None for c in big)}, occupancy after: {engine.occupancy()}")
+    assert not any(c.error for c in big)
+    await engine.aclose()
+
+asyncio.run(main(sys.argv[1]))
+PY
 "$VENV/bin/python" -m pytest -q -m gpu batch_inference_tests/engines/test_vllm_engine.py -p no:cacheprovider
-# The acceptance comparison on the GPU: the pipeline (inprocess, a local worker, the old
-# blocking design) against raw vLLM given every prompt at once, three length distributions.
+# The acceptance comparison on the GPU: the pipeline (inprocess and a local worker, both the
+# streaming default; the old blocking design) against raw vLLM given every prompt at once,
+# three length distributions, two repeats.
 ENGINE_CEILING_DEVICE=cuda "$VENV/bin/python" bench/engine_ceiling.py --model "$MODEL" --prompts 4000 --repeats 2 \
-    --report bench/reports/engine_ceiling_cuda.md
+    --paths raw,inprocess,local,blocking --report bench/reports/engine_ceiling_cuda.md
 echo "gpu_check: OK"

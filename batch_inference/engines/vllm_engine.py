@@ -104,8 +104,10 @@ def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
 
 
 def _is_engine_dead(exc: BaseException) -> bool:
-    """vLLM's own EngineDeadError (by name: its module moved between releases)."""
-    return any(type(e).__name__ in ("EngineDeadError", "AsyncEngineDeadError") for e in (exc, exc.__cause__) if e is not None)
+    """vLLM's own ``EngineDeadError`` (raised, or the cause of what was raised)."""
+    from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
+
+    return any(isinstance(e, VllmEngineDeadError) for e in (exc, exc.__cause__) if e is not None)
 
 
 def encode_prompt(tokenizer: Any, prompt: Prompt) -> Tokens | Completion:

@@ -62,12 +62,17 @@ class _FakeLLM:
         ]
 
 
+class _CoreGone(RuntimeError):
+    """Stands in for vLLM's EngineDeadError (``vllm.v1.engine.exceptions``): known by type, not name."""
+
+
 @pytest.fixture
 def fake_vllm(monkeypatch: pytest.MonkeyPatch):
     module = SimpleNamespace(LLM=_FakeLLM, SamplingParams=lambda **kw: kw)
     inputs = SimpleNamespace(TokensPrompt=lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids})
     monkeypatch.setitem(sys.modules, "vllm", module)
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    monkeypatch.setitem(sys.modules, "vllm.v1.engine.exceptions", SimpleNamespace(EngineDeadError=_CoreGone))
     monkeypatch.setattr(_FakeLLM, "fail", False)
     return module
 
@@ -90,9 +95,12 @@ def test_engine_wiring_with_a_fake_vllm(fake_vllm) -> None:
     failed = engine.generate(["abc", "de"], SamplingParams(max_tokens=2))
     assert all(c.finish_reason == "error" and "CUDA out of memory" in c.error for c in failed)
     # a dead engine core is not the records' fault: it raises, it never fails the items
-    _FakeLLM.fail = type("EngineDeadError", (RuntimeError,), {})
+    _FakeLLM.fail = _CoreGone
     with pytest.raises(EngineDeadError, match="engine core died"):
         engine.generate(["abc"], SamplingParams(max_tokens=2))
+    # another error that happens to share vLLM's class name is the items' error, not a dead engine
+    _FakeLLM.fail = type("EngineDeadError", (RuntimeError,), {})
+    assert all(c.error.startswith("engine_error: EngineDeadError") for c in engine.generate(["abc"], SamplingParams(max_tokens=2)))
 
 
 @pytest.mark.gpu
