@@ -74,7 +74,7 @@ def _say_input_format(console: object, spec: object) -> None:
 def status(target: str, storage_options: str | None, as_json: bool) -> None:
     """Print a run's ledger: per round the funnel, tokens, engine time, wall time and decision."""
     from batch_inference.pipeline import Ledger, PipelineSpec, RunLayout, SpecError
-    from batch_inference.pipeline.report import ledger_table, output_console, run_lines
+    from batch_inference.pipeline.report import duration, ledger_table, output_console, run_lines
 
     options = orjson.loads(storage_options) if storage_options else {}
     if Path(target).suffix in (".yaml", ".yml", ".toml") and Path(target).is_file():
@@ -100,10 +100,10 @@ def status(target: str, storage_options: str | None, as_json: bool) -> None:
     if (recorded := ledger.read(RunLayout.PLAN)) is not None:
         from batch_inference.planning.progress import measured_phases, planned_vs_actual
 
-        console.print(f"planned ({recorded.get('chosen')}) vs actual wall, s:")
+        console.print(f"planned ({recorded.get('chosen')}) vs actual wall:")
         for name, planned, actual in planned_vs_actual(recorded, measured_phases(ledger)):
             ratio = f"  ({actual / planned:.2f}x)" if planned and actual is not None else ""
-            console.print(f"  {name:<22} {'-' if planned is None else f'{planned:,.1f}':>10} {'-' if actual is None else f'{actual:,.1f}':>10}{ratio}")
+            console.print(f"  {name:<22} {duration(planned):>10} {duration(actual):>10}{ratio}")
 
 
 @click.command("validate")

@@ -63,6 +63,7 @@ def plan(spec_path: Path, gpus: int | None, price: float | None, profile_path: P
     from rich.console import Console
     from rich.table import Table
 
+    from batch_inference.pipeline.report import duration
     from batch_inference.planning.plan import make_plan
     from batch_inference.planning.profiling import EngineProfile
 
@@ -82,20 +83,20 @@ def plan(spec_path: Path, gpus: int | None, price: float | None, profile_path: P
     console = Console(width=None if Console().is_terminal else 160)
     table = Table(title=f"plan for {spec.run}: {p.records:,} records on {p.replicas} replica(s) x {p.concurrency}")
     banded = any(s.wall_band_s for s in p.strategies)
-    cols = ("strategy", "tokens in", "tokens out", "engine h", "wall h", *(("wall 95% band h",) if banded else ()),
+    cols = ("strategy", "tokens in", "tokens out", "engine", "wall", *(("wall 95% band",) if banded else ()),
             "waves", "GPU-h", "cost", "approved", "unfinished")
     for col in cols:
         table.add_column(col, justify="left" if col == "strategy" else "right")
     for s in p.strategies:
         mark = " (spec)" if s.strategy == p.chosen else ""
         table.add_row(
-            s.strategy + mark, f"{s.tokens_in:,.0f}", f"{s.tokens_out:,.0f}", f"{s.engine_s / 3600:.2f}", f"{s.wall_s / 3600:.2f}",
-            *((("-" if s.wall_band_s is None else f"{s.wall_band_s[0] / 3600:.2f}-{s.wall_band_s[1] / 3600:.2f}"),) if banded else ()),
+            s.strategy + mark, f"{s.tokens_in:,.0f}", f"{s.tokens_out:,.0f}", duration(s.engine_s), duration(s.wall_s),
+            *((("-" if s.wall_band_s is None else f"{duration(s.wall_band_s[0])} - {duration(s.wall_band_s[1])}"),) if banded else ()),
             f"{s.waves:.1f}", f"{s.gpu_hours:,.1f}", "-" if s.cost is None else f"{s.cost:,.2f}", f"{s.approved:,}", f"{s.unfinished:,}",
         )
     console.print(table)
     best = min(p.strategies, key=lambda s: s.wall_s)
-    console.print(f"fastest: [bold]{best.strategy}[/] ({best.wall_s / 3600:.2f} h); the spec's hybrid decisions: "
+    console.print(f"fastest: [bold]{best.strategy}[/] ({duration(best.wall_s)}); the spec's hybrid decisions: "
                   + ("; ".join(p.for_strategy("hybrid").decisions) or "-"))
     console.print("[bold]assumptions[/]")
     for line in p.assumptions:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from batch_inference.engines.decode_model import get_profile
+from batch_inference.pipeline.report import duration
 from batch_inference.pipeline.spec import PipelineSpec
 from batch_inference.planning.cluster import Cluster, Overheads
 from batch_inference.planning.profiling import EngineProfile
@@ -207,7 +208,7 @@ def make_plan(
                      "in-place attempt (one replica at full load)")
     elif sim_opts is not None and sim_opts.cost_model == "linear" and gpu_profile is None:
         rates = linear_rates(spec, w)
-        notes.append(f"engine: the simulated engine's linear cost ({sim_opts.latency_a_s}s + {sim_opts.latency_b_s}s/token per "
+        notes.append(f"engine: the simulated engine's linear cost ({duration(sim_opts.latency_a_s)} + {duration(sim_opts.latency_b_s)}/token per "
                      f"batch, the batcher's token budget): {rates.infer_s * 1000:.3f} ms per inferred record, "
                      f"{rates.judge_s * 1000:.3f} ms per judged record, engine time only (no pipeline overhead: profile for that)")
     else:
@@ -224,8 +225,9 @@ def make_plan(
     o = overheads or local_overheads(spec)
     if profile is not None and profile.overheads:
         o = dataclasses.replace(o, **profile.overheads)
-    notes.append(f"cluster: {cluster.replicas} replica(s) x {cluster.concurrency} slots; overheads: task {o.task_s}s, "
-                 f"phase launch {o.phase_launch_s}s, round gap {o.round_gap_s}s, recompaction {o.recompact_records_per_s:,.0f} rec/s, "
+    notes.append(f"cluster: {cluster.replicas} replica(s) x {cluster.concurrency} slots; overheads: task {duration(o.task_s)}, "
+                 f"phase launch {duration(o.phase_launch_s)}, round gap {duration(o.round_gap_s)}, "
+                 f"recompaction {o.recompact_records_per_s:,.0f} rec/s, "
                  f"resharding {o.reshard_records_per_s:,.0f} rec/s")
     if gpu_hour_price is not None:
         notes.append(f"cost: GPU-hours (replicas x wall from the first phase) x {gpu_hour_price}/GPU-hour")

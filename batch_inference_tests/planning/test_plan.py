@@ -127,3 +127,31 @@ def test_a_recorded_plan_shows_planned_vs_actual_in_status(tmp_path: Path) -> No
     res = runner.invoke(cli, ["status", str(spec_path)])
     assert res.exit_code == 0, res.output
     assert "planned (rounds) vs actual wall" in res.output and "round 0 infer" in res.output
+    import re
+
+    assert re.search(r"round 0 infer\s+[\d.,]+ (ms|s|min|h)\s+[\d.,]+ (ms|s|min|h)", res.output), res.output
+
+
+def test_plan_prints_durations_in_human_units_not_hours_or_raw_floats(tmp_path: Path) -> None:
+    """A two-minute run's wall reads ``2.0 min``, not ``0.03 h``; a measured overhead reads
+    ``189 ms``, not ``0.18850733961497113s``."""
+    import re
+
+    import yaml
+
+    from batch_inference.pipeline.report import duration
+
+    assert [duration(x) for x in (0.18850733961497113, 0.0033, 12.34, 120.0, 5400.0, 0.0)] == \
+        ["189 ms", "3.3 ms", "12.3 s", "2.0 min", "1.5 h", "0 s"]
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(spec_dict(tmp_path, 600)))
+    EngineProfile("measured here", infer_s=0.2, judge_s=0.05, tail_attempt_s=0.25, output_tokens=8.0, approval=0.5,
+                  overheads={"task_s": 0.0, "phase_launch_s": 0.18850733961497113}).save(tmp_path / "p.json")
+    res = CliRunner().invoke(cli, ["plan", str(spec_path), "--profile", str(tmp_path / "p.json")], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    assert "phase launch 189 ms" in res.output and "0.1885" not in res.output, res.output
+    assert not re.search(r"\d\.\d{5,}", res.output), res.output  # no raw floats anywhere
+    row = next(line for line in res.output.splitlines() if "hybrid (spec)" in line)
+    cells = [c.strip() for c in row.strip("│┃ ").split("│")]
+    assert all(re.fullmatch(r"[\d.,]+ (ms|s|min|h)", c) for c in cells[3:5]), row  # engine, wall
+    assert re.search(r"fastest: \w+ \([\d.,]+ (ms|s|min|h)\)", res.output), res.output
