@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 import uuid
 from collections.abc import Callable, Iterator
 
@@ -19,6 +18,7 @@ import pytest
 
 from batch_inference_tests.fixtures.infra import require
 from batch_inference_tests.k8s.cluster import K8sCluster, binaries_missing
+from batch_inference_tests.k8s.helpers import wait_until
 
 LIVE_PREFIX = "live-"
 
@@ -57,14 +57,3 @@ def namespace(k8s: K8sCluster) -> Iterator[Callable[..., str]]:
     for name in made:  # bounded, generously: on 2 loaded cores the controllers can take a while
         wait_until(lambda: name not in {n.metadata.name for n in core.list_namespace().items}, 240,
                    f"namespace {name} to go (its pods when the wait began: {[p.metadata.name for p in core.list_namespaced_pod(name).items]})")
-
-
-def wait_until(predicate: Callable[[], object], timeout_s: float, what: str, poll_s: float = 0.2) -> object:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(poll_s)

@@ -23,7 +23,7 @@ from kubernetes import client
 
 from batch_inference.pool.launchers.k8s import DELETION_COST, K8sLauncher
 from batch_inference_tests.k8s.cluster import K8sCluster
-from batch_inference_tests.k8s.conftest import wait_until
+from batch_inference_tests.k8s.helpers import wait_until
 
 pytestmark = [pytest.mark.infra, pytest.mark.slow]
 SIMULATED = {"kind": "simulated", "simulated": {"latency_a_s": 0.002, "latency_b_s": 0.0, "approval_rate": 0.6}}

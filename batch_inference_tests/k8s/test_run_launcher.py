@@ -27,7 +27,7 @@ from kubernetes import client
 from batch_inference_tests.defs.pg_instance import deploy_instance_config
 from batch_inference_tests.fixtures.postgres import PostgresServer
 from batch_inference_tests.k8s.cluster import K8sCluster
-from batch_inference_tests.k8s.conftest import wait_until
+from batch_inference_tests.k8s.helpers import wait_until
 from batch_inference_tests.k8s.node_agent import EXIT_CODE
 
 pytestmark = [pytest.mark.infra, pytest.mark.slow]
