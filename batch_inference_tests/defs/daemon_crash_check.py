@@ -30,8 +30,9 @@ import orjson
 import psutil
 import yaml
 
-from batch_inference_tests.defs.conftest import simulated_spec, write_input
-from batch_inference_tests.defs.test_dagster_dev import DAGSTER, LAUNCH, ROOT, RUNS, default_signals, free_port, graphql
+from batch_inference_tests.defs.dagster_dev import DAGSTER, LAUNCH, ROOT, RUNS, default_signals, graphql
+from batch_inference_tests.defs.helpers import simulated_spec, write_input
+from batch_inference_tests.fixtures.infra import free_port
 
 
 def wait(predicate: Callable[[], Any], timeout: float, what: str) -> Any:

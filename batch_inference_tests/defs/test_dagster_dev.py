@@ -7,59 +7,18 @@ started from a non-interactive shell, `dagster dev` otherwise ignores SIGTERM.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import time
-import urllib.error
-import urllib.request
-from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-DAGSTER = ROOT / ".venv" / "bin" / "dagster"
+from batch_inference_tests.defs.dagster_dev import DAGSTER, LAUNCH, ROOT, RUNS, default_signals, graphql, wait_for
+from batch_inference_tests.fixtures.infra import free_port
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def default_signals() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def graphql(port: int, query: str, variables: dict[str, Any] | None = None, timeout: float = 30) -> dict[str, Any]:
-    body = json.dumps({"query": query, "variables": variables or {}}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/graphql", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        data = json.loads(resp.read())
-    assert "errors" not in data, data["errors"]
-    return data["data"]
-
-
-def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"dagster dev exited early ({proc.returncode})"
-        try:
-            value = predicate()
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            value = None
-        if value:
-            return value
-        time.sleep(1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture
@@ -92,21 +51,6 @@ def dagster_dev(tmp_path, write_spec):
 
 
 ASSET_GRAPH = "{ assetNodes { assetKey { path } dependencyKeys { path } isPartitioned jobNames } }"
-LAUNCH = """
-mutation($params: ExecutionParams!) {
-  launchRun(executionParams: $params) {
-    __typename
-    ... on LaunchRunSuccess { run { runId } }
-    ... on PythonError { message }
-    ... on RunConfigValidationInvalid { errors { message } }
-  }
-}"""
-RUNS = """
-query($filter: RunsFilter) {
-  runsOrError(filter: $filter) { ... on Runs { results { runId jobName status tags { key value } } } }
-}"""
-
-
 def test_dagster_dev_serves_the_asset_graph_and_runs_it(dagster_dev, write_spec):
     port, proc = dagster_dev
     nodes = graphql(port, ASSET_GRAPH)["assetNodes"]

@@ -19,7 +19,7 @@ from batch_inference.defs.runs.jobs import start_run_config
 from batch_inference.defs.storage.resources import StorageResource
 from batch_inference.pipeline import Ledger, PipelineSpec, RunLayout
 from batch_inference.pool.launchers.local import STATE_DIR_ENV, LocalLauncher
-from batch_inference_tests.defs.test_sensor_runs import latest
+from batch_inference_tests.defs.helpers import latest
 from batch_inference_tests.fixtures.pool import kill_worker
 
 

@@ -12,8 +12,7 @@ import yaml
 from batch_inference.defs.driver import drive, start_run
 from batch_inference.defs.keys import OPENAI_EXPORT, RESULTS
 from batch_inference.defs.runs.jobs import start_run_config
-from batch_inference_tests.defs.conftest import simulated_spec
-from batch_inference_tests.defs.test_sensor_runs import history, latest
+from batch_inference_tests.defs.helpers import history, latest, simulated_spec
 
 
 def test_openai_batch_run_ends_in_the_export_asset(defs, instance, tmp_path) -> None:

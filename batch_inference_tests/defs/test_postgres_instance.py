@@ -19,7 +19,7 @@ from batch_inference.defs.driver import drive
 from batch_inference.defs.keys import RESULTS
 from batch_inference.defs.runs.schedules import build_pipeline_schedule
 from batch_inference.storage import JsonlFile
-from batch_inference_tests.defs.conftest import write_input
+from batch_inference_tests.defs.helpers import write_input
 from batch_inference_tests.defs.pg_instance import deploy_instance_home
 from batch_inference_tests.fixtures.postgres import PostgresServer
 from batch_inference_tests.fixtures.seaweedfs import SeaweedServer
@@ -116,7 +116,7 @@ def test_a_whole_pipeline_runs_through_dagster_on_postgres(pg_s3_instance, postg
 
 @pytest.mark.slow
 def test_the_round_sensor_recovers_a_sigkilled_round_run_on_postgres(pg_instance, tmp_path: Path) -> None:
-    from batch_inference_tests.defs.test_crash_recovery import sigkill_a_round_run_and_recover
+    from batch_inference_tests.defs.crash_scenario import sigkill_a_round_run_and_recover
 
     sigkill_a_round_run_and_recover(tmp_path, Path(pg_instance.root_directory))
     keys = {r.tags.get("dagster/run_key") for r in pg_instance.get_runs()}  # this instance: Postgres, not SQLite

@@ -12,7 +12,7 @@ from batch_inference.defs.driver import drive, start_run, tick
 from batch_inference.defs.keys import REJECTED, RESULTS, REVIEWED
 from batch_inference.defs.runs.jobs import start_run_config
 from batch_inference.pipeline import PipelineRun, PipelineSpec
-from batch_inference_tests.defs.test_sensor_runs import check_results, history, latest
+from batch_inference_tests.defs.helpers import check_results, history, latest
 
 
 def observations(instance: dg.DagsterInstance, key: dg.AssetKey, partition: str) -> list[dict]:

@@ -9,8 +9,7 @@ import dagster as dg
 from batch_inference.defs.driver import drive
 from batch_inference.defs.keys import RESULTS, SOURCE
 from batch_inference.defs.runs.schedules import build_pipeline_schedule
-
-from .conftest import write_input
+from batch_inference_tests.defs.helpers import write_input
 
 
 def test_schedule_tick_starts_a_run_the_sensor_finishes(defs, instance, write_spec, tmp_path):

@@ -12,28 +12,7 @@ from batch_inference.defs.partitions import ROUND_NUMBERS, RUNS
 from batch_inference.defs.runs.jobs import start_run_config
 from batch_inference.pipeline import Ledger, PipelineSpec, RunLayout
 from batch_inference.storage import JsonlDir
-
-
-def history(result) -> list[tuple[str, str]]:
-    return [(r.job_name, r.partition_key) for r in result.launched]
-
-
-def latest(instance: dg.DagsterInstance, key: dg.AssetKey, partition: str) -> dict:
-    recs = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key, asset_partitions=[partition]), limit=1).records
-    assert recs, f"no materialization of {key.to_user_string()}[{partition}]"
-    return {k: v.value for k, v in recs[0].asset_materialization.metadata.items()}
-
-
-def check_results(instance: dg.DagsterInstance, asset: dg.AssetKey) -> dict[str, bool]:
-    """check name -> passed, for the latest evaluation of each check on ``asset``."""
-    out = {}
-    for record in instance.event_log_storage.get_event_records(
-        dg.EventRecordsFilter(event_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION), limit=1000, ascending=True
-    ):
-        evaluation = record.event_log_entry.dagster_event.event_specific_data
-        if evaluation.asset_key == asset:
-            out[evaluation.check_name] = evaluation.passed
-    return out
+from batch_inference_tests.defs.helpers import check_results, history, latest
 
 
 def test_multi_round_run_on_the_tiny_model(defs, instance, write_spec, tiny_model_dir):

@@ -129,7 +129,7 @@ def test_a_run_pod_executes_its_dagster_run_on_the_cluster(k8s: K8sCluster, name
     import sys
 
     from batch_inference.definitions import defs as project_defs
-    from batch_inference_tests.defs.conftest import simulated_spec, write_input
+    from batch_inference_tests.defs.helpers import simulated_spec, write_input
     from batch_inference_tests.fixtures.infra import free_port
     from batch_inference_tests.k8s.cluster import GATEWAY
 
