@@ -25,7 +25,7 @@ from batch_inference.pipeline import PipelineSpec, run_pipeline
 from batch_inference.pipeline.runner import PoolPair, open_runner
 from batch_inference.pool.launchers.local import STATE_DIR_ENV, LocalLauncher
 from batch_inference_tests.fixtures.pool import kill_worker
-from batch_inference_tests.pipeline.conftest import spec_dict
+from batch_inference_tests.pipeline.helpers import spec_dict
 
 
 def sim(approval: float, seed: int = 0) -> dict[str, Any]:
