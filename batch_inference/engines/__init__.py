@@ -17,6 +17,7 @@ from batch_inference.engines.base import (
     SamplingParams,
     StreamingEngine,
     Tokens,
+    greedy_ignores_seed,
     is_streaming,
     supports_structured_output,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "TransformersOptions",
     "VllmOptions",
     "build_engine",
+    "greedy_ignores_seed",
     "is_streaming",
     "make_tiny_model",
     "supports_structured_output",

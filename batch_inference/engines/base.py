@@ -202,6 +202,13 @@ def supports_structured_output(engine: object) -> bool:
     return bool(getattr(engine, "structured_output", False))
 
 
+def greedy_ignores_seed(engine: object) -> bool:
+    """True for engines whose greedy (temperature 0) output depends on the prompt alone
+    (class attribute ``greedy_ignores_seed``; absent means no: the seed stays part of what
+    makes two requests identical, ``pool.dedup``)."""
+    return bool(getattr(engine, "greedy_ignores_seed", False))
+
+
 def unconstrained_error(engine_name: str) -> str:
     """The per-item error for a constrained request on an engine that cannot constrain."""
     return ErrorKind.UNSUPPORTED_RESPONSE_FORMAT.tag(f"engine {engine_name} cannot constrain generation "

@@ -48,6 +48,11 @@ class SimulatedOptions(BaseModel):
     )
     pareto_alpha: float = Field(1.5, gt=1, description="shape of the pareto (heavy-tailed) lengths")
     approval_rate: float = Field(0.5, ge=0, le=1, description="P(output starts with APPROVED)")
+    greedy: Literal["seeded", "prompt"] = Field(
+        "seeded", description="temperature 0: seeded (the request seed still varies the output, so a retry "
+                              "draws anew) or prompt (the output depends on the prompt alone, as a real "
+                              "engine's greedy decoding; identical requests then merge, pool.dedup)"
+    )
     fail_on: str | None = Field(None, description="prompts containing this substring come back as errors")
     fail_batch_every: int | None = Field(None, ge=1, description="every Nth generate() call raises")
     die_after_requests: int | None = Field(

@@ -16,7 +16,8 @@ Three cost models behind one config (``SimulatedOptions``); all answer alike:
   the next step and each resolves when its own decode ends.
 
 Outputs are deterministic pseudo-random words from hash(engine seed, request seed,
-prompt), one word per output token; the first word is APPROVED with probability
+prompt) (at temperature 0 with ``greedy: prompt``, from the engine seed and prompt
+alone), one word per output token; the first word is APPROVED with probability
 ``approval_rate`` (else REJECTED), so as an LLM judge it approves at that rate and
 attempts with different seeds are independent. Output lengths are drawn per record from
 the same hash (``output_lengths``: fixed / geometric / pareto, mean ``output_tokens``),
@@ -80,7 +81,8 @@ def simulated_completion(prompt: Prompt | Tokens, p: SamplingParams, options: Si
         return Completion.failed(ErrorKind.SIMULATED_ERROR.tag(f"prompt contains {options.fail_on!r}"), prompt_tokens=n_prompt)
     if err := too_long_error(n_prompt, p.max_tokens, max_model_len):
         return Completion.failed(err, prompt_tokens=n_prompt)
-    rng = record_rng(seed, p.seed, prompt)
+    greedy_by_prompt = p.temperature == 0 and options.greedy == "prompt"
+    rng = record_rng(seed, None if greedy_by_prompt else p.seed, prompt)
     verdict = "APPROVED" if rng.random() < options.approval_rate else "REJECTED"
     n_words = draw_output_tokens(
         rng, options.output_lengths, options.output_tokens,
@@ -119,6 +121,11 @@ class _Answers:
         self.calls = 0
         self.busy_s = 0.0  # total modelled engine time, for reports
         self._lock = threading.Lock()
+
+    @property
+    def greedy_ignores_seed(self) -> bool:
+        """Only with ``greedy: prompt``: by default a simulated retry at temperature 0 draws anew."""
+        return self.options.greedy == "prompt"
 
     def encode(self, prompts: Sequence[Prompt]) -> list[Tokens | Completion]:
         return [simulated_encode(p) for p in prompts]

@@ -45,6 +45,7 @@ class TransformersEngine:
     """Blocking batched generation with a Hugging Face causal LM."""
 
     simulated = False
+    greedy_ignores_seed = True  # greedy decoding (do_sample=False) uses no generator
 
     def __init__(
         self,

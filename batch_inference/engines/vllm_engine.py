@@ -155,6 +155,7 @@ class VllmEngine:
 
     simulated = False
     structured_output = True  # vLLM's structured outputs constrain decoding
+    greedy_ignores_seed = True  # the seed only drives sampling
 
     def __init__(self, cfg: EngineConfig) -> None:
         from vllm import LLM  # optional extra: imported only when this engine is built
@@ -229,6 +230,7 @@ class VllmStreamingEngine:
 
     simulated = False
     structured_output = True  # vLLM's structured outputs constrain decoding
+    greedy_ignores_seed = True  # the seed only drives sampling
 
     def __init__(self, cfg: EngineConfig) -> None:
         from vllm.engine.arg_utils import AsyncEngineArgs

@@ -159,6 +159,9 @@ class FanOut:
             output_tokens_per_s=sum(int(x["tokens_out"]) for x in recs) / wall if wall > 0 else 0.0,
             engine=engine or {},
             ran_on=dict(phase.ran_on),
+            duplicates=sum(int(x.get("duplicates", 0)) for x in recs),
+            duplicate_tokens_in=sum(int(x.get("duplicate_tokens_in", 0)) for x in recs),
+            duplicate_tokens_out=sum(int(x.get("duplicate_tokens_out", 0)) for x in recs),
         )
 
     def _file(self, url: str) -> JsonlFile:

@@ -196,7 +196,12 @@ class RunLayout:
         finished task from memory), while the same run name sharded again after its
         output was deleted sends new ones, which no worker has answered before.
         """
-        return f"{self.run}/{instance}/r{r:02d}/{kind}/{index:05d}" if instance else f"{self.run}/r{r:02d}/{kind}/{index:05d}"
+        return f"{self.phase_key(r, kind, instance=instance)}/{index:05d}"
+
+    def phase_key(self, r: int, kind: str, *, instance: str) -> str:
+        """One phase of one run instance: its task ids' prefix, and the scope within which
+        a worker computes identical requests once (``TaskSpec.dedup_scope``)."""
+        return f"{self.run}/{instance}/r{r:02d}/{kind}" if instance else f"{self.run}/r{r:02d}/{kind}"
 
     def progress_dir(self, step: str) -> str:
         return join(self.ledger, "progress", step)

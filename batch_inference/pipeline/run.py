@@ -150,6 +150,10 @@ class PipelineRun:
         data = self.ledger.read(name)
         return data if data is not None and self._dir(output_url).manifest() is not None else None
 
+    def _dedup_scope(self, r: int, kind: str, instance: str) -> str | None:
+        """The phase within which identical requests run once (None: the spec turned it off)."""
+        return self.layout.phase_key(r, kind, instance=instance) if self.spec.dedup else None
+
     def _phase_done(self, name: str) -> PhaseSummary | None:
         data = self.ledger.read(name)
         return PhaseSummary.from_dict(data) if data is not None else None
@@ -169,6 +173,7 @@ class PipelineRun:
                 task_id=self.layout.task_id(r, "infer", index, instance=instance), kind="infer", input_url=shard.url,
                 outputs={"output": join(self.layout.inferred(r), part(index))}, infer=self.spec.infer,
                 chunk_size=self.spec.chunk_size, round=r, storage_options_ref=self.spec.pool.storage_options_ref,
+                dedup_scope=self._dedup_scope(r, "infer", instance),
             )
 
         summary = await self._fan_out(Phase(
@@ -202,7 +207,7 @@ class PipelineRun:
                 task_id=self.layout.task_id(r, "judge", index, instance=instance), kind="judge", input_url=shard.url,
                 outputs=outputs,
                 judge=self.spec.judge.task_config(), infer=self.spec.infer, chunk_size=self.spec.chunk_size, round=r,
-                storage_options_ref=self.spec.pool.storage_options_ref,
+                storage_options_ref=self.spec.pool.storage_options_ref, dedup_scope=self._dedup_scope(r, "judge", instance),
             )
 
         fan = self._fanout(Phase(
@@ -378,6 +383,7 @@ class PipelineRun:
                 outputs=outputs, infer=self.spec.infer, judge=self.spec.judge.task_config(), max_attempts=attempts_left,
                 chunk_size=self.spec.chunk_size,
                 round=from_round, storage_options_ref=self.spec.pool.storage_options_ref,
+                dedup_scope=self._dedup_scope(from_round, "retry", instance),
             )
 
         def split(index: int, result: TaskResult) -> dict[str, Any]:

@@ -178,6 +178,7 @@ class PipelineSpec(_Strict):
     crossover: CrossoverRule = Field(default_factory=CrossoverRule)
     shard_records: int = Field(20_000, ge=1)
     chunk_size: int = Field(2_000, ge=1)
+    dedup: bool = Field(True, description="identical deterministic requests of a phase run once per worker (pool.dedup)")
     pool: PoolSpec = Field(default_factory=PoolSpec)
     review: ReviewPolicy = Field(default_factory=ReviewPolicy)
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)

@@ -126,6 +126,12 @@ class PhaseSummary(_Summary):
     engine: dict[str, Any] = field(default_factory=dict)
     # where it ran: pool, model and adapter (the tail: its judge's too), as the spec places it
     ran_on: dict[str, Any] = field(default_factory=dict)
+    # Requests answered by an identical request of the phase on the same worker (pool.dedup),
+    # and the prompt/output tokens the engine did not compute for them: tokens_in/out
+    # count every record's tokens, the engine computed tokens - duplicate_tokens.
+    duplicates: int = 0
+    duplicate_tokens_in: int = 0
+    duplicate_tokens_out: int = 0
 
     _nested: ClassVar[dict[str, Any]] = {"quarantined": _entries}
 

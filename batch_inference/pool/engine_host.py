@@ -38,6 +38,7 @@ from batch_inference.engines import (
     build_engine,
     is_streaming,
 )
+from batch_inference.pool.dedup import DEFAULT_MEMO_BYTES, RequestMemo
 from batch_inference.pool.request import GenRequest
 from batch_inference.pool.streaming import StreamGate
 
@@ -59,9 +60,12 @@ class BatcherOptions(BaseModel):
 class EngineHost:
     """Owns the engine and its batcher or gate for one worker; ``async with`` starts and stops them."""
 
-    def __init__(self, engine_config: EngineConfig | dict[str, Any], batcher: BatcherOptions | None = None) -> None:
+    def __init__(self, engine_config: EngineConfig | dict[str, Any], batcher: BatcherOptions | None = None,
+                 *, memo_bytes: int = DEFAULT_MEMO_BYTES) -> None:
         self.engine_config = engine_config if isinstance(engine_config, EngineConfig) else EngineConfig.model_validate(engine_config)
         self.batcher_options = batcher or BatcherOptions()
+        # identical deterministic requests of one phase, across this worker's tasks (pool.dedup)
+        self.memo = RequestMemo(memo_bytes)
         self.engine: Engine | StreamingEngine | None = None
         self.batcher: TokenBatcher | None = None  # blocking engines
         self.gate: StreamGate | None = None  # streaming engines

@@ -54,6 +54,9 @@ class TaskSpec(_Wire):
     chunk_size: int = Field(2000, ge=1)
     round: int = Field(0, ge=0)
     storage_options_ref: str | None = None
+    # Identical deterministic requests of tasks that share this scope (one phase: run
+    # instance, round, kind) run once per worker (pool.dedup); None: every request runs.
+    dedup_scope: str | None = Field(None, min_length=1, max_length=512)
 
     @model_validator(mode="after")
     def _check_kind(self) -> TaskSpec:
@@ -94,6 +97,11 @@ class TaskResult(_Wire):
     wall_s: float = 0.0
     engine_busy_s: float = 0.0
     avg_fill: float = 0.0
+    # Requests answered by an identical one (pool.dedup), and the tokens the engine did not
+    # compute for them (their rows carry their usage as if computed).
+    duplicates: int = 0
+    duplicate_tokens_in: int = 0
+    duplicate_tokens_out: int = 0
     cached: bool = False
     warnings: list[str] = []  # e.g. checkpoint flushes that failed and were retried
 

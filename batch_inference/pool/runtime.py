@@ -195,6 +195,7 @@ class WorkerRuntime:
             task_id=spec.task_id, kind=spec.kind, worker=self.name, counts=counts,
             records_in=m.records_in, tokens_in=m.tokens_in, tokens_out=m.tokens_out,
             wall_s=time.perf_counter() - t0, engine_busy_s=m.engine_s, avg_fill=m.avg_fill,
+            duplicates=m.duplicates, duplicate_tokens_in=m.duplicate_tokens_in, duplicate_tokens_out=m.duplicate_tokens_out,
             warnings=ctx.warnings,
         )
         for warning in ctx.warnings:
@@ -294,4 +295,6 @@ class WorkerRuntime:
             "kv_cache_usage": occupancy.kv_cache_usage if occupancy else None,
             "batcher": batcher,
             "stream": stream,
+            # identical requests computed once (pool.dedup): led, joined, replayed, orphaned
+            "dedup": host.memo.stats(),
         }

@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batch_inference import rows
-from batch_inference.engines import Completion, EngineDeadError, supports_structured_output
+from batch_inference.engines import Completion, EngineDeadError, SamplingParams, greedy_ignores_seed, supports_structured_output
 from batch_inference.engines.base import unconstrained_error
 from batch_inference.judges import JudgeConfig, LLMJudge, Verdict, build_judge
+from batch_inference.pool.dedup import Orphaned, request_key
 from batch_inference.pool.engine_host import EngineHost
 from batch_inference.pool.protocol import JUDGE_POOL_OUTPUT, PERMANENT_ERRORS, REVIEW_OUTPUT, TaskFailed, TaskRunner, TaskSpec
 from batch_inference.pool.request import GenRequest
@@ -53,6 +54,9 @@ class TaskMeter:
     engine_s: float = 0.0
     fill_sum: float = 0.0
     requests: int = 0
+    duplicates: int = 0  # answered by an identical request (pool.dedup): no engine work
+    duplicate_tokens_in: int = 0
+    duplicate_tokens_out: int = 0
 
     def add(self, request: GenRequest, completion: Completion) -> None:
         self.tokens_in += completion.prompt_tokens
@@ -60,6 +64,14 @@ class TaskMeter:
         self.engine_s += request.engine_s
         self.fill_sum += request.fill
         self.requests += 1
+
+    def add_duplicate(self, completion: Completion) -> None:
+        """Its tokens count as the task's (its row carries them); the engine computed none."""
+        self.tokens_in += completion.prompt_tokens
+        self.tokens_out += completion.completion_tokens
+        self.duplicates += 1
+        self.duplicate_tokens_in += completion.prompt_tokens
+        self.duplicate_tokens_out += completion.completion_tokens
 
     @property
     def avg_fill(self) -> float:
@@ -97,7 +109,8 @@ class TaskContext:
         if chunk:
             yield chunk
 
-    async def generate(self, requests: Sequence[Request | BaseException]) -> list[Completion | BaseException]:
+    async def generate(self, requests: Sequence[Request | BaseException],
+                       attempts: Sequence[int] | None = None) -> list[Completion | BaseException]:
         """Run requests through the worker's engine host; an exception in stays an exception out.
 
         A constrained request (``response_format``) on an engine that cannot constrain
@@ -106,6 +119,11 @@ class TaskContext:
         ``EngineDeadError`` is raised, never returned: a dead engine is the worker's
         fault, not the records', so the task fails and is retried on another worker.
         Cancelled (the task was abandoned), every request still in the engine is cancelled.
+
+        With a ``dedup_scope``, identical deterministic requests (``pool.dedup``; ``attempts``
+        gives each request's attempt number, part of what makes two identical) run once on
+        this worker: the others get the leader's completion, or run on their own when it
+        failed.
         """
         out: list[Completion | BaseException] = list(requests)  # type: ignore[arg-type]
         constrained_ok = supports_structured_output(self.host.engine)
@@ -116,35 +134,125 @@ class TaskContext:
                     out[i] = Completion.failed(unconstrained_error(getattr(self.host.engine, "name", "?")))
                 else:
                     live.append(i)
-        # The one tokenisation of each prompt: its ids cost it for the batcher and go on to the engine.
-        encoded = await self.host.encode([requests[i].prompt for i in live])  # type: ignore[union-attr]
-        gen: list[GenRequest] = []
-        runs: list[int] = []
-        for i, tokens in zip(live, encoded):
-            if isinstance(tokens, Completion):  # the tokenizer (or chat template) rejects this prompt
-                out[i] = tokens
+        scope = self.spec.dedup_scope
+        memo = self.host.memo if scope is not None else None
+        ignores_seed = greedy_ignores_seed(self.host.engine)
+        leaders: list[int] = []  # go to the engine
+        keys: dict[int, bytes] = {}  # leaders under a memo key
+        waits: dict[int, asyncio.Future[Completion]] = {}  # every live request's future
+        duplicates: set[int] = set()
+        for i in live:
+            r = requests[i]
+            assert isinstance(r, Request)
+            key = None if memo is None or scope is None else request_key(
+                scope, r.prompt, r.params, attempts[i] if attempts is not None else 0, greedy_ignores_seed=ignores_seed)
+            hit = None if key is None or memo is None else memo.answer(key)
+            if hit is None:
+                leaders.append(i)
+                if key is not None and memo is not None:
+                    keys[i] = key
+                    waits[i] = memo.lead(key)
+            elif isinstance(hit, Completion):
+                out[i] = self._duplicate(r, hit)
             else:
-                gen.append(GenRequest(tokens, requests[i].params, len(tokens.ids)))  # type: ignore[union-attr]
-                runs.append(i)
-        futures = await self.host.submit(gen)
+                duplicates.add(i)
+                waits[i] = hit
+        try:
+            gen, engine_futures = await self._submit([requests[i] for i in leaders])  # type: ignore[misc]
+        except BaseException:
+            for i in leaders:
+                if i in keys and memo is not None:
+                    memo.abandon(keys[i])
+            for i in duplicates:
+                waits[i].cancel()
+            raise
+        for i, future in zip(leaders, engine_futures):
+            if i in keys and memo is not None:
+                memo.attach(keys[i], future)
+            else:
+                waits[i] = future
+        order = [i for i in live if i in waits]
+        try:
+            done = await asyncio.gather(*(waits[i] for i in order), return_exceptions=True)
+        except asyncio.CancelledError:
+            for i in order:
+                waits[i].cancel()
+            raise
+        by_leader = dict(zip(leaders, gen))
+        orphans: list[int] = []
+        for i, result in zip(order, done):
+            if isinstance(result, EngineDeadError):
+                raise result
+            if isinstance(result, Orphaned):  # the request it waited on (or its own) went away
+                orphans.append(i)
+                continue
+            if i in duplicates:
+                if isinstance(result, Completion):
+                    out[i] = self._duplicate(requests[i], result)  # type: ignore[arg-type]
+                else:  # its leader failed or went away: it runs on its own
+                    orphans.append(i)
+                continue
+            if isinstance(result, Completion) and (request := by_leader[i]) is not None:
+                self.meter.add(request, result)
+                result = _truncation(request.params, result)
+            out[i] = result
+        if orphans:
+            again = await self._run_plain([requests[i] for i in orphans])  # type: ignore[misc]
+            for i, result in zip(orphans, again):
+                out[i] = result
+        return out
+
+    def _duplicate(self, request: Request, completion: Completion) -> Completion:
+        """An identical request's completion, as this request's own (its engine time: none)."""
+        self.meter.add_duplicate(completion)
+        return _truncation(request.params, completion)
+
+    async def _submit(self, requests: Sequence[Request]) -> tuple[list[GenRequest | None], list[asyncio.Future[Completion]]]:
+        """One future per request. The one tokenisation of each prompt: its ids cost it for the
+        batcher and go on to the engine; a prompt the tokenizer (or chat template) rejects has
+        no GenRequest and its failed Completion, resolved at once."""
+        encoded = await self.host.encode([r.prompt for r in requests])
+        gen: list[GenRequest | None] = [None if isinstance(tokens, Completion) else GenRequest(tokens, r.params, len(tokens.ids))
+                                        for r, tokens in zip(requests, encoded)]
+        submitted = iter(await self.host.submit([g for g in gen if g is not None]))
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Completion]] = []
+        for g, tokens in zip(gen, encoded):
+            if g is None:
+                failed: asyncio.Future[Completion] = loop.create_future()
+                failed.set_result(tokens)  # type: ignore[arg-type]
+                futures.append(failed)
+            else:
+                futures.append(next(submitted))
+        return gen, futures
+
+    async def _run_plain(self, requests: Sequence[Request]) -> list[Completion | BaseException]:
+        """Each request on its own (no memo): what a duplicate does when its leader failed."""
+        gen, futures = await self._submit(requests)
         try:
             done = await asyncio.gather(*futures, return_exceptions=True)
         except asyncio.CancelledError:
             for f in futures:
                 f.cancel()
             raise
-        for i, request, result in zip(runs, gen, done):
+        out: list[Completion | BaseException] = []
+        for request, result in zip(gen, done):
             if isinstance(result, EngineDeadError):
                 raise result
-            if isinstance(result, Completion):
+            if isinstance(result, Completion) and request is not None:
                 self.meter.add(request, result)
-                if request.params.response_format is not None and result.finish_reason == "length":
-                    # constrained output cut by max_tokens is not schema-valid: never a result
-                    result = Completion.failed(ErrorKind.TRUNCATED_OUTPUT.tag(
-                        f"max_tokens {request.params.max_tokens} reached before the constrained output was complete"),
-                        prompt_tokens=result.prompt_tokens)
-            out[i] = result
+                result = _truncation(request.params, result)
+            out.append(result)
         return out
+
+
+def _truncation(params: SamplingParams, completion: Completion) -> Completion:
+    """Constrained output cut by max_tokens is not schema-valid: never a result (retryable)."""
+    if params.response_format is not None and completion.finish_reason == "length":
+        return Completion.failed(ErrorKind.TRUNCATED_OUTPUT.tag(
+            f"max_tokens {params.max_tokens} reached before the constrained output was complete"),
+            prompt_tokens=completion.prompt_tokens)
+    return completion
 
 
 _clean = rows.strip_results  # a record re-inferred in a later round carries no earlier result
@@ -179,7 +287,7 @@ async def run_infer(ctx: TaskContext) -> dict[str, int]:
     async with ctx.file(spec.outputs["output"]).writer() as out:
         async for chunk in ctx.chunks():
             prior = [_prior_attempts(r) for r in chunk]
-            results = await ctx.generate([_request(builder, r, n) for r, n in zip(chunk, prior)])
+            results = await ctx.generate([_request(builder, r, n) for r, n in zip(chunk, prior)], prior)
             rows = []
             for record, n, res in zip(chunk, prior, results):
                 row = {**_clean(record), "attempts": n + 1}
@@ -208,7 +316,9 @@ class Judging:
         self.judge = build_judge(config) if config.kind != "human" else None
         self.escalate = config.escalate
 
-    async def verdicts(self, records: Sequence[dict[str, Any]], results: Sequence[str]) -> list[Verdict]:
+    async def verdicts(self, records: Sequence[dict[str, Any]], results: Sequence[str],
+                       attempts: Sequence[int] | None = None) -> list[Verdict]:
+        """One verdict per record; ``attempts``: the attempt each result came from (pool.dedup)."""
         if self.judge is None:  # a human judge: every record waits for a person
             return [Verdict(False, HUMAN_REVIEW) for _ in records]
         if isinstance(self.judge, LLMJudge):
@@ -219,7 +329,7 @@ class Judging:
                     requests.append(Request(judge.prompt(record, result), judge.sampling))
                 except KeyError as exc:
                     requests.append(exc)
-            done = await self.ctx.generate(requests)
+            done = await self.ctx.generate(requests, attempts)
             return [judge.verdict(c) if isinstance(c, Completion) else Verdict(False, _judge_error(c)) for c in done]
         return await asyncio.to_thread(self._rules, list(records), list(results))
 
@@ -267,16 +377,21 @@ class PoolJudging:
     def escalated(self, verdict: Verdict) -> bool:
         return self.escalate is not None and self.escalate.matches(verdict)
 
-    async def verdicts(self, records: Sequence[dict[str, Any]], results: Sequence[str]) -> list[Verdict]:
+    async def verdicts(self, records: Sequence[dict[str, Any]], results: Sequence[str],
+                       attempts: Sequence[int] | None = None) -> list[Verdict]:
+        """One verdict per record; ``attempts`` go with the rows, so the judge pool's memo keys by them."""
         ctx = self.ctx
         rows = [{**_clean(r), "result": res, "error": None, _WAVE_POS: i} for i, (r, res) in enumerate(zip(records, results))]
+        if attempts is not None:
+            for row, attempt in zip(rows, attempts):
+                row["attempts"] = attempt
         digest = hashlib.blake2b(repr([(r["id"], r["result"]) for r in rows]).encode(), digest_size=8).hexdigest()
         folder = urls.join(self.base, digest)
         task = TaskSpec(
             task_id=f"{ctx.spec.task_id}/judge/{digest}", kind="judge", input_url=urls.join(folder, "input.jsonl.zst"),
             outputs={"approved": urls.join(folder, "approved.jsonl.zst"), "rejected": urls.join(folder, "rejected.jsonl.zst")},
             judge=self.config, chunk_size=ctx.spec.chunk_size, round=ctx.spec.round,
-            storage_options_ref=ctx.spec.storage_options_ref,
+            storage_options_ref=ctx.spec.storage_options_ref, dedup_scope=ctx.spec.dedup_scope,
         )
         async with ctx.file(task.input_url).writer() as w:
             await w.write_many(rows)
@@ -332,7 +447,7 @@ async def run_judge(ctx: TaskContext) -> dict[str, int]:
         review = await stack.enter_async_context(ctx.file(review_url).writer()) if review_url else None
         async for chunk in ctx.chunks():
             ok = [r for r in chunk if r.get("error") is None and isinstance(r.get("result"), str)]
-            verdicts = await judging.verdicts(ok, [r["result"] for r in ok])
+            verdicts = await judging.verdicts(ok, [r["result"] for r in ok], [_prior_attempts(r) for r in ok])
             by_id = {id(r): v for r, v in zip(ok, verdicts)}
             yes, no, ask = [], [], []
             for row in chunk:
@@ -484,7 +599,7 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
     async def infer_wave(wave: list[_Sample], ckpt: CheckpointBuffer) -> None:
         prompts = [_request(builder, s.record, s.prior + s.attempt) for s in wave]
         try:
-            done = await ctx.generate(prompts)
+            done = await ctx.generate(prompts, [s.prior + s.attempt for s in wave])
         except EngineDeadError:
             raise  # the worker's fault: the task is retried elsewhere and resumes from its checkpoints
         except Exception as exc:  # e.g. the tokenizer failed for the wave: each sample's own error
@@ -510,7 +625,8 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
 
     async def judge_wave(wave: list[_Sample], ckpt: CheckpointBuffer) -> None:
         try:
-            verdicts = await judging.verdicts([s.record for s in wave], [s.result for s in wave])  # type: ignore[misc]
+            verdicts = await judging.verdicts([s.record for s in wave], [s.result for s in wave],  # type: ignore[misc]
+                                              [s.prior + s.attempt for s in wave])
         except (EngineDeadError, JudgePoolError):
             raise  # the infrastructure's fault: the task is retried and resumes from its checkpoints
         except Exception as exc:
