@@ -24,7 +24,7 @@ from batch_inference.pipeline.layout import RunLayout, part
 from batch_inference.pipeline.ledger import ConservationError, IdSource, Ledger, check_conservation
 from batch_inference.pipeline.policy import decide_round
 from batch_inference.pipeline.runner import PoolPair
-from batch_inference.pipeline.spec import PipelineSpec
+from batch_inference.pipeline.spec import PipelineSpec, SpecChanged, result_changes
 from batch_inference.pipeline.summaries import (
     Decision,
     JudgedRound,
@@ -114,6 +114,7 @@ class PipelineRun:
     async def shard(self) -> ShardSummary:
         """Reshard the input once (CPU): ids assigned where missing, duplicate ids reported."""
         if (done := await asyncio.to_thread(self._done_with_output, RunLayout.SHARD, self.layout.sharded)) is not None:
+            await asyncio.to_thread(self._check_resumed_spec)
             return ShardSummary.from_dict({**done, "resumed": True})
         await asyncio.to_thread(self.ledger.write, RunLayout.SPEC, self.spec.public_dict())
         t0 = time.perf_counter()
@@ -142,8 +143,25 @@ class PipelineRun:
         return summary
 
     def _instance(self) -> str:
-        """The run instance every task id of this run carries (drawn at sharding)."""
-        return str(self._require(RunLayout.SHARD, "run shard() first").get("instance", ""))
+        """The run instance every task id of this run carries (drawn at sharding); every
+        step that sends tasks asks for it, so each also checks the spec it resumes under."""
+        instance = str(self._require(RunLayout.SHARD, "run shard() first").get("instance", ""))
+        self._check_resumed_spec()
+        return instance
+
+    def _check_resumed_spec(self) -> None:
+        """Refuse to go on under a spec whose result-deciding keys changed since the run
+        started: its output would hold two specs' results, and nothing would say so."""
+        recorded = self.ledger.read(RunLayout.SPEC)
+        if recorded is None:
+            return
+        changed = result_changes(recorded, self.spec.public_dict())
+        if changed:
+            raise SpecChanged(
+                f"run {self.spec.run!r} started under another spec: {', '.join(changed)} changed since "
+                f"{self.layout.ledger_file(RunLayout.SPEC)} was recorded. Resuming would mix the two specs' "
+                f"results. Give the spec a new `run` name, or delete {self.layout.root} to start over, or restore "
+                "those keys to resume.")
 
     def _done_with_output(self, name: str, output_url: str) -> dict[str, Any] | None:
         """The step's ledger entry if it finished and its output directory is committed."""

@@ -30,6 +30,42 @@ class SpecError(ValueError):
     """A spec that cannot run; the message names the file and every bad key."""
 
 
+class SpecChanged(SpecError):
+    """A run resumed under a spec whose result-deciding keys differ from the ones it started with."""
+
+
+# The spec keys that decide a run's results. A run resumed with any of them changed would mix
+# two specs' results in one output; the rest (pool, strategy, limits, review policy, storage)
+# only say how the run is carried out, and a resumed run may change them.
+RESULT_KEYS = ("input", "input_format", "openai_batch", "infer", "judge")
+ENGINE_RESULT_KEYS = ("kind", "model", "dtype", "seed")
+
+
+def result_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The dotted keys (``infer.template``, ``engine.model``) whose values differ between two
+    specs as JSON (``PipelineSpec.public_dict``), in a stable order."""
+
+    def flat(value: Any, prefix: str) -> dict[str, Any]:
+        if isinstance(value, dict):
+            out: dict[str, Any] = {}
+            for k, v in value.items():
+                out.update(flat(v, f"{prefix}.{k}"))
+            return out or {prefix: {}}
+        return {prefix: value}
+
+    def picked(data: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key in RESULT_KEYS:
+            out.update(flat(data.get(key), key))
+        engine = data.get("engine") or {}
+        for key in ENGINE_RESULT_KEYS:
+            out.update(flat(engine.get(key), f"engine.{key}"))
+        return out
+
+    a, b = picked(recorded), picked(current)
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

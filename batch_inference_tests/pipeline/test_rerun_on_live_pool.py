@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from batch_inference.pipeline import PipelineRun, PipelineSpec, RunLayout, run_pipeline
+from batch_inference.pipeline.spec import SpecChanged
 from batch_inference.pool import TaskConflict
 from batch_inference.storage import JsonlDir
 from batch_inference_tests.pipeline.helpers import CountingRunner, spec_dict
@@ -77,8 +78,14 @@ async def test_a_spec_changed_under_a_running_instance_is_an_error_not_a_quarant
         shutil.rmtree(layout.progress_dir(layout.step_name(0, "infer")))
         Path(layout.ledger_file(layout.step_name(0, "infer"))).unlink()
         edited = _spec(tmp_path, template="Reply briefly: {prompt}")
+        with pytest.raises(SpecChanged, match=r"infer\.template changed"):  # the driver compares the recorded spec
+            await PipelineRun(edited, client).infer(0)
+        recorded = Path(layout.ledger_file(RunLayout.SPEC))
+        saved = recorded.read_bytes()
+        recorded.unlink()  # with no recorded spec to compare, the workers refuse the edited tasks themselves
         with pytest.raises(TaskConflict, match="spec changed"):
             await PipelineRun(edited, client).infer(0)
+        recorded.write_bytes(saved)
         assert not Path(layout.failed(0)).exists()  # nothing quarantined, no record failed
         assert not Path(layout.ledger_file(layout.step_name(0, "infer"))).exists()
 
