@@ -9,6 +9,12 @@ profile and during the run, and reported next to the figures.
 
     python bench/plan_vs_actual.py                      # 200k records, rounds, approval 0.5
     python bench/plan_vs_actual.py --records 20000 --strategies rounds
+    python bench/plan_vs_actual.py --shape tiny --records 4000 --profile-records 500 --strategies hybrid
+
+``--shape tiny`` is a spec unlike the default one in every way the planner is tuned on:
+the tiny transformers model (a real engine, built here offline) with sampled output, a
+regex judge on the result, shards of 250, 4 attempts, a pool of 4 slots, and an input
+sorted by prompt length (so its first records are not like the rest).
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ from batch_inference.planning.progress import measured_phases
 from batch_inference.pipeline.driver import run_pipeline
 
 REPORT = Path(__file__).parent / "reports" / "plan_vs_actual.md"
+TINY_TEXT = ("Spec: the tiny transformers model (CPU, one thread, sampled at temperature 1.0, 24 output tokens), a "
+             "regex judge on the result, in-process pool of 4 slots, shards of 250, chunks of 50, 3 rounds, 4 attempts; "
+             "the input is sorted by prompt length (2 to 42 words).")
 
 
 def cpu_times() -> tuple[float, float]:
@@ -67,6 +76,29 @@ class Load:
         self.text = f"load avg {self.loadavg:.1f}; other processes used {self.others_cores:.2f} of {cores} cores, this one {self.ours_cores:.2f}"
 
 
+def make_tiny_spec(input_path: str, output: str, run: str, strategy: str, model: str) -> PipelineSpec:
+    return PipelineSpec.parse({
+        "run": run, "input": input_path, "output": output,
+        "engine": {"kind": "transformers", "model": model, "dtype": "float32", "device": "cpu"},
+        "infer": {"template": "{prompt}", "sampling": {"max_tokens": 24, "temperature": 1.0, "seed": 7}},
+        "judge": {"kind": "rule", "callable": "regex", "kwargs": {"pattern": "[aeiou]{2}"}},
+        "strategy": strategy, "max_rounds": 3, "max_attempts": 4, "shard_records": 250, "chunk_size": 50,
+        "pool": {"concurrency": 4, "retries": 0},
+    })
+
+
+def write_input(path: Path, records: int, shape: str) -> None:
+    with open(path, "wb") as f:
+        if shape == "tiny":  # sorted by length: short questions first, long documents last
+            words = "the a model batch record engine shard token judge round".split()
+            for i in range(records):
+                n = 2 + (40 * i) // max(1, records)
+                f.write(orjson.dumps({"prompt": " ".join(words[(i + k) % len(words)] for k in range(n)) + f" {i}?"}) + b"\n")
+            return
+        for start in range(0, records, 10_000):
+            f.write(b"".join(orjson.dumps({"prompt": f"q{i}"}) + b"\n" for i in range(start, min(records, start + 10_000))))
+
+
 def make_spec(input_path: str, output: str, run: str, strategy: str, approval: float) -> PipelineSpec:
     return PipelineSpec.parse({
         "run": run, "input": input_path, "output": output,
@@ -83,20 +115,24 @@ async def main_async(args: argparse.Namespace) -> list[str]:
     base = Path(tempfile.mkdtemp(prefix="bi-plan-"))
     try:
         src = base / "input.jsonl"
-        with open(src, "wb") as f:
-            for start in range(0, args.records, 10_000):
-                f.write(b"".join(orjson.dumps({"prompt": f"q{i}"}) + b"\n" for i in range(start, min(args.records, start + 10_000))))
+        write_input(src, args.records, args.shape)
+        model = ""
+        if args.shape == "tiny":
+            from batch_inference.engines.tiny_model import make_tiny_model
+
+            model = str(make_tiny_model(base / "model", seed=0))
         lines = [
             "# Planner vs a real run on this machine",
             "",
-            f"`python bench/plan_vs_actual.py --records {args.records} --profile-records {args.profile_records} "
+            f"`python bench/plan_vs_actual.py --shape {args.shape} --records {args.records} --profile-records {args.profile_records} "
             f"--strategies {','.join(args.strategies)} --approval {args.approval}` on {platform.node()} "
             f"({os.cpu_count()} CPUs, shared with other engineers' work), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
             "",
-            "Spec: simulated engine (linear: 2 ms + 0.01 ms/token per batch, 16 output tokens, approval "
-            f"{args.approval}), in-process pool of 10 slots, shards of 5,000, chunks of 1,000, 5 attempts. The profile "
-            f"runs the real pipeline on the first {args.profile_records:,} records (two rounds, then in-place with two "
-            "attempts) and the plan simulates the whole input from it; then the real run.",
+            (TINY_TEXT if args.shape == "tiny" else
+             "Spec: simulated engine (linear: 2 ms + 0.01 ms/token per batch, 16 output tokens, approval "
+             f"{args.approval}), in-process pool of 10 slots, shards of 5,000, chunks of 1,000, 5 attempts.")
+            + f" The profile runs the real pipeline on {args.profile_records:,} records drawn across the input (two "
+            "rounds, then in-place with two attempts) and the plan simulates the whole input from it; then the real run.",
             "",
             "*planned* comes from the profile taken just before the run (the planner's real use); *bracketed* "
             "averages the per-record costs of that profile and one taken just after the run, a check of how much of "
@@ -107,7 +143,8 @@ async def main_async(args: argparse.Namespace) -> list[str]:
         ]
         details: list[str] = []
         for strategy in args.strategies:
-            spec = make_spec(str(src), str(base / "out"), f"plan-{strategy}", strategy, args.approval)
+            spec = (make_tiny_spec(str(src), str(base / "out"), f"plan-{strategy}", strategy, model) if args.shape == "tiny"
+                    else make_spec(str(src), str(base / "out"), f"plan-{strategy}", strategy, args.approval))
             with Load() as load_profile:
                 profile = await measure_profile(spec, records=args.profile_records)
             plan = await asyncio.to_thread(make_plan, spec, profile=profile, strategies=(strategy,))
@@ -142,6 +179,7 @@ def main() -> None:
     ap.add_argument("--profile-records", type=int, default=10_000)
     ap.add_argument("--strategies", type=lambda s: s.split(","), default=["rounds", "hybrid"])
     ap.add_argument("--approval", type=float, default=0.5)
+    ap.add_argument("--shape", choices=("simulated", "tiny"), default="simulated", help="the spec: see the module docstring")
     ap.add_argument("--report", type=Path, default=REPORT)
     args = ap.parse_args()
     lines = asyncio.run(main_async(args))

@@ -71,7 +71,7 @@ def test_the_profile_fills_the_slots_and_measures_later_approval(tmp_path: Path)
     spec = spec_for(tmp_path, str(src), strategy="rounds")
     prof = run_measure_profile(spec, records=400, workdir=str(tmp_path / "work"))
     m = prof.measured
-    assert m["slots"] == 4 and m["shard_records"] == 50  # 400 records in 8 shards: two waves of the 4 slots
+    assert m["slots"] == 4 and m["shard_records"] == 100  # 400 records in 4 shards: one wave over the 4 slots
     assert prof.approval == pytest.approx(0.5, abs=0.1)  # the sample holds both halves of the sorted input
     assert prof.retry_approval == 0.0  # round 1 judged only records rejected once: none passes
     hard = sum(1 for r in input_size(spec, sample=400).sample[::2] if r["kind"] == "hard")
