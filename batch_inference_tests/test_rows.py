@@ -29,15 +29,19 @@ def test_statuses_serialise_as_their_names() -> None:
     assert [str(s) for s in rows.TERMINAL_STATES] == ["approved", "exhausted", "max_attempts", "failed"]
 
 
-def test_a_new_output_field_is_one_edit(monkeypatch, tmp_path: Path) -> None:
+async def test_a_new_output_field_is_one_edit(monkeypatch, tmp_path: Path, inprocess_pool) -> None:
     """Adding a field to RESULT_FIELDS makes both the pool's tasks and the pipeline's
     recompaction drop it from the next round's input."""
     from batch_inference.pipeline import passes
-    from batch_inference.pool import tasks
+    from batch_inference_tests.fixtures.pool import infer_spec, read_rows, write_shard
 
     monkeypatch.setattr(rows, "RESULT_FIELDS", (*rows.RESULT_FIELDS, "score"))
+    write_shard(tmp_path / "in.jsonl", 1, prefix="a", score=0.3)
+    async with inprocess_pool() as pool:
+        await pool.run_task(infer_spec("t", tmp_path / "in.jsonl", tmp_path / "inferred.jsonl"))
+    (inferred,) = read_rows(tmp_path / "inferred.jsonl")
+    assert "score" not in inferred and inferred["result"] and inferred["q"].startswith("question a000000")
     row = {"id": "a", "prompt": "p", "result": "r", "score": 0.3, "attempts": 1}
-    assert tasks._clean(row) == {"id": "a", "prompt": "p", "attempts": 1}
     with JsonlDir(str(tmp_path / "rejected")).writer_sync(compression="zstd") as w:
         w.write(row)
     passes.recompact(str(tmp_path / "rejected"), str(tmp_path / "pending"), records_per_shard=10)

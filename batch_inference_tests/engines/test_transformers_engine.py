@@ -118,7 +118,8 @@ def test_chat_prompts_are_exactly_the_chat_template_tokens(tiny_engine) -> None:
 
     chat = ChatPrompt((("system", "be brief"), ("user", "What is the capital of France?")))
     want = tiny_engine.tokenizer.apply_chat_template(chat.as_dicts(), add_generation_prompt=True, tokenize=True)["input_ids"]
-    assert tiny_engine._encode([chat]) == [want] and tiny_engine.count_tokens([chat, "hi"])[0] == len(want)
+    (encoded,) = tiny_engine.encode([chat])
+    assert list(encoded.ids) == want and tiny_engine.count_tokens([chat, "hi"])[0] == len(want)
     out = tiny_engine.generate([chat, "plain text"], SamplingParams(max_tokens=4, min_tokens=4))
     assert out[0].error is None and out[0].prompt_tokens == len(want) and out[0].completion_tokens == 4
     assert out[1].error is None

@@ -40,8 +40,10 @@ class _FakeLLM:
     """Stands in for ``vllm.LLM`` to test our wiring (order, filtering, params) without vLLM."""
 
     fail: bool | type[Exception] = False
+    made: list[_FakeLLM] = []  # every instance, in order: what the engine built
 
     def __init__(self, **kwargs) -> None:
+        _FakeLLM.made.append(self)
         self.kwargs = kwargs
         self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=kwargs["max_model_len"]))
         self.calls: list[tuple[list, list]] = []
@@ -74,6 +76,7 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
     monkeypatch.setitem(sys.modules, "vllm.v1.engine.exceptions", SimpleNamespace(EngineDeadError=_CoreGone))
     monkeypatch.setattr(_FakeLLM, "fail", False)
+    monkeypatch.setattr(_FakeLLM, "made", [])
     return module
 
 
@@ -82,7 +85,7 @@ def test_engine_wiring_with_a_fake_vllm(fake_vllm) -> None:
     from batch_inference.engines import build_engine
 
     engine = build_engine({"kind": "vllm", "model": "/m", "max_model_len": 12, "vllm": {"streaming": False, "extra": {"swap_space": 1}}})
-    llm = engine._llm
+    (llm,) = _FakeLLM.made
     assert llm.kwargs["swap_space"] == 1 and llm.kwargs["gpu_memory_utilization"] == 0.9 and engine.max_model_len == 12
     params = [SamplingParams(max_tokens=2, seed=s) for s in (1, 2, 3)]
     out = engine.generate(["abc", "x" * 11, "de"], params)

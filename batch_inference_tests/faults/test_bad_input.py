@@ -63,7 +63,7 @@ async def test_ids_assigned_after_a_blank_and_a_malformed_line_name_their_lines(
     assert summary.records == 6
     assert_conserved(spec, list(expected))
     assert terminal_states(spec)["000000000007"] == ["failed"]
-    sharded = PipelineRun(spec)._dir(RunLayout(spec.output, spec.run).sharded).iter_records_sync()
+    sharded = JsonlDir(RunLayout(spec.output, spec.run).sharded).iter_records_sync()
     assert {r["id"]: r["prompt"] for r in sharded} == expected
     (entry,) = JsonlFile(RunLayout(spec.output, spec.run).input_quarantine).iter_records_sync()
     assert entry["line"] == 6

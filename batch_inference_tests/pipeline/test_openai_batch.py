@@ -14,7 +14,7 @@ from batch_inference.pipeline.export import export_openai_batch
 from batch_inference.pipeline.inputs import InputError
 from batch_inference.pipeline.preflight import preflight
 from batch_inference.prompting.openai_batch import OpenAIBatchReader
-from batch_inference.storage import JsonlFile
+from batch_inference.storage import JsonlDir, JsonlFile
 from batch_inference_tests.pipeline.helpers import spec_dict
 
 
@@ -100,7 +100,7 @@ async def test_detected_without_input_format(tmp_path: Path, caplog: pytest.LogC
     with caplog.at_level("INFO"):
         await PipelineRun(spec).shard()
     assert "OpenAI Batch input (detected" in caplog.text
-    rows = sorted(PipelineRun(spec)._dir(PipelineRun(spec).layout.sharded).iter_records_sync(), key=lambda r: r["id"])
+    rows = sorted(JsonlDir(PipelineRun(spec).layout.sharded).iter_records_sync(), key=lambda r: r["id"])
     assert rows[0] == {"id": "a", "messages": [{"role": "user", "content": "x"}],
                        "openai": {"url": "/v1/chat/completions", "model": "tiny"}}
 
