@@ -1,0 +1,303 @@
+"""Prefix signatures: chained hashes over fixed-size token blocks of a rendered request.
+
+vLLM's prefix cache keys every *full* block of ``block_size`` tokens by a hash of the
+block's tokens and its parent block's hash. Two requests therefore share cached KV for
+exactly the leading blocks whose chained hashes agree. A ``Signature`` is that chain,
+8 bytes per block, concatenated: two requests share a cached prefix of ``k`` blocks
+when the first ``8 k`` bytes of their signatures agree (``shared_blocks``), and sorting
+signatures as bytes puts every family of requests that share a prefix next to each
+other (a depth-first walk of the prefix tree), which is the order a cache of limited
+size wants.
+
+Tokens come from a ``PrefixTokenizer``:
+
+- ``HFTokens``: the model's own tokenizer (text with special tokens added, chat through
+  its chat template, the tokens the engine computes: ``engines.chat``);
+- ``CharTokens``: a token is a fixed number of characters of the prompt's text (chat as
+  ``engines.chat.prompt_text`` writes it). With 4 characters it is the simulated
+  engine's tokenizer (``engines.simulated.simulated_token_count``); for a real model it
+  is the cheap path: a shared text prefix is a shared token prefix, so it groups the same
+  families at a fraction of the cost (no tokenizer call).
+
+Only the first ``max_blocks`` blocks count (a signature's size is bounded); tokens are
+packed into bytes (``width`` bytes per token) so hashing never loops over tokens in Python.
+Shared by the layout pass (pipeline.placement), in-worker submission order and figures
+that predict the cache (``lru_blocks_computed``, ``distinct_blocks``).
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal, NamedTuple, Protocol
+
+from batch_inference.engines.base import ChatPrompt, Prompt
+from batch_inference.engines.chat import ChatTemplateError, has_chat_template, prompt_text
+from batch_inference.engines.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+BLOCK_HASH_BYTES = 8
+SignatureKind = Literal["tokens", "text"]
+VLLM_GPU_BLOCK_SIZE = 16  # vLLM's default block size on CUDA
+VLLM_CPU_BLOCK_SIZE = 128  # vLLM-CPU's block size
+SIMULATED_CHARS_PER_TOKEN = 4  # engines.simulated: one token per 4 characters
+# A tokenizer is given at most this many characters per token it is asked for: a rendered
+# prompt is cut there before tokenising (the blocks past max_blocks are dropped anyway).
+MAX_CHARS_PER_TOKEN = 8
+CUT_MARGIN_TOKENS = 16  # tokens this close to a cut may tokenise differently from the whole text
+
+
+class Signature(NamedTuple):
+    """A request's block-hash chain (``BLOCK_HASH_BYTES`` per full block) and its token count
+    (all of the prompt's tokens when known, else those the chain covers)."""
+
+    blocks: bytes
+    tokens: int
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.blocks) // BLOCK_HASH_BYTES
+
+
+EMPTY = Signature(b"", 0)
+
+
+def chain_hashes(data: bytes, block_bytes: int, max_blocks: int | None = None) -> bytes:
+    """The chained 8-byte hashes of ``data``'s full blocks of ``block_bytes`` bytes.
+
+    Block ``i``'s hash is ``blake2b(hash(i - 1) + block i)``: it names the whole prefix up
+    to and including block ``i``, as vLLM's block hashes do.
+    """
+    n = len(data) // block_bytes
+    if max_blocks is not None:
+        n = min(n, max_blocks)
+    out = bytearray()
+    parent = b""
+    blake2b = hashlib.blake2b
+    for i in range(n):
+        parent = blake2b(parent + data[i * block_bytes:(i + 1) * block_bytes], digest_size=BLOCK_HASH_BYTES).digest()
+        out += parent
+    return bytes(out)
+
+
+def shared_blocks(a: bytes, b: bytes) -> int:
+    """Leading blocks two signatures (their ``blocks``) have in common."""
+    n = min(len(a), len(b)) // BLOCK_HASH_BYTES
+    lo, hi = 0, n  # the chain is prefix-closed: block k agrees only if every block before it does
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        end = mid * BLOCK_HASH_BYTES
+        if a[end - BLOCK_HASH_BYTES:end] == b[end - BLOCK_HASH_BYTES:end]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def block_keys(blocks: bytes) -> list[bytes]:
+    """A signature's block hashes one by one (each names its whole prefix: a cache key)."""
+    return [blocks[i:i + BLOCK_HASH_BYTES] for i in range(0, len(blocks), BLOCK_HASH_BYTES)]
+
+
+# ------------------------------------------------------------------ tokenizers
+
+
+class Packed(NamedTuple):
+    """A prompt's first tokens packed as bytes, how many tokens were made (all of the
+    prompt's unless ``cut``), and whether the text was cut before tokenising."""
+
+    data: bytes
+    tokens: int
+    cut: bool = False
+
+
+class PrefixTokenizer(Protocol):
+    """Prompts to packed tokens: ``width`` bytes per token, at most ``max_tokens`` each
+    (None: all)."""
+
+    width: int
+    name: str
+
+    def pack(self, prompts: Sequence[Prompt], max_tokens: int | None) -> list[Packed]: ...
+
+
+class CharTokens:
+    """``chars`` characters of the prompt's text per token (UTF-32: 4 bytes a character)."""
+
+    def __init__(self, chars: int = SIMULATED_CHARS_PER_TOKEN) -> None:
+        self.chars = chars
+        self.width = 4 * chars
+        self.name = f"text ({chars} characters a token)"
+
+    def pack(self, prompts: Sequence[Prompt], max_tokens: int | None) -> list[Packed]:
+        out = []
+        for p in prompts:
+            text = prompt_text(p)
+            n = max(1, -(-len(text) // self.chars))
+            if max_tokens is not None:
+                text = text[:max_tokens * self.chars]
+            out.append(Packed(text.encode("utf-32-le"), n))
+        return out
+
+
+class HFTokens:
+    """A Hugging Face tokenizer: the tokens the engine computes (``engines.chat``'s rules).
+
+    Text is tokenised with special tokens added; chat is rendered by the model's chat
+    template (generation prompt added) and tokenised without adding any (the template
+    carries them), which is what ``apply_chat_template(tokenize=True)`` does. A prompt
+    longer than ``max_tokens x MAX_CHARS_PER_TOKEN`` characters is cut there first, and
+    the block the cut may have changed is dropped. Texts go to the tokenizer in one
+    batched call.
+    """
+
+    width = 4
+
+    def __init__(self, tokenizer: Any, name: str = "tokenizer") -> None:
+        self.tokenizer = tokenizer
+        self.name = name
+
+    def _render(self, p: Prompt) -> tuple[str, bool]:
+        if isinstance(p, ChatPrompt):
+            if not has_chat_template(self.tokenizer):
+                raise ChatTemplateError("no chat template")
+            return self.tokenizer.apply_chat_template(p.as_dicts(), add_generation_prompt=True, tokenize=False), False
+        return p, True
+
+    def pack(self, prompts: Sequence[Prompt], max_tokens: int | None) -> list[Packed]:
+        limit = None if max_tokens is None else max_tokens * MAX_CHARS_PER_TOKEN
+        out = [Packed(b"", 0)] * len(prompts)
+        groups: dict[bool, list[tuple[int, str, bool]]] = {True: [], False: []}
+        for i, p in enumerate(prompts):
+            try:
+                text, special = self._render(p)
+            except Exception:  # the engine gives this prompt its error; it has no prefix to share
+                continue
+            cut = limit is not None and len(text) > limit
+            groups[special].append((i, text[:limit] if cut else text, cut))
+        for special, items in groups.items():
+            if not items:
+                continue
+            encoded = self.tokenizer([t for _, t, _ in items], add_special_tokens=special, verbose=False)["input_ids"]
+            for (i, _, cut), ids in zip(items, encoded):
+                out[i] = Packed(array.array("I", ids[:max_tokens] if max_tokens is not None else ids).tobytes(), len(ids), cut)
+        return out
+
+
+def prompt_order_key(prompt: Prompt) -> tuple[int, Any]:
+    """A sort key that puts prompts sharing a prefix next to each other without tokenising:
+    text sorts as a string, chat as its (role, content) turns (text before chat). A shared
+    text prefix is a shared token prefix, so a chunk sorted by it submits families together."""
+    return (0, prompt) if isinstance(prompt, str) else (1, prompt.messages)
+
+
+# ------------------------------------------------------------------ signer
+
+
+def default_block_size(engine: EngineConfig) -> int:
+    """The engine's KV block size: ``vllm.extra.block_size`` when set, else vLLM's default
+    (128 on ``device: cpu``, 16 elsewhere: GPUs). Other engines have no paged cache; they
+    get vLLM's GPU size, the size their requests would be cached at there."""
+    if engine.kind == "vllm":
+        size = engine.vllm.extra.get("block_size")
+        if isinstance(size, int) and size > 0:
+            return size
+        return VLLM_CPU_BLOCK_SIZE if engine.device == "cpu" else VLLM_GPU_BLOCK_SIZE
+    return VLLM_GPU_BLOCK_SIZE
+
+
+def prefix_tokenizer(engine: EngineConfig, kind: SignatureKind = "tokens") -> PrefixTokenizer:
+    """The tokens a signature is made of, for this engine.
+
+    ``tokens``: the simulated engine's 4 characters a token, or the model's own tokenizer
+    (``transformers.AutoTokenizer``; where transformers is not installed, the text path,
+    logged). ``text``: characters, 4 a token (no tokenizer).
+    """
+    if kind == "text" or engine.kind == "simulated":
+        return CharTokens(SIMULATED_CHARS_PER_TOKEN)
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        log.warning("prefix signatures: transformers is not installed here; signing %s's prompts by text instead", engine.model)
+        return CharTokens(SIMULATED_CHARS_PER_TOKEN)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(engine.model)
+    except Exception as exc:  # a model only the workers can reach: order by text, say so
+        log.warning("prefix signatures: cannot load %s's tokenizer here (%s); signing its prompts by text instead", engine.model, exc)
+        return CharTokens(SIMULATED_CHARS_PER_TOKEN)
+    return HFTokens(tokenizer, name=f"{engine.model}'s tokenizer")
+
+
+class PrefixSigner:
+    """Prompts to ``Signature``s: ``block_size`` tokens a block, the first ``max_blocks``."""
+
+    def __init__(self, tokenizer: PrefixTokenizer, *, block_size: int, max_blocks: int) -> None:
+        if block_size < 1 or max_blocks < 1:
+            raise ValueError(f"block_size and max_blocks must be >= 1, got {block_size}, {max_blocks}")
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+
+    @classmethod
+    def for_engine(cls, engine: EngineConfig, *, kind: SignatureKind = "tokens", block_size: int | None = None,
+                   prefix_tokens: int = 2048) -> PrefixSigner:
+        size = block_size or default_block_size(engine)
+        return cls(prefix_tokenizer(engine, kind), block_size=size, max_blocks=max(1, prefix_tokens // size))
+
+    @property
+    def max_tokens(self) -> int:
+        return self.block_size * self.max_blocks
+
+    def sign(self, prompts: Sequence[Prompt | None]) -> list[Signature]:
+        """One signature per prompt (``EMPTY`` for None: a record with no request)."""
+        live = [i for i, p in enumerate(prompts) if p is not None]
+        out = [EMPTY] * len(prompts)
+        packed = self.tokenizer.pack([prompts[i] for i in live], self.max_tokens)  # type: ignore[misc]
+        block_bytes = self.block_size * self.tokenizer.width
+        for i, p in zip(live, packed):
+            blocks = chain_hashes(p.data, block_bytes, self.max_blocks)
+            if p.cut and p.tokens - len(blocks) // BLOCK_HASH_BYTES * self.block_size < CUT_MARGIN_TOKENS:
+                blocks = blocks[:-BLOCK_HASH_BYTES]  # its tokens end near the cut: they may differ from the engine's
+            out[i] = Signature(blocks, p.tokens)
+        return out
+
+
+# ------------------------------------------------------------------ what a cache would do
+
+
+def distinct_blocks(signatures: Iterable[bytes]) -> tuple[int, int]:
+    """(distinct blocks, all blocks) over signatures: the distinct ones are what a cache of
+    unlimited size computes (in memory: for samples and tests)."""
+    seen: set[bytes] = set()
+    total = 0
+    for blocks in signatures:
+        keys = block_keys(blocks)
+        total += len(keys)
+        seen.update(keys)
+    return len(seen), total
+
+
+def lru_blocks_computed(signatures: Iterable[bytes], capacity_blocks: int) -> tuple[int, int]:
+    """(blocks computed, all blocks) for requests in this order through an LRU cache of
+    ``capacity_blocks`` blocks (a block hit when its chain hash is cached; a request's own
+    blocks are pinned while it runs, as vLLM pins them, so a request never evicts itself)."""
+    if capacity_blocks < 1:
+        raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
+    cache: OrderedDict[bytes, None] = OrderedDict()
+    computed = total = 0
+    for blocks in signatures:
+        keys = block_keys(blocks)
+        total += len(keys)
+        for key in keys:
+            if key in cache:
+                cache.move_to_end(key)
+            else:
+                computed += 1
+                cache[key] = None
+        while len(cache) > max(capacity_blocks, len(keys)):
+            cache.popitem(last=False)
+    return computed, total
