@@ -272,9 +272,13 @@ class SyncJsonlDirWriter(_DirWriterBase):
         self._w = SyncJsonlWriter(self._s.core, self.url)
         self.write = self._w.write  # bound directly: no extra call per record
         self.write_many = self._w.write_many
+        self.write_lines = self._w.write_lines
         return self
 
     def write(self, rec: dict) -> None:
+        raise RuntimeError("use the writer inside its `with` block")
+
+    def write_lines(self, lines: Iterable[bytes]) -> None:
         raise RuntimeError("use the writer inside its `with` block")
 
     def write_many(self, recs: Iterable[dict]) -> None:

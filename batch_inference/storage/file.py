@@ -244,6 +244,19 @@ class SyncJsonlWriter(_WriterBase):
                 buf, size = self._buf, 0
         self._buf_bytes = size
 
+    def write_lines(self, lines: Iterable[bytes]) -> None:
+        """Already-encoded records, each one JSON object ending in a newline (passes that
+        move records without parsing them: no decode, no re-encode)."""
+        buf, size, limit = self._buf, self._buf_bytes, _io.WRITE_BUFFER
+        for line in lines:
+            buf.append(line)
+            size += len(line)
+            if size >= limit:
+                self._buf_bytes = size
+                self._drain()
+                buf, size = self._buf, 0
+        self._buf_bytes = size
+
     def _drain(self) -> None:
         self._check_open()
         buf, nbytes, self._buf, self._buf_bytes = self._buf, self._buf_bytes, [], 0

@@ -1,0 +1,167 @@
+"""External sort of encoded JSONL records by a byte key, in memory bounded by a run's size.
+
+``ExternalSort`` takes ``(key, line)`` pairs (``line``: one JSON object ending in a
+newline), gathers them up to ``run_bytes``, sorts each run in memory and spills it
+through the storage layer (a zstd file under ``spill_url``, its lines
+``{"k": "<hex key>", "r": <record>}``). ``finish()`` then merges the runs ``fan_in`` at
+a time until at most ``fan_in`` are left (spilling the intermediate merges), and
+``iter_sorted()`` yields the records in key order (as often as asked: one merge each). Keys compare as bytes; ties keep the order they were added in
+(each run's sort and every merge are stable), so the same input always sorts the same.
+
+Memory is one run while adding and ``fan_in`` open readers (a block of ~1 MiB each) while
+merging, whatever the number of records; the spill takes about the records' compressed
+size (twice while one merge level is written). A sort whose process dies leaves its
+spill files: ``clear()`` (which ``__enter__`` calls) removes them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+from batch_inference.storage import _io, urls
+
+DEFAULT_RUN_BYTES = 128 << 20
+DEFAULT_FAN_IN = 32
+_ITEM_OVERHEAD = 120  # bytes a (key, line) pair costs beyond its contents (tuple, two bytes objects)
+_HEAD = b'{"k":"'
+_MID = b'","r":'
+
+
+def _spill_line(hex_key: bytes, line: bytes) -> bytes:
+    return b"".join((_HEAD, hex_key, _MID, line[:-1] if line.endswith(b"\n") else line, b"}\n"))
+
+
+def _parse(line: bytes) -> tuple[bytes, bytes]:
+    """(hex key, record line) of a spill line, by slicing (no JSON parse)."""
+    end = line.index(b'"', len(_HEAD))
+    return line[len(_HEAD):end], line[end + len(_MID):line.rindex(b"}")] + b"\n"
+
+
+class ExternalSort:
+    """Sort records by key through spill files; ``with ExternalSort(url) as s: s.add(k, line) ...``."""
+
+    def __init__(self, spill_url: str, *, storage_options: dict | None = None, run_bytes: int = DEFAULT_RUN_BYTES,
+                 fan_in: int = DEFAULT_FAN_IN, zstd_level: int = 1) -> None:
+        if run_bytes < 1 or fan_in < 2:
+            raise ValueError(f"run_bytes must be >= 1 and fan_in >= 2, got {run_bytes}, {fan_in}")
+        self.url = urls.normalize(spill_url)
+        self.fs, self.path = urls.fs_for(self.url, storage_options)
+        self.run_bytes, self.fan_in, self.zstd_level = run_bytes, fan_in, zstd_level
+        self._items: list[tuple[bytes, bytes]] = []
+        self._bytes = 0
+        self._names = itertools.count()
+        self.runs: list[str] = []  # spill paths of the runs not merged yet, in the order they were added
+        self.records = 0
+        self.spilled_runs = 0
+        self.merge_levels = 0
+        self._finished = False
+
+    def __enter__(self) -> ExternalSort:
+        self.clear()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        """Remove every spill file under ``spill_url`` (this sort's, or a dead one's)."""
+        self._items, self._bytes, self.runs = [], 0, []
+        self.fs.invalidate_cache(self.path)
+        if self.fs.exists(self.path):
+            self.fs.rm(self.path, recursive=True)
+
+    def add(self, key: bytes, line: bytes) -> None:
+        if self._finished:
+            raise RuntimeError("ExternalSort.add() after finish()")
+        self._items.append((key, line))
+        self._bytes += len(key) + len(line) + _ITEM_OVERHEAD
+        self.records += 1
+        if self._bytes >= self.run_bytes:
+            self._spill()
+
+    def _new_path(self, kind: str) -> str:
+        return f"{self.path}/{kind}-{next(self._names):06d}.jsonl.zst"
+
+    def _write(self, path: str, lines: Iterator[bytes]) -> None:
+        core = _io.RotatingWriter(self.fs, lambda _i: path, compressed=True, zstd_level=self.zstd_level, always_create=True)
+        try:
+            buf: list[bytes] = []
+            size = 0
+            for line in lines:
+                buf.append(line)
+                size += len(line)
+                if size >= _io.WRITE_BUFFER:
+                    core.write_lines(buf, size)
+                    buf, size = [], 0
+            core.write_lines(buf, size)
+            core.close()
+        except BaseException:
+            core.abort()
+            raise
+
+    def _spill(self) -> None:
+        if not self._items:
+            return
+        items, self._items, self._bytes = self._items, [], 0
+        items.sort(key=lambda kv: kv[0])  # stable: equal keys keep the order they came in
+        path = self._new_path("run")
+        self._write(path, (_spill_line(k.hex().encode(), line) for k, line in items))
+        del items
+        self.runs.append(path)
+        self.spilled_runs += 1
+
+    def _read(self, path: str) -> Iterator[tuple[bytes, bytes]]:
+        url = f"{self.url.rstrip('/')}/{path.rsplit('/', 1)[-1]}"
+        for _url, _first, lines in _io.iter_blocks(self.fs, path, url, True):
+            for line in lines:
+                yield _parse(line)
+
+    def _merged(self, paths: list[str]) -> Iterator[tuple[bytes, bytes]]:
+        # heapq.merge is stable: equal keys come from earlier runs first (the order added)
+        return heapq.merge(*(self._read(p) for p in paths), key=lambda kv: kv[0])
+
+    def finish(self) -> None:
+        """No more records: sort what is in memory, or spill it and merge the runs down to
+        at most ``fan_in`` (intermediate merges are spilled too)."""
+        if self._finished:
+            return
+        self._finished = True
+        if not self.runs:  # everything fits in one run: it stays in memory, no spill at all
+            self._items.sort(key=lambda kv: kv[0])
+            return
+        self._spill()
+        while len(self.runs) > self.fan_in:
+            self.merge_levels += 1
+            merged = []
+            for i in range(0, len(self.runs), self.fan_in):
+                group = self.runs[i:i + self.fan_in]
+                if len(group) == 1:
+                    merged.append(group[0])
+                    continue
+                path = self._new_path("merge")
+                self._write(path, (_spill_line(k, line) for k, line in self._merged(group)))
+                self.fs.rm(group)
+                merged.append(path)
+            self.runs = merged
+
+    def iter_sorted(self) -> Iterator[tuple[bytes, bytes]]:
+        """``(key, line)`` of every record added, in key order (ties in the order added).
+
+        Call ``finish()`` first; each call reads the sorted records again.
+        """
+        if not self._finished:
+            raise RuntimeError("ExternalSort.iter_sorted() before finish()")
+        if not self.runs:
+            yield from self._items
+            return
+        for hex_key, line in self._merged(self.runs):
+            yield bytes.fromhex(hex_key.decode()), line
+
+    def sorted_lines(self) -> Iterator[bytes]:
+        """Every record added, in key order (``finish()`` is called)."""
+        self.finish()
+        for _, line in self.iter_sorted():
+            yield line
