@@ -32,6 +32,7 @@ class RunLayout:
     run: str
 
     SHARD: ClassVar[str] = "shard"  # run-level ledger entries
+    SHARD_INPUT: ClassVar[str] = "shard-input"  # the input resharded (before the layout pass): what a resume starts from
     TAIL: ClassVar[str] = "tail"
     RUN: ClassVar[str] = "run"
     SPEC: ClassVar[str] = "spec"
@@ -50,6 +51,11 @@ class RunLayout:
     @property
     def sharded(self) -> str:
         return join(self.root, "sharded")
+
+    @property
+    def layout_spill(self) -> str:
+        """The layout pass's sorted runs while it sorts (removed when it ends)."""
+        return join(self.root, "layout-spill")
 
     @property
     def input_quarantine(self) -> str:

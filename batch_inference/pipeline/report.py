@@ -233,7 +233,8 @@ def ledger_table(view: LedgerView, title: str) -> LedgerTable:
     rows: list[dict[str, str]] = []
     bars: dict[int, str] = {}
     if s := view.shard:
-        note = f"{s.shards} shards" + (f", {s.duplicate_ids} dup ids" if s.duplicate_ids else "")
+        note = (f"{s.shards} shards" + (f", {s.duplicate_ids} dup ids" if s.duplicate_ids else "")
+                + (", prefix order" if s.layout and s.layout.applied else ""))
         rows.append({"phase": "shard", "in": _n(s.records), "funnel": "", "wall": duration(s.wall_s), "note": note})
     for rnd in view.rounds:
         judged = rnd.judge is not None

@@ -15,10 +15,10 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any, Protocol
 
-from batch_inference.pipeline import inputs, passes
+from batch_inference.pipeline import inputs, passes, placement
 from batch_inference.pipeline.fanout import FanOut, Item, NullReporter, Phase, Reporter
 from batch_inference.pipeline.layout import RunLayout, part
 from batch_inference.pipeline.ledger import ConservationError, IdSource, Ledger, check_conservation
@@ -29,15 +29,17 @@ from batch_inference.pipeline.summaries import (
     Decision,
     JudgedRound,
     PhaseSummary,
+    LayoutSummary,
     QuarantineEntry,
     RecompactSummary,
     RunSummary,
     ShardSummary,
     StepOutcome,
 )
-from batch_inference.pool.protocol import JUDGE_POOL_OUTPUT, REVIEW_OUTPUT, TaskResult, TaskRunner, TaskSpec
+from batch_inference.pool.protocol import JUDGE_POOL_OUTPUT, REVIEW_OUTPUT, SubmitOrder, TaskResult, TaskRunner, TaskSpec
+from batch_inference.prompting.prefix import PrefixSigner
 from batch_inference.review import lifecycle as review
-from batch_inference.storage import JsonlDir, JsonlFile
+from batch_inference.storage import JsonlDir, JsonlFile, ReshardReport
 from batch_inference.storage.urls import join
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,11 @@ class PipelineRun:
         self.ledger = Ledger(self.layout, spec.storage_options)
 
     # -- helpers --------------------------------------------------------------------
+
+    @property
+    def _order(self) -> SubmitOrder:
+        """How tasks submit a chunk's requests (``layout.prefix``: sorted, admitted together)."""
+        return "prefix" if self.spec.layout.prefix else "input"
 
     def _dir(self, url: str) -> JsonlDir:
         return JsonlDir(url, storage_options=self.storage_options)
@@ -118,6 +125,30 @@ class PipelineRun:
             return ShardSummary.from_dict({**done, "resumed": True})
         await asyncio.to_thread(self.ledger.write, RunLayout.SPEC, self.spec.public_dict())
         t0 = time.perf_counter()
+        report, fmt = await self._reshard_input()
+        laid_out = None
+        if self.spec.layout.prefix:
+            laid_out = await asyncio.to_thread(self._lay_out)
+        if report.malformed:
+            log.warning("run %s: %d malformed input line(s) quarantined: see %s", self.spec.run, report.malformed, self.layout.input_quarantine)
+        dups = report.duplicate_ids
+        if dups:
+            log.warning("run %s: %d duplicate input id(s), kept (not merged), e.g. %s", self.spec.run, len(dups), list(dups)[:5])
+        summary = ShardSummary(
+            input_url=self.spec.input, output_url=self.layout.sharded, records=report.records, shards=report.shards,
+            ids_assigned=report.ids_assigned, duplicate_ids=len(dups), duplicate_examples=list(dups)[:10],
+            wall_s=time.perf_counter() - t0, malformed=report.malformed, input_format=fmt, instance=uuid.uuid4().hex[:12],
+            layout=laid_out,
+        )
+        await asyncio.to_thread(self.ledger.write, RunLayout.SHARD, summary.as_dict())
+        return summary
+
+    async def _reshard_input(self) -> tuple[ReshardReport, str]:
+        """The input resharded into ``sharded/``, or what an interrupted shard step already
+        resharded (its ``shard-input`` entry, while ``sharded/`` is still committed)."""
+        done = await asyncio.to_thread(self._done_with_output, RunLayout.SHARD_INPUT, self.layout.sharded)
+        if done is not None:
+            return ReshardReport(**done["report"]), str(done["input_format"])
         fmt, detected = await asyncio.to_thread(inputs.resolve_format, self.spec)
         if detected:
             log.info("run %s: %s is OpenAI Batch input (detected: input_format auto); converting at sharding", self.spec.run, self.spec.input)
@@ -129,18 +160,18 @@ class PipelineRun:
         )
         if reader is not None:  # refused before any GPU time: the shard step is not recorded
             inputs.check_openai_input(reader, report, self.spec.input)
-        if report.malformed:
-            log.warning("run %s: %d malformed input line(s) quarantined: see %s", self.spec.run, report.malformed, self.layout.input_quarantine)
-        dups = report.duplicate_ids
-        if dups:
-            log.warning("run %s: %d duplicate input id(s), kept (not merged), e.g. %s", self.spec.run, len(dups), list(dups)[:5])
-        summary = ShardSummary(
-            input_url=self.spec.input, output_url=self.layout.sharded, records=report.records, shards=report.shards,
-            ids_assigned=report.ids_assigned, duplicate_ids=len(dups), duplicate_examples=list(dups)[:10],
-            wall_s=time.perf_counter() - t0, malformed=report.malformed, input_format=fmt, instance=uuid.uuid4().hex[:12],
+        await asyncio.to_thread(self.ledger.write, RunLayout.SHARD_INPUT, {"report": asdict(report), "input_format": fmt})
+        return report, fmt
+
+    def _lay_out(self) -> LayoutSummary:
+        """``sharded/`` in prefix order (``pipeline.placement``; blocking)."""
+        p = self.spec.layout
+        signer = PrefixSigner.for_engine(self.spec.engine, kind=p.signature, block_size=p.block_size, prefix_tokens=p.prefix_tokens)
+        return placement.layout_by_prefix(
+            self.layout.sharded, signer=signer, infer=self.spec.infer, records_per_shard=self.spec.shard_records,
+            spill_url=self.layout.layout_spill, storage_options=self.storage_options, min_gain=p.min_gain,
+            run_bytes=p.run_bytes,
         )
-        await asyncio.to_thread(self.ledger.write, RunLayout.SHARD, summary.as_dict())
-        return summary
 
     def _instance(self) -> str:
         """The run instance every task id of this run carries (drawn at sharding); every
@@ -190,7 +221,7 @@ class PipelineRun:
             return TaskSpec(
                 task_id=self.layout.task_id(r, "infer", index, instance=instance), kind="infer", input_url=shard.url,
                 outputs={"output": join(self.layout.inferred(r), part(index))}, infer=self.spec.infer,
-                chunk_size=self.spec.chunk_size, round=r, storage_options_ref=self.spec.pool.storage_options_ref,
+                chunk_size=self.spec.chunk_size, round=r, storage_options_ref=self.spec.pool.storage_options_ref, order=self._order,
                 dedup_scope=self._dedup_scope(r, "infer", instance),
             )
 
@@ -225,7 +256,7 @@ class PipelineRun:
                 task_id=self.layout.task_id(r, "judge", index, instance=instance), kind="judge", input_url=shard.url,
                 outputs=outputs,
                 judge=self.spec.judge.task_config(), infer=self.spec.infer, chunk_size=self.spec.chunk_size, round=r,
-                storage_options_ref=self.spec.pool.storage_options_ref, dedup_scope=self._dedup_scope(r, "judge", instance),
+                storage_options_ref=self.spec.pool.storage_options_ref, order=self._order, dedup_scope=self._dedup_scope(r, "judge", instance),
             )
 
         fan = self._fanout(Phase(
@@ -400,7 +431,7 @@ class PipelineRun:
                 task_id=self.layout.task_id(from_round, "retry", index, instance=instance), kind="retry", input_url=shard.url,
                 outputs=outputs, infer=self.spec.infer, judge=self.spec.judge.task_config(), max_attempts=attempts_left,
                 chunk_size=self.spec.chunk_size,
-                round=from_round, storage_options_ref=self.spec.pool.storage_options_ref,
+                round=from_round, storage_options_ref=self.spec.pool.storage_options_ref, order=self._order,
                 dedup_scope=self._dedup_scope(from_round, "retry", instance),
             )
 

@@ -187,6 +187,27 @@ class JudgeSpec(JudgeConfig):
         return JudgeConfig.model_validate(self.model_dump(include=set(JudgeConfig.model_fields)))
 
 
+class LayoutSpec(_Strict):
+    """Order and placement of records (docs/pipeline.md "Order and placement").
+
+    With ``prefix`` on, sharding lays the input out in prefix order: records whose
+    rendered requests share a long prefix land in the same shard, next to each other, so
+    the engine's prefix cache computes the prefix once; workers submit each chunk's
+    requests sorted by prompt and admit one chunk at a time, so requests sharing a prefix
+    go into the engine together. Off, records keep their input order (the order is never
+    a promise to users either way: results carry ids).
+    """
+
+    prefix: bool = Field(True, description="prefix-aware layout at sharding + cache-friendly submission order in workers")
+    signature: Literal["tokens", "text"] = Field(
+        "tokens", description="tokens: the model's tokenizer (vLLM's blocks exactly); text: 4 characters a token, no tokenizer")
+    block_size: int | None = Field(None, ge=1, description="tokens a block (default: the engine's, vLLM 16 on GPU, 128 on CPU)")
+    prefix_tokens: int = Field(2048, ge=1, description="tokens of each request its signature covers")
+    min_gain: float = Field(0.01, ge=0.0, le=1.0,
+                            description="rewrite in prefix order only when it shares at least this fraction of blocks more")
+    run_bytes: int = Field(128 << 20, ge=1 << 20, description="records held in memory per sorted run of the layout pass")
+
+
 class OpenAIBatchOptions(_Strict):
     """OpenAI Batch input: which ``body.model`` values this run answers."""
 
@@ -217,6 +238,7 @@ class PipelineSpec(_Strict):
     dedup: bool = Field(True, description="identical deterministic requests of a phase run once per worker (pool.dedup)")
     pool: PoolSpec = Field(default_factory=PoolSpec)
     review: ReviewPolicy = Field(default_factory=ReviewPolicy)
+    layout: LayoutSpec = Field(default_factory=LayoutSpec)
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
 
     @model_validator(mode="after")

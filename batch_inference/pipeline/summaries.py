@@ -76,8 +76,38 @@ class ConservationReport(_Summary):
 
 
 @dataclass(frozen=True)
+class LayoutSummary(_Summary):
+    """The prefix-aware layout pass over the sharded input (``pipeline.placement``).
+
+    Blocks are the signatures' (``block_size`` tokens each, the first ``max_blocks`` of a
+    request). ``shared_input`` counts the blocks each record shares with the record before
+    it in input order, ``shared_sorted`` the same in prefix order: what a cache that holds
+    only the last request's prefix would save either way; ``gain`` is their difference
+    over ``blocks``. ``applied`` says whether the records were rewritten in prefix order
+    (``reason`` why or why not).
+    """
+
+    applied: bool
+    reason: str
+    signature: str  # what the tokens were: the model's tokenizer, or text
+    block_size: int
+    max_blocks: int
+    records: int
+    blocks: int
+    shared_input: int
+    shared_sorted: int
+    gain: float
+    sign_s: float  # rendering + tokenising + hashing
+    sort_s: float  # spilling, merging, rewriting
+    runs: int  # spilled sorted runs (0: the records sorted in memory)
+    merge_levels: int
+
+
+@dataclass(frozen=True)
 class ShardSummary(_Summary):
     """The one CPU pass over the input."""
+
+    _nested: ClassVar[dict[str, Any]] = {"layout": LayoutSummary.from_dict}
 
     input_url: str
     output_url: str
@@ -93,6 +123,7 @@ class ShardSummary(_Summary):
     # The run instance: drawn when the input is sharded, part of every task id (RunLayout.task_id);
     # empty in a ledger written before it was recorded.
     instance: str = ""
+    layout: LayoutSummary | None = None  # the prefix-aware layout (None: layout.prefix off)
 
 
 @dataclass(frozen=True)

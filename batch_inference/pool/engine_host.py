@@ -75,6 +75,7 @@ class EngineHost:
         # The engine gets its own thread: on the default executor a batch would queue
         # behind the storage layer's read/write hops and the GPU would sit idle.
         self._engine_thread: ThreadPoolExecutor | None = None
+        self._together = asyncio.Lock()  # one run of ``together`` requests admitted at a time (FIFO)
 
     async def start(self) -> None:
         """Build the engine and its way in; on any failure release what was made (the engine
@@ -147,8 +148,20 @@ class EngineHost:
             return []
         return await asyncio.to_thread(self._engine().encode, prompts)
 
-    async def submit(self, requests: list[GenRequest]) -> list[asyncio.Future[Completion]]:
-        """One future per request; suspends only while the batcher's queue (or the gate) is full."""
+    async def submit(self, requests: list[GenRequest], *, together: bool = False) -> list[asyncio.Future[Completion]]:
+        """One future per request; suspends only while the batcher's queue (or the gate) is full.
+
+        ``together``: the requests go in as one run, in their order, with no other caller's
+        ``together`` requests between them (callers take turns, first come first served),
+        so requests sorted by prefix reach the engine's cache side by side even while
+        other tasks submit.
+        """
+        if not together:
+            return await self._submit(requests)
+        async with self._together:
+            return await self._submit(requests)
+
+    async def _submit(self, requests: list[GenRequest]) -> list[asyncio.Future[Completion]]:
         if self.gate is not None:
             return await self.gate.submit_many(requests)
         if self.batcher is None:

@@ -15,6 +15,10 @@ from batch_inference.judges import JudgeConfig
 from batch_inference.prompting import InferConfig, SamplingConfig, derive_seed  # re-exported: the wire carries them
 
 TaskKind = Literal["infer", "judge", "retry"]
+# How a task hands a chunk's requests to the engine: ``input``, in the shard's order;
+# ``prefix``, sorted by prompt (requests sharing a prefix side by side) and admitted as
+# one run that other tasks' requests do not interleave (docs/pipeline.md "Order and placement").
+SubmitOrder = Literal["input", "prefix"]
 
 # Output keys each kind writes (see docs/ARCHITECTURE.md "Shard tasks").
 OUTPUT_KEYS: dict[str, frozenset[str]] = {
@@ -57,6 +61,7 @@ class TaskSpec(_Wire):
     # Identical deterministic requests of tasks that share this scope (one phase: run
     # instance, round, kind) run once per worker (pool.dedup); None: every request runs.
     dedup_scope: str | None = Field(None, min_length=1, max_length=512)
+    order: SubmitOrder = "input"
 
     @model_validator(mode="after")
     def _check_kind(self) -> TaskSpec:
@@ -150,5 +155,5 @@ class TaskRunner(Protocol):
         ...
 
 
-__all__ = ["JUDGE_POOL_OUTPUT", "OUTPUT_KEYS", "InferConfig", "SamplingConfig", "TaskConflict", "TaskFailed", "TaskKind", "TaskResult",
-           "TaskRunner", "TaskSpec", "derive_seed"]
+__all__ = ["JUDGE_POOL_OUTPUT", "OUTPUT_KEYS", "InferConfig", "SamplingConfig", "SubmitOrder", "TaskConflict", "TaskFailed", "TaskKind",
+           "TaskResult", "TaskRunner", "TaskSpec", "derive_seed"]

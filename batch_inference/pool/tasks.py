@@ -26,6 +26,7 @@ from batch_inference.pool.engine_host import EngineHost
 from batch_inference.pool.protocol import JUDGE_POOL_OUTPUT, PERMANENT_ERRORS, REVIEW_OUTPUT, TaskFailed, TaskRunner, TaskSpec
 from batch_inference.pool.request import GenRequest
 from batch_inference.prompting import Request, RequestBuilder, RequestError
+from batch_inference.prompting.prefix import prompt_order_key
 from batch_inference.rows import ErrorKind, Status, permanent_error
 from batch_inference.storage import CheckpointStore, JsonlFile, urls
 
@@ -134,6 +135,8 @@ class TaskContext:
                     out[i] = Completion.failed(unconstrained_error(getattr(self.host.engine, "name", "?")))
                 else:
                     live.append(i)
+        if self.spec.order == "prefix":  # requests that share a prefix side by side, one run into the engine
+            live.sort(key=lambda i: prompt_order_key(requests[i].prompt))  # type: ignore[union-attr]
         scope = self.spec.dedup_scope
         memo = self.host.memo if scope is not None else None
         ignores_seed = greedy_ignores_seed(self.host.engine)
@@ -214,7 +217,7 @@ class TaskContext:
         encoded = await self.host.encode([r.prompt for r in requests])
         gen: list[GenRequest | None] = [None if isinstance(tokens, Completion) else GenRequest(tokens, r.params, len(tokens.ids))
                                         for r, tokens in zip(requests, encoded)]
-        submitted = iter(await self.host.submit([g for g in gen if g is not None]))
+        submitted = iter(await self.host.submit([g for g in gen if g is not None], together=self.spec.order == "prefix"))
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[Completion]] = []
         for g, tokens in zip(gen, encoded):

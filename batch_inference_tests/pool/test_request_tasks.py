@@ -64,7 +64,7 @@ class _ConstrainingHost:
 
         return [Tokens([1, 2, 3], p) for p in prompts]
 
-    async def submit(self, requests):
+    async def submit(self, requests, *, together=False):
         import asyncio
 
         from batch_inference.engines import Completion

@@ -182,3 +182,51 @@ async def test_inprocess_pool_stops_the_run_on_a_dead_engine_instead_of_quaranti
         with pytest.raises(EngineDeadError) as info:
             await pool.run_task(infer_spec("t", tmp_path / "in.jsonl", tmp_path / "out.jsonl", infer=die))
         assert not isinstance(info.value, TaskFailed) and pool.retried == 0
+
+
+class RecordingStream(ToyStream):
+    """ToyStream that notes the order requests reach the engine in."""
+
+    def __init__(self, capacity: int = 2) -> None:
+        super().__init__(capacity)
+        self.started: list[str] = []
+
+    async def complete(self, prompt: str, params: SamplingParams) -> Completion:
+        self.started.append(prompt)
+        return await super().complete(prompt, params)
+
+
+@pytest.mark.parametrize("together", [True, False])
+async def test_together_submissions_reach_the_engine_as_runs(monkeypatch: pytest.MonkeyPatch, together: bool) -> None:
+    engine = RecordingStream(capacity=2)
+    monkeypatch.setattr(engine_host_module, "build_engine", lambda cfg: engine)
+    async with EngineHost(SIM) as host:
+        async def task(name: str) -> None:
+            futures = await host.submit([GenRequest(f"{name}{i}", SamplingParams(max_tokens=3), 0) for i in range(6)], together=together)
+            await asyncio.gather(*futures)
+
+        await asyncio.gather(task("a"), task("b"))
+    runs = [p[0] for p in engine.started]
+    changes = sum(1 for x, y in zip(runs, runs[1:]) if x != y)
+    if together:  # one task's requests all go in before the other's: its prefix family stays together
+        assert changes == 1, engine.started
+    else:  # taking turns for slots interleaves the two tasks' requests
+        assert changes > 2, engine.started
+
+
+async def test_prefix_order_submits_sorted_and_writes_rows_in_input_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from batch_inference.storage import JsonlFile
+
+    engine = RecordingStream(capacity=3)
+    monkeypatch.setattr(engine_host_module, "build_engine", lambda cfg: engine)
+    docs = ["doc C", "doc A", "doc B"]
+    with JsonlFile(str(tmp_path / "in.jsonl")).writer_sync() as w:
+        w.write_many([{"id": f"r{i}", "q": f"{docs[i % 3]} q{i // 3}"} for i in range(9)])  # interleaved families
+    infer = InferConfig(template="{q}", sampling=SamplingConfig(max_tokens=2, seed=1))
+    async with EngineHost(SIM) as host:
+        runtime = WorkerRuntime(host, concurrency=1)
+        await runtime.run(infer_spec("t", tmp_path / "in.jsonl", tmp_path / "out.jsonl", infer=infer, chunk_size=9, order="prefix"))
+    assert engine.started == sorted(engine.started)  # families side by side into the engine
+    rows = read_rows(tmp_path / "out.jsonl")
+    assert [r["id"] for r in rows] == [f"r{i}" for i in range(9)]  # rows stay in the shard's order
+    assert all(r["result"].startswith(f"{docs[i % 3]} q{i // 3}|") for i, r in enumerate(rows))

@@ -1,0 +1,262 @@
+"""Prefix-aware layout (pipeline.placement) and cache-friendly submission order, end to end.
+
+Under any layout the same records end in the same terminal states (seeded random
+workloads, on and off); off is today's layout; families sit together; work is skipped
+when order cannot pay; a driver killed mid shard pass resumes without loss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from batch_inference.pipeline import PipelineRun, PipelineSpec, RunLayout, run_pipeline
+from batch_inference.pipeline import placement as placement_mod
+from batch_inference.pipeline.runner import open_runner
+from batch_inference.prompting import RequestBuilder
+from batch_inference.prompting.prefix import PrefixSigner, shared_blocks
+from batch_inference.storage import JsonlDir, JsonlFile, reshard
+from batch_inference_tests.pipeline.helpers import CountingRunner
+
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima".split()
+
+
+def _doc(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+def workload(rng: random.Random, *, docs: int, questions: int, singles: int, preamble: bool, broken: int = 0) -> list[dict[str, Any]]:
+    """Documents x questions interleaved (every document once per question), singletons, bad records."""
+    texts = [_doc(rng, rng.randrange(40, 160)) for _ in range(docs)]
+    recs: list[dict[str, Any]] = [{"doc": texts[d], "q": f"question {q} on this?"} for q in range(questions) for d in range(docs)]
+    recs += [{"doc": _doc(rng, rng.randrange(5, 120)), "q": "alone?"} for _ in range(singles)]
+    recs += [{"q": "no document field"} for _ in range(broken)]  # missing_field: a permanent error
+    rng.shuffle(recs) if rng.random() < 0.5 else None
+    if preamble:
+        for r in recs:
+            r["doc"] = "You are a careful reader. Read the document and answer. " * 3 + r.get("doc", "")
+    return recs
+
+
+def write(path: Path, recs: list[dict[str, Any]]) -> Path:
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in recs))
+    return path
+
+
+def spec_for(tmp: Path, src: Path, *, run: str, prefix: bool, **over: Any) -> PipelineSpec:
+    data: dict[str, Any] = {
+        "run": run, "input": str(src), "output": str(tmp / "out"),
+        "engine": {"kind": "simulated", "simulated": {"approval_rate": 0.5, "latency_a_s": 0.0002, "latency_b_s": 0.0}},
+        "infer": {"template": "Document: {doc}\nQuestion: {q}\nAnswer:", "sampling": {"max_tokens": 6, "seed": 3}},
+        "judge": {"kind": "llm", "template": "Question: {q}\nAnswer: {result}\nVerdict:"},
+        "strategy": "rounds", "max_rounds": 3, "max_attempts": 4, "shard_records": 25, "chunk_size": 10,
+        "pool": {"concurrency": 3, "retries": 0, "batcher": {"batch_timeout_s": 0.002}},
+        "layout": {"prefix": prefix},
+    }
+    data.update(over)
+    return PipelineSpec.parse(data)
+
+
+def terminal_states(spec: PipelineSpec) -> dict[str, tuple[str, int, Any]]:
+    """id -> (terminal state, attempts, result) over every terminal source of the run."""
+    out: dict[str, tuple[str, int, Any]] = {}
+    for src in PipelineRun(spec).terminal_sources():
+        if src.state == "input":
+            continue
+        for url in src.urls:
+            files = (JsonlDir(url).shards() if JsonlDir(url).exists_sync() else []) if src.is_dir else [JsonlFile(url)]
+            for f in files:
+                for rec in f.iter_records_sync():
+                    state = rec.get("status", src.state) if src.status_field else src.state
+                    assert rec["id"] not in out, f"{rec['id']} in two terminal states"
+                    out[rec["id"]] = (state, rec.get("attempts", 0), rec.get("result"))
+    return out
+
+
+def sharded_ids(spec: PipelineSpec) -> list[str]:
+    return [r["id"] for r in JsonlDir(RunLayout(spec.output, spec.run).sharded).iter_records_sync()]
+
+
+def signatures(spec: PipelineSpec, url: str) -> list[bytes]:
+    builder = RequestBuilder(spec.infer)
+    signer = PrefixSigner.for_engine(spec.engine)
+    recs = list(JsonlDir(url).iter_records_sync())
+    return [s.blocks for s in signer.sign([placement_mod.record_prompt(builder, r) for r in recs])]
+
+
+@pytest.mark.parametrize("seed", range(6))
+async def test_any_layout_ends_every_record_in_the_same_terminal_state(tmp_path: Path, seed: int) -> None:
+    rng = random.Random(seed)
+    recs = workload(rng, docs=rng.randrange(1, 12), questions=rng.randrange(1, 6), singles=rng.randrange(0, 30),
+                    preamble=rng.random() < 0.5, broken=rng.randrange(0, 3))
+    src = write(tmp_path / "in.jsonl", recs)
+    strategy = ["rounds", "hybrid", "in_place"][seed % 3]
+    shard_records = rng.randrange(5, 40)
+    outcomes = {}
+    for prefix in (True, False):
+        spec = spec_for(tmp_path, src, run=f"r-{prefix}", prefix=prefix, strategy=strategy, shard_records=shard_records)
+        summary = await run_pipeline(spec)
+        assert summary.conservation["ok"], summary.conservation
+        outcomes[prefix] = terminal_states(spec)
+        assert sorted(sharded_ids(spec)) == sorted(f"{i:012d}" for i in range(len(recs)))
+    assert outcomes[True] == outcomes[False]
+    assert len(outcomes[True]) == len(recs)
+
+
+async def test_off_is_todays_layout_and_submission_order(tmp_path: Path) -> None:
+    recs = workload(random.Random(7), docs=8, questions=4, singles=5, preamble=False)
+    src = write(tmp_path / "in.jsonl", recs)
+    spec = spec_for(tmp_path, src, run="off", prefix=False)
+    async with open_runner(spec) as inner:
+        runner = CountingRunner(inner)
+        seen: list[str] = []
+        run_task = runner.run_task
+
+        async def record_order(task: Any) -> Any:
+            seen.append(task.order)
+            return await run_task(task)
+
+        runner.run_task = record_order  # type: ignore[method-assign]
+        await run_pipeline(spec, runner=runner)
+    plain = tmp_path / "plain"
+    reshard(str(src), str(plain), records_per_shard=spec.shard_records)
+    ours = JsonlDir(RunLayout(spec.output, spec.run).sharded)
+    assert [f.name for f in ours.shards()] == [f.name for f in JsonlDir(str(plain)).shards()]
+    for a, b in zip(ours.shards(), JsonlDir(str(plain)).shards()):
+        assert list(a.iter_records_sync()) == list(b.iter_records_sync())
+    assert set(seen) == {"input"}
+    assert PipelineRun(spec).ledger.view().shard.layout is None
+
+
+async def test_families_sit_together_and_recompaction_keeps_the_order(tmp_path: Path) -> None:
+    recs = workload(random.Random(3), docs=10, questions=5, singles=0, preamble=False)
+    src = write(tmp_path / "in.jsonl", recs)
+    spec = spec_for(tmp_path, src, run="on", prefix=True, shard_records=10, max_rounds=2)
+    shard = await PipelineRun(spec).shard()
+    p = shard.layout
+    assert p is not None and p.applied and p.gain > 0.5 and p.shared_sorted > p.shared_input, p
+    sharded = JsonlDir(RunLayout(spec.output, spec.run).sharded)
+    for f in sharded.shards():  # 10 documents x 5 questions, 10 records a shard: each shard two whole documents
+        assert len({r["doc"] for r in f.iter_records_sync()}) == 2
+    sigs = signatures(spec, sharded.url)
+    assert sigs == sorted(sigs)
+    summary = await run_pipeline(spec)
+    assert summary.conservation["ok"]
+    pending = RunLayout(spec.output, spec.run).pending(1)
+    later = signatures(spec, pending)
+    assert 0 < len(later) < len(recs) and later == sorted(later)  # a subsequence of a sorted sequence
+
+
+async def test_order_that_cannot_pay_is_not_written(tmp_path: Path) -> None:
+    rng = random.Random(5)
+    for name, recs in (("control", workload(rng, docs=0, questions=0, singles=60, preamble=False)),
+                       ("preamble", workload(rng, docs=0, questions=0, singles=60, preamble=True))):
+        src = write(tmp_path / f"{name}.jsonl", recs)
+        spec = spec_for(tmp_path, src, run=name, prefix=True)
+        sharded = Path(RunLayout(spec.output, spec.run).sharded)
+        p = (await PipelineRun(spec).shard()).layout
+        assert p is not None and not p.applied and "kept input order" in p.reason, p
+        assert sharded_ids(spec) == [f"{i:012d}" for i in range(len(recs))]
+        if name == "preamble":  # every record shares the preamble, in any order: no gain from sorting
+            assert p.shared_input >= 2 * (len(recs) - 1) and p.gain < spec.layout.min_gain
+        assert not Path(RunLayout(spec.output, spec.run).layout_spill).exists()
+
+
+async def test_prefix_order_tasks_write_rows_in_input_order(tmp_path: Path) -> None:
+    recs = workload(random.Random(9), docs=6, questions=3, singles=4, preamble=False)
+    src = write(tmp_path / "in.jsonl", recs)
+    rows = {}
+    for prefix in (True, False):
+        spec = spec_for(tmp_path, src, run=f"o-{prefix}", prefix=prefix, layout={"prefix": prefix, "min_gain": 1.0})
+        await run_pipeline(spec)  # min_gain 1.0: the layout is never written, only the submission order differs
+        inferred = JsonlDir(RunLayout(spec.output, spec.run).inferred(0))
+        rows[prefix] = [(r["id"], r["result"]) for r in inferred.iter_records_sync()]
+    assert rows[True] == rows[False]
+
+
+KILLER = """
+import asyncio, os, sys
+from batch_inference.pipeline import PipelineRun, PipelineSpec
+from batch_inference.pipeline import placement
+from batch_inference.storage import sort
+
+spec = PipelineSpec.load(sys.argv[1])
+where, after = sys.argv[2], int(sys.argv[3])
+placement.SIGN_BATCH = 7
+if where == "sign":
+    sign = placement.PrefixSigner.sign
+    calls = [0]
+    def dying_sign(self, prompts):
+        calls[0] += 1
+        if calls[0] > after:
+            os._exit(9)  # no cleanup, no finally: as SIGKILL
+        return sign(self, prompts)
+    placement.PrefixSigner.sign = dying_sign
+else:
+    iter_sorted = sort.ExternalSort.iter_sorted
+    passes = [0]
+    def dying_iter(self):
+        passes[0] += 1
+        for n, item in enumerate(iter_sorted(self)):
+            if passes[0] == 2 and n == after:  # the second pass is the rewrite of sharded/
+                os._exit(9)
+            yield item
+    sort.ExternalSort.iter_sorted = dying_iter
+asyncio.run(PipelineRun(spec).shard())
+"""
+
+
+@pytest.mark.parametrize(("where", "after"), [("sign", 3), ("rewrite", 40)])
+async def test_a_driver_killed_mid_shard_pass_resumes_without_loss(tmp_path: Path, where: str, after: int,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import yaml
+
+    recs = workload(random.Random(11), docs=9, questions=6, singles=10, preamble=False)
+    src = write(tmp_path / "in.jsonl", recs)
+    spec = spec_for(tmp_path, src, run="killed", prefix=True, shard_records=8, layout={"run_bytes": 1 << 20})
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(spec.public_dict()))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", KILLER, str(spec_path), where, str(after)], env=env, capture_output=True, timeout=120)
+    assert done.returncode == 9, done.stderr.decode()[-2000:]
+    layout = RunLayout(spec.output, spec.run)
+    ledger = Path(layout.ledger)
+    assert (ledger / "shard-input.json").exists() and not (ledger / "shard.json").exists()
+    manifest = Path(layout.sharded) / "_manifest.json"
+    if where == "sign":  # killed before the rewrite: sharded/ is intact and is not resharded again
+        assert manifest.exists()
+        monkeypatch.setattr("batch_inference.pipeline.passes.shard_input", lambda *a, **k: pytest.fail("resharded again"))
+    else:  # killed while rewriting: sharded/ is half-written (no manifest), so it is sharded again
+        assert not manifest.exists()
+    shard = await PipelineRun(spec).shard()
+    monkeypatch.undo()
+    assert shard.records == len(recs) and shard.layout is not None and shard.layout.applied
+    assert sorted(sharded_ids(spec)) == sorted(f"{i:012d}" for i in range(len(recs)))  # every record once
+    sigs = signatures(spec, layout.sharded)
+    assert sigs == sorted(sigs)
+    assert not Path(layout.layout_spill).exists()
+    summary = await run_pipeline(spec)
+    assert summary.conservation["ok"] and summary.records == len(recs)
+
+
+def test_shared_blocks_in_sorted_order_is_the_tree_of_prefixes() -> None:
+    # the layout's gain counts what adjacent records share; in prefix order that is every
+    # block but the distinct ones (each prefix-tree node computed once)
+    rng = random.Random(0)
+    recs = workload(rng, docs=7, questions=4, singles=9, preamble=True)
+    signer = PrefixSigner.for_engine(PipelineSpec.model_fields["engine"].annotation(kind="simulated"))  # type: ignore[misc]
+    builder = RequestBuilder(spec_for(Path("/tmp"), Path("/tmp/x"), run="x", prefix=True).infer)
+    sigs = sorted(s.blocks for s in signer.sign([placement_mod.record_prompt(builder, r) for r in recs]))
+    shared = sum(shared_blocks(a, b) for a, b in zip([b""] + sigs, sigs))
+    from batch_inference.prompting.prefix import distinct_blocks
+
+    distinct, total = distinct_blocks(sigs)
+    assert total - shared == distinct
