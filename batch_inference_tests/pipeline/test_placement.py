@@ -214,6 +214,7 @@ asyncio.run(PipelineRun(spec).shard())
 """
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(("where", "after"), [("sign", 3), ("rewrite", 40)])
 async def test_a_driver_killed_mid_shard_pass_resumes_without_loss(tmp_path: Path, where: str, after: int,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:

@@ -191,8 +191,8 @@ class RecordingStream(ToyStream):
         super().__init__(capacity)
         self.started: list[str] = []
 
-    async def complete(self, prompt: str, params: SamplingParams) -> Completion:
-        self.started.append(prompt)
+    async def complete(self, prompt: str | Tokens, params: SamplingParams) -> Completion:
+        self.started.append(prompt.source if isinstance(prompt, Tokens) else prompt)
         return await super().complete(prompt, params)
 
 
