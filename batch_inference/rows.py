@@ -49,6 +49,7 @@ class ErrorKind(StrEnum):
     SIMULATED_ERROR = "simulated_error"
     UNSUPPORTED_RESPONSE_FORMAT = "unsupported_response_format"  # a constrained request, an engine that cannot
     TRUNCATED_OUTPUT = "truncated_output"  # constrained output cut by max_tokens: not schema-valid (retryable)
+    SCHEMA_INVALID = "schema_invalid"  # constrained output that is not strict JSON or fails its schema (retryable)
     # a record that cannot become a request (prompting.RequestError)
     BAD_MESSAGES = "bad_messages"
     BAD_SAMPLING = "bad_sampling"

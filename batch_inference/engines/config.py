@@ -78,6 +78,10 @@ class VllmOptions(BaseModel):
     enforce_eager: bool = False
     streaming: bool = Field(True, description="continuous batching through AsyncLLM (false: one blocking LLM.generate per batch)")
     max_in_flight: int | None = Field(None, ge=1, description="streaming: requests kept in the engine (default 2 x max_num_seqs)")
+    # guidance (llguidance) keeps raw control characters out of JSON strings; xgrammar 0.2.8
+    # admits them in length-bounded strings ("maxLength"), which strict parsers refuse.
+    structured_outputs_backend: Literal["guidance", "auto", "xgrammar", "outlines", "lm-format-enforcer"] = Field(
+        "guidance", description="vLLM's structured outputs backend (extra.structured_outputs_config overrides it)")
     extra: dict[str, Any] = Field(default_factory=dict)
 
 

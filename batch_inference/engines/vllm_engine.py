@@ -96,10 +96,13 @@ def split_runnable(
 def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
     """``vllm.LLM`` / ``AsyncEngineArgs`` keyword arguments from our config."""
     opts = cfg.vllm
+    structured = opts.extra.get("structured_outputs_config") or {}
+    if isinstance(structured, dict):  # the backend that keeps JSON strict, unless extra names another
+        structured = {"backend": opts.structured_outputs_backend, **structured}
     return {
         "model": cfg.model, "dtype": cfg.dtype, "seed": cfg.seed, "max_model_len": cfg.max_model_len,
         "gpu_memory_utilization": opts.gpu_memory_utilization, "tensor_parallel_size": opts.tensor_parallel_size,
-        "enforce_eager": opts.enforce_eager, **opts.extra,
+        "enforce_eager": opts.enforce_eager, **opts.extra, "structured_outputs_config": structured,
     }
 
 
@@ -240,6 +243,10 @@ class VllmStreamingEngine:
         self._stats: Any = None  # the engine core's last SchedulerStats
         kwargs = engine_kwargs(cfg)
         kwargs.setdefault("disable_log_stats", True)  # our stat logger below still gets the figures
+        if isinstance(kwargs["structured_outputs_config"], dict):  # AsyncEngineArgs takes the config object
+            from vllm.config import StructuredOutputsConfig
+
+            kwargs["structured_outputs_config"] = StructuredOutputsConfig(**kwargs["structured_outputs_config"])
         # LLM_CLASS: the scheduler sizes of offline ``vllm.LLM`` (a batch job), not the
         # engine-context defaults (max_num_seqs 128, 2,048 batched tokens), which cost
         # ~17% here (256 / 4,096 on CPU) and far more on a GPU (1,024 / 16,384 on H100/H200).

@@ -20,6 +20,7 @@ from typing import Any
 from batch_inference import rows
 from batch_inference.engines import Completion, EngineDeadError, SamplingParams, greedy_ignores_seed, supports_structured_output
 from batch_inference.engines.base import unconstrained_error
+from batch_inference.engines.structured import format_error
 from batch_inference.judges import JudgeConfig, LLMJudge, Verdict, build_judge
 from batch_inference.pool.dedup import Orphaned, request_key
 from batch_inference.pool.engine_host import EngineHost
@@ -91,6 +92,7 @@ class TaskContext:
     judge_runner: TaskRunner | None = None  # the worker's judge pool (retry tasks with a judge_pool output)
     meter: TaskMeter = field(default_factory=TaskMeter)
     warnings: list[str] = field(default_factory=list)  # reported in TaskResult.warnings
+    schema_invalid: int = 0  # constrained completions that failed their format (counted in the task's counts)
 
     def file(self, url: str) -> JsonlFile:
         return JsonlFile(url, storage_options=self.storage_options)
@@ -116,7 +118,9 @@ class TaskContext:
 
         A constrained request (``response_format``) on an engine that cannot constrain
         fails here with that reason: it is never run unconstrained; one cut short by
-        ``max_tokens`` (not schema-valid) fails as ``truncated_output`` (retryable).
+        ``max_tokens`` (not schema-valid) fails as ``truncated_output``, and one whose
+        text is not strict JSON or not valid against its schema as ``schema_invalid``
+        (both retryable): a result that claims a format satisfies it.
         ``EngineDeadError`` is raised, never returned: a dead engine is the worker's
         fault, not the records', so the task fails and is retried on another worker.
         Cancelled (the task was abandoned), every request still in the engine is cancelled.
@@ -197,7 +201,7 @@ class TaskContext:
                 continue
             if isinstance(result, Completion) and (request := by_leader[i]) is not None:
                 self.meter.add(request, result)
-                result = _truncation(request.params, result)
+                result = self._checked(request.params, result)
             out[i] = result
         if orphans:
             again = await self._run_plain([requests[i] for i in orphans])  # type: ignore[misc]
@@ -205,10 +209,17 @@ class TaskContext:
                 out[i] = result
         return out
 
+    def _checked(self, params: SamplingParams, completion: Completion) -> Completion:
+        """``_checked``, counting the completions that failed their format (``schema_invalid``)."""
+        result = _checked(params, completion)
+        if result is not completion and ErrorKind.of(result.error) is ErrorKind.SCHEMA_INVALID:
+            self.schema_invalid += 1
+        return result
+
     def _duplicate(self, request: Request, completion: Completion) -> Completion:
         """An identical request's completion, as this request's own (its engine time: none)."""
         self.meter.add_duplicate(completion)
-        return _truncation(request.params, completion)
+        return self._checked(request.params, completion)
 
     async def _submit(self, requests: Sequence[Request]) -> tuple[list[GenRequest | None], list[asyncio.Future[Completion]]]:
         """One future per request. The one tokenisation of each prompt: its ids cost it for the
@@ -244,17 +255,24 @@ class TaskContext:
                 raise result
             if isinstance(result, Completion) and request is not None:
                 self.meter.add(request, result)
-                result = _truncation(request.params, result)
+                result = self._checked(request.params, result)
             out.append(result)
         return out
 
 
-def _truncation(params: SamplingParams, completion: Completion) -> Completion:
-    """Constrained output cut by max_tokens is not schema-valid: never a result (retryable)."""
-    if params.response_format is not None and completion.finish_reason == "length":
+def _checked(params: SamplingParams, completion: Completion) -> Completion:
+    """A constrained completion as a result only when it satisfies its format: cut by
+    max_tokens it is ``truncated_output``, not strict JSON or not valid against its schema
+    ``schema_invalid`` (both retryable)."""
+    fmt = params.response_format
+    if fmt is None or completion.error is not None:
+        return completion
+    if completion.finish_reason == "length":
         return Completion.failed(ErrorKind.TRUNCATED_OUTPUT.tag(
             f"max_tokens {params.max_tokens} reached before the constrained output was complete"),
             prompt_tokens=completion.prompt_tokens)
+    if (why := format_error(completion.text, fmt)) is not None:
+        return Completion.failed(ErrorKind.SCHEMA_INVALID.tag(why), prompt_tokens=completion.prompt_tokens)
     return completion
 
 
@@ -690,8 +708,12 @@ RUNNERS = {"infer": run_infer, "judge": run_judge, "retry": run_retry}
 
 
 async def run_task(ctx: TaskContext) -> dict[str, int]:
-    """Run the task ``ctx.spec`` names; returns its counts."""
-    return await RUNNERS[ctx.spec.kind](ctx)
+    """Run the task ``ctx.spec`` names; returns its counts (``schema_invalid``: its completions,
+    inference or judge, that failed their response format, when any did)."""
+    counts = await RUNNERS[ctx.spec.kind](ctx)
+    if ctx.schema_invalid:
+        counts[ErrorKind.SCHEMA_INVALID.value] = ctx.schema_invalid
+    return counts
 
 
 RESULT_FIELDS = rows.RESULT_FIELDS  # kept importable from here

@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from batch_inference.engines.base import ResponseFormat, SamplingParams
+from batch_inference.engines.structured import schema_check_error
 
 Role = Literal["system", "developer", "user", "assistant"]
 
@@ -67,6 +68,14 @@ class JsonSchemaFormat(_Wire):
     description: str | None = None
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @field_validator("schema_")
+    @classmethod
+    def _valid_schema(cls, schema: dict[str, Any]) -> dict[str, Any]:
+        """Results are validated against it (``engines.structured``), so it must be a schema."""
+        if (why := schema_check_error(schema)) is not None:
+            raise ValueError(why)
+        return schema
 
 
 class ResponseFormatConfig(_Wire):

@@ -95,6 +95,10 @@ def test_response_format_from_spec_and_record() -> None:
     assert rec.params.response_format == ResponseFormat("json_object")
     with pytest.raises(RequestError, match="bad_request: record 'c': response_format"):
         build({"id": "c", "q": "x", "response_format": {"type": "yaml"}}, template="{q}")
+    # results are validated against the schema, so a record's schema must be one
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}
+    with pytest.raises(RequestError, match=r"bad_request: record 'd': response_format.json_schema.schema: .*not a valid JSON Schema"):
+        build({"id": "d", "q": "x", "response_format": bad}, template="{q}")
 
 
 def test_config_errors() -> None:
