@@ -14,6 +14,8 @@ import pytest
 
 from batch_inference.engines import Completion, SamplingParams, SimulatedOptions
 from batch_inference.engines import config as engine_config
+from batch_inference.engines.base import Tokens
+from batch_inference.engines.chat import prompt_text
 from batch_inference.engines.simulated import LinearSimulatedEngine
 from batch_inference.pipeline import Ledger, PipelineSpec, RunLayout, run_pipeline
 from batch_inference.pool import engine_host as engine_host_module
@@ -42,6 +44,7 @@ class LooseGrammarEngine(LinearSimulatedEngine):
     def generate(self, prompts: list[Any], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
         out = []
         for prompt, c in zip(prompts, super().generate(prompts, params)):
+            prompt = prompt_text(prompt.source if isinstance(prompt, Tokens) else prompt)
             word = next((w for w in INVALID if w in prompt), None)
             self.seen[prompt] += 1
             text = INVALID[word] if word and self.seen[prompt] <= FAILS[word] else VALID
