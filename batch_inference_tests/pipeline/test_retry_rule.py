@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from batch_inference.engines import Completion, SamplingParams, SimulatedOptions
+from batch_inference.engines.base import Tokens
 from batch_inference.engines.simulated import LinearSimulatedEngine
 from batch_inference.pipeline import PipelineSpec, run_pipeline
 from batch_inference.pool import engine_host as engine_host_module
@@ -31,7 +32,8 @@ class FlakyEngine(LinearSimulatedEngine):
 
     def generate(self, prompts: list[Any], params: SamplingParams | list[SamplingParams]) -> list[Completion]:
         out = super().generate(prompts, params)
-        for i, prompt in enumerate(prompts):
+        for i, request in enumerate(prompts):
+            prompt = request.source if isinstance(request, Tokens) else request  # the shard task sends encoded prompts
             word = next((w for w in self.FAILS if w in prompt), None)
             if word is not None:
                 self.seen[prompt] += 1
