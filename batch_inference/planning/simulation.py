@@ -125,7 +125,8 @@ async def _simulate(spec: PipelineSpec, w: Workload, rates: EngineRates, cluster
     async def phase(r: int, name: Literal["infer", "judge", "tail"], shards: list[int], per_record_s: float,
                     latency_s: float, *, sample_level: bool = False, attempts_per_record: float = 1.0) -> PhaseResult:
         nonlocal quarantined
-        await asyncio.sleep(o.phase_launch_s + o.list_page_s * math.ceil(len(shards) / 1000))
+        reads = o.progress_read_s * len(shards) if name == "judge" else 0.0  # the infer phase's progress records
+        await asyncio.sleep(o.phase_launch_s + o.list_page_s * math.ceil(len(shards) / 1000) + reads)
         t0 = loop.time()
         busy0, redone0 = sim.engine_busy_s(), sim.redone_s
         longest = 0.0

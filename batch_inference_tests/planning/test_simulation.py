@@ -61,6 +61,17 @@ def test_one_pass_follows_the_capacity_math() -> None:
     assert res.model_calls == pytest.approx(400_000 * RATES.calls_per_record)
 
 
+def test_the_judge_step_reads_the_infer_phases_progress_records_first() -> None:
+    """``Overheads.progress_read_s`` per shard before each judge phase (the driver's ledger read,
+    bench/reports/ledger_overhead.md), none before an infer phase."""
+    w = Workload(records=400_000, approval=0.9)
+    base = Overheads(phase_launch_s=0, task_s=0, driver_task_s=0, list_page_s=0, progress_read_s=0)
+    plain = simulate(spec(), w, RATES, phases="one_round", overheads=base)
+    read = simulate(spec(), w, RATES, phases="one_round", overheads=dataclasses.replace(base, progress_read_s=0.5))
+    assert read.wall_s - plain.wall_s == pytest.approx(200 * 0.5)  # 200 shards, once (the judge phase)
+    assert Overheads().progress_read_s > 0 and Overheads().driver_task_s > 0
+
+
 @pytest.mark.parametrize("strategy", ["rounds", "in_place", "hybrid"])
 def test_every_record_ends_in_one_terminal_state(strategy: str) -> None:
     w = Workload(records=200_000, approval=0.5)
