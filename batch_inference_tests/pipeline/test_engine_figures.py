@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from batch_inference.pipeline import Ledger, RunLayout, run_pipeline
@@ -15,6 +16,7 @@ STREAMING = {"kind": "simulated", "simulated": {"cost_model": "decode", "schedul
                                                 "approval_rate": 1.0, "output_tokens": 16}}
 
 
+@pytest.mark.slow  # 3,000 records of simulated decoding, which sleeps in real time
 async def test_a_streamed_round_records_output_tokens_per_s_and_engine_occupancy(make_spec, tmp_path: Path) -> None:
     spec = make_spec(engine=STREAMING, max_rounds=1, records=3000, shard_records=500, chunk_size=500,
                      infer={"sampling": {"max_tokens": 64, "seed": 7}})
