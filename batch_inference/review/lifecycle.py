@@ -5,8 +5,10 @@ A round whose judge escalates to people (``judge.escalate``) or is human
 ``round-NN/review/queue/`` (``status: awaiting_review``, automated verdict beside).
 The round's automated part is then finished; the queue is a state of the round.
 
-:func:`resolve` closes a round's review: it seals the log (the segments it decides
-on, and the time), applies the timeout policy to what is still waiting, and writes
+:func:`resolve` closes a round's review: it marks the round closing (a review server
+takes no verdict after that), snapshots the log (the entries it decides on, which a
+server reads to tell a reviewer whether a verdict that landed meanwhile counted: no
+clock of either machine is compared), applies the timeout policy to what is still waiting, and writes
 approved rows into ``results/round-NN-review-part-i`` and rejected rows beside the
 judge's in ``round-NN/rejected/review-part-i``, so the next round, the tail and the
 checks read them like any other.
@@ -44,8 +46,17 @@ def ledger_open(r: int) -> str:
     return RunLayout.step_name(r, "review-open")
 
 
+def ledger_closing(r: int) -> str:
+    return RunLayout.step_name(r, "review-closing")
+
+
 def ledger_seal(r: int) -> str:
     return RunLayout.step_name(r, "review-seal")
+
+
+def closing(ledger: Ledger, r: int) -> bool:
+    """Whether round ``r``'s review is closing or closed: no verdict is taken any more."""
+    return ledger.read(ledger_closing(r)) is not None
 
 
 def ledger_resolved(r: int) -> str:
@@ -146,14 +157,25 @@ def resolve(spec: PipelineSpec, layout: RunLayout, ledger: Ledger, r: int, *, no
     log = ReviewLog(layout, r, opts)
     seal = ledger.read(ledger_seal(r))
     if seal is None:
-        st = status(spec, layout, ledger, r, now=now)
-        if not st.resolvable:
-            raise ReviewPending(f"run {spec.run!r} round {r}: {st.text}")
-        # The cut-off, not a segment list: a server may compact the log after the seal.
-        seal = {"round": r, "at": time.time() if now is None else now, "cutoff_ns": time.time_ns(),
-                "segments": len(log.segment_names()), "due": st.due}
+        marked = ledger.read(ledger_closing(r))
+        if marked is None:
+            st = status(spec, layout, ledger, r, now=now)
+            if not st.resolvable:
+                raise ReviewPending(f"run {spec.run!r} round {r}: {st.text}")
+            marked = {"round": r, "at": time.time() if now is None else now, "due": st.due}
+            ledger.write(ledger_closing(r), marked)
+        # Read after the marker: every verdict whose write finished before a server saw the
+        # marker is in the log now, and no server writes one after seeing it. The snapshot,
+        # not a segment list or a time: a server may compact the log, and clocks differ.
+        segments = len(log.segment_names())
+        entries = log.entries()
+        log.write_sealed(entries)
+        seal = {"round": r, "at": float(marked["at"]), "entries": len(entries), "segments": segments, "due": marked["due"]}
         ledger.write(ledger_seal(r), seal)
-    f = fold(e for e in log.entries() if int(e.get("at_ns", 0)) <= int(seal["cutoff_ns"]))
+    sealed = log.sealed_entries()
+    if sealed is None:
+        raise ReviewClosed(f"run {spec.run!r} round {r}: the review is sealed but its snapshot {log.sealed_url} is missing")
+    f = fold(sealed)
     policy = spec.review.then if seal["due"] else None
     by_index: dict[int, tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {}
     by_reviewer: Counter[str] = Counter()

@@ -13,7 +13,7 @@ from typing import Any
 from batch_inference.pipeline.layout import RunLayout
 from batch_inference.pipeline.ledger import Ledger
 from batch_inference.pipeline.spec import PipelineSpec
-from batch_inference.review.lifecycle import ReviewClosed, ledger_seal, opened, queue_rows
+from batch_inference.review.lifecycle import ReviewClosed, closing, ledger_seal, opened, queue_rows
 from batch_inference.review.verdicts import COMPACT_EVERY, Fold, ReviewLog, VerdictKind, fold, undo_entry, verdict_entry
 from batch_inference.storage import JsonlDir
 
@@ -64,6 +64,8 @@ class ReviewQueue:
     ``asyncio.to_thread``.
     """
 
+    SEAL_WAIT_S = 10.0  # how long a verdict that landed as the round was closing waits to learn whether it counted
+
     def __init__(self, spec: PipelineSpec, *, lease_s: float | None = None, clock: Any = time.time) -> None:
         self.spec = spec
         self.layout = RunLayout(spec.output, spec.run)
@@ -90,11 +92,11 @@ class ReviewQueue:
         r = 0
         while self.ledger.read(RunLayout.step_name(r, "infer")) is not None or r in self.items:
             if r not in self.items and r not in self.closed and opened(self.ledger, r) is not None:
-                if self.ledger.read(ledger_seal(r)) is not None:
+                if closing(self.ledger, r):
                     self.closed.add(r)
                 else:
                     self._load_round(r)
-            elif r in self.items and self.ledger.read(ledger_seal(r)) is not None:
+            elif r in self.items and closing(self.ledger, r):
                 self.closed.add(r)
                 del self.items[r]
             r += 1
@@ -174,10 +176,23 @@ class ReviewQueue:
     def _check_open(self, r: int) -> None:
         if r not in self.items:
             raise ReviewClosed(f"round {r} of run {self.spec.run!r} has no open review queue")
-        if self.ledger.read(ledger_seal(r)) is not None:
+        if closing(self.ledger, r):
             self.closed.add(r)
             self.items.pop(r, None)
             raise ReviewClosed(f"round {r} of run {self.spec.run!r}: the review was closed; verdicts are no longer taken")
+
+    def _counted(self, r: int, entry_id: str) -> bool | None:
+        """Whether a verdict this server just wrote counts. While the round is not closing, yes:
+        the close marks it closing before it reads the log, so it reads this write. Once it is
+        closing, the sealed snapshot says (None: no seal within ``SEAL_WAIT_S``)."""
+        if not closing(self.ledger, r):
+            return True
+        deadline = time.monotonic() + self.SEAL_WAIT_S
+        while self.ledger.read(ledger_seal(r)) is None:
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.1)
+        return any(str(e.get("entry")) == entry_id for e in self.logs[r].sealed_entries() or [])
 
     async def decide(self, reviewer: str, r: int, rid: str, verdict: VerdictKind, *, reason: str | None = None,
                      edited_result: str | None = None) -> Outcome:
@@ -187,16 +202,16 @@ class ReviewQueue:
             if rid not in self.items[r]:
                 raise KeyError(f"record {rid!r} is not in round {r}'s review queue")
             entry = verdict_entry(rid, verdict, reviewer, reason=reason, edited_result=edited_result, round=r)
-            written_ns = await self._append(r, entry)
-            seal = await asyncio.to_thread(self.ledger.read, ledger_seal(r))
-            if seal is not None and int(seal.get("cutoff_ns", 0)) <= written_ns:
-                # The round closed while this verdict was being written: it is in the log, but the
-                # close may have been decided without it. Say so rather than claim it counted.
-                # (A seal cut after the write read the log after it: the verdict counted.)
+            await self._append(r, entry)
+            counted = await asyncio.to_thread(self._counted, r, str(entry["entry"]))
+            if counted is not True:
+                # The round closed as this verdict was being written: it is in the log, and the
+                # close decided without it (or has not said yet). Say so rather than claim it counted.
                 self.closed.add(r)
                 self.items.pop(r, None)
+                why = "does not count" if counted is False else "may not count (the close has not finished)"
                 raise ReviewClosed(f"round {r} of run {self.spec.run!r}: the review closed as your verdict on {rid!r} "
-                                   "landed; it is kept in the log but may not count")
+                                   f"landed; it is kept in the log but {why}")
             kept = self.folds[r].decided.get(rid)
             result = self.folds[r].add(entry)
             self.decided_at.append((self.clock(), reviewer))
@@ -204,14 +219,13 @@ class ReviewQueue:
                 await asyncio.to_thread(self.logs[r].drop_lease, rid)
             return Outcome(result, entry, kept if result == "conflict" else None)
 
-    async def _append(self, r: int, entry: dict[str, Any]) -> int:
-        """Durable before it returns (the commit time, ns); every ``COMPACT_EVERY`` segments the log is folded into one."""
-        committed_ns = await asyncio.to_thread(self.logs[r].append, [entry])
+    async def _append(self, r: int, entry: dict[str, Any]) -> None:
+        """Durable before it returns; every ``COMPACT_EVERY`` segments the log is folded into one."""
+        await asyncio.to_thread(self.logs[r].append, [entry])
         self.appended[r] = self.appended.get(r, 0) + 1
         if self.appended[r] >= COMPACT_EVERY:
             self.appended[r] = 0
             await asyncio.to_thread(self.logs[r].compact)
-        return committed_ns
 
     async def undo(self, reviewer: str) -> tuple[Item, Lease] | None:
         """Retract this reviewer's latest standing verdict in an open round; the record comes back, leased to them."""

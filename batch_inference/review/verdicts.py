@@ -8,6 +8,10 @@ at_ns}``. Nothing is ever rewritten, so a crash loses at most a verdict being ty
 verdict on a decided record is kept in the log and reported as a conflict; an ``undo``
 by the same reviewer retracts their verdict while the round is still open.
 
+Closing a round snapshots the log into ``round-NN/review/sealed.jsonl.zst``: the close
+decides on exactly those entries, and a server asks the snapshot (not a clock) whether a
+verdict it wrote counted.
+
 Leases (``round-NN/review/leases/<hash>.json``) make sure two reviewers are never
 shown the same record at once; they expire, so a reviewer who walks away (or a review
 server that dies) holds nothing for longer than ``review.lease``.
@@ -47,13 +51,13 @@ class ReviewLog:
         self.fs, self.path = fs_for(self.url, self.storage_options)
         self.lease_url = layout.leases(r)
         _, self.lease_path = fs_for(self.lease_url, self.storage_options)
+        self.sealed_url = join(layout.review_dir(r), "sealed.jsonl.zst")
 
-    def append(self, entries: list[dict[str, Any]]) -> int:
-        """Write ``entries`` as one new segment (atomic); returns when it was committed (ns)."""
+    def append(self, entries: list[dict[str, Any]]) -> None:
+        """Write ``entries`` as one new segment (atomic)."""
         name = f"{time.time_ns():020d}-{uuid.uuid4().hex[:12]}.jsonl"
         with JsonlFile(join(self.url, name), storage_options=self.storage_options).writer_sync() as w:
             w.write_many(entries)
-        return time.time_ns()
 
     def segment_names(self) -> list[str]:
         try:
@@ -97,6 +101,17 @@ class ReviewLog:
             w.write_many(entries)
         self.fs.rm([f"{self.path}/{n}" for n in names])
         return len(names)
+
+    # -- the seal's snapshot ----------------------------------------------------------
+    def write_sealed(self, entries: list[dict[str, Any]]) -> None:
+        """The entries a close decides on (atomic; rewritten only before the seal is recorded)."""
+        with JsonlFile(self.sealed_url, storage_options=self.storage_options).writer_sync() as w:
+            w.write_many(entries)
+
+    def sealed_entries(self) -> list[dict[str, Any]] | None:
+        """The sealed snapshot's entries, in the log's order; None before it is written."""
+        f = JsonlFile(self.sealed_url, storage_options=self.storage_options)
+        return list(f.iter_records_sync()) if f.exists_sync() else None
 
     # -- leases -------------------------------------------------------------------
     def put_lease(self, lease: dict[str, Any]) -> None:

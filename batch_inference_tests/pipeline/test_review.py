@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from typing import Any
 
 import pytest
 
@@ -250,3 +252,66 @@ async def test_the_status_row_and_the_round_metadata_count_the_reviewers_verdict
     assert rnd.approval == 0.7 and rnd.review is not None and rnd.review.by_reviewer == {"kim": 40}
     cells = row(view)
     assert cells[:5] == ["round 0", "40", "28", "12", "0"] and "70%" in cells[5] and cells[-1] == "next_round", cells
+
+
+def _skew_server_clock(monkeypatch: pytest.MonkeyPatch, skew_s: float) -> Any:
+    """The review server's clock (verdict stamps, segment names, leases) runs ``skew_s`` off the
+    resolving process's, as on two machines; returns the server's wall clock."""
+    from types import SimpleNamespace
+
+    from batch_inference.review import verdicts
+
+    skewed = SimpleNamespace(time_ns=lambda: time.time_ns() + int(skew_s * 1e9), time=lambda: time.time() + skew_s)
+    monkeypatch.setattr(verdicts, "time", skewed)
+    return skewed.time
+
+
+@pytest.mark.parametrize("skew_s", [3600.0, -3600.0])
+async def test_a_review_closes_on_its_verdicts_whatever_the_servers_clock(make_spec, monkeypatch, skew_s: float) -> None:
+    spec = make_spec(records=6, judge={"kind": "human"})
+    run = await judged_round(spec)
+    q = rv.ReviewQueue(spec, clock=_skew_server_clock(monkeypatch, skew_s))
+    await q.refresh()
+    for _ in range(6):
+        item, _ = await q.claim("ann")
+        await q.decide("ann", 0, item.id, "approve")
+    summary = await run.resolve_review(0)  # a server ahead of the resolver: every verdict "in its future"
+    assert (summary.approved, summary.rejected, summary.timed_out, summary.by_reviewer) == (6, 0, 0, {"ann": 6})
+
+
+@pytest.mark.parametrize("skew_s", [3600.0, -3600.0])
+@pytest.mark.parametrize("lands", ["before", "after"])
+async def test_a_verdict_landing_as_the_round_closes_is_told_whether_it_counted(make_spec, monkeypatch, skew_s: float, lands: str) -> None:
+    """The close and the server share the sealed snapshot, not a clock: a verdict in storage
+    before the close read the log counts (and says so); one written after is told it does not."""
+    spec = make_spec(records=4, judge={"kind": "human"}, review={"after": "1h", "then": "reject"})
+    run = await judged_round(spec)
+    q = rv.ReviewQueue(spec, clock=_skew_server_clock(monkeypatch, skew_s))
+    await q.refresh()
+    item, _ = await q.claim("ann")
+    written = q._append
+
+    def close() -> None:  # the round's timeout has passed, by the resolver's own clock
+        rv.resolve(spec, run.layout, run.ledger, 0, now=time.time() + 7200)
+
+    async def racing_append(r: int, entry: dict[str, Any]) -> Any:
+        if lands == "after":
+            await asyncio.to_thread(close)
+        result = await written(r, entry)
+        if lands == "before":
+            await asyncio.to_thread(close)
+        return result
+
+    q._append = racing_append  # type: ignore[method-assign]
+    if lands == "before":
+        outcome = await q.decide("ann", 0, item.id, "approve")
+        assert outcome.result == "decided"
+    else:
+        with pytest.raises(rv.ReviewClosed, match="does not count"):
+            await q.decide("ann", 0, item.id, "approve")
+    summary = await run.resolve_review(0)
+    counted = lands == "before"
+    assert summary.by_reviewer == ({"ann": 1, rv.TIMEOUT_REVIEWER: 3} if counted else {rv.TIMEOUT_REVIEWER: 4})
+    assert summary.approved == (1 if counted else 0)
+    with pytest.raises(rv.ReviewClosed):  # and the server takes no verdict after the close
+        await q.decide("ann", 0, item.id, "reject")
