@@ -113,7 +113,7 @@ def funnel_markdown(view: LedgerView) -> str:
                      f"{rnd.approval:.1%} | {rnd.tokens_in}/{rnd.tokens_out} | {rnd.wall_s:.2f} |")
     if t := view.tail:
         lines.append(
-            f"| tail (in place) | {t.records_total} | {t.approved} | {t.records_in - t.approved} | {t.records_quarantined} | "
+            f"| tail (in place) | {t.records_total} | {t.approved} | {t.max_attempts} (max attempts) | {t.records_failed} | "
             f"{rate(t.approved, t.records_total):.1%} | {t.tokens_in}/{t.tokens_out} | {t.wall_s:.2f} |"
         )
     if r := view.run:

@@ -138,8 +138,11 @@ def decide_round(spec: PipelineSpec, r: int, infer: PhaseSummary, judge: PhaseSu
     reads them from the ledger; the scale simulation builds them in virtual time).
     ``recompact_s`` is the last recompaction's wall (the next one's estimate); ``reviewed``
     the round's closed human review (``ReviewSummary.as_dict()``), whose verdicts count too."""
-    approved, rejected = judge.approved, judge.rejected
-    more_figures: dict[str, Any] = {}
+    # A rejected row with a permanent error fails wherever it goes next (recompaction or the
+    # run's end route it to failed): only the rest is left to retry.
+    failed = judge.permanent_errors
+    approved, rejected = judge.approved, max(0, judge.rejected - failed)
+    more_figures: dict[str, Any] = {"failed": failed} if failed else {}
     if reviewed is not None:
         approved, rejected = approved + int(reviewed["approved"]), rejected + int(reviewed["rejected"])
         more_figures = {"reviewed": int(reviewed["records"]), "reviewed_approved": int(reviewed["approved"]),
@@ -151,7 +154,7 @@ def decide_round(spec: PipelineSpec, r: int, infer: PhaseSummary, judge: PhaseSu
                                "quarantined": infer.records_quarantined + judge.records_quarantined,
                                "rounds_left": rounds_left, "attempts_left": attempts_left, **more_figures}
     if rejected == 0:
-        kind, reason = "done", "nothing rejected"
+        kind, reason = "done", f"nothing left to retry ({failed} failed permanently)" if failed else "nothing rejected"
     elif attempts_left <= 0:
         kind, reason = "exhausted", f"max_attempts ({spec.max_attempts}) reached with {rejected} rejected"
     elif spec.strategy == "hybrid" and spec.judge.kind == "human":

@@ -251,7 +251,7 @@ def ledger_table(view: LedgerView, title: str) -> LedgerTable:
         bars[len(rows)] = _bar(approval)
         rows.append({
             "phase": f"tail (from {t.round})", "in": _n(t.records_total), "approved": _n(t.approved),
-            "rejected": f"{_n(t.counts.get('max_attempts', 0))}*", "failed": _n(t.records_quarantined + t.counts.get("error", 0)),
+            "rejected": f"{_n(t.max_attempts)}*", "failed": _n(t.records_failed),
             "funnel": f"{approval:.0%}", "tokens in/out": f"{_k(t.tokens_in)}/{_k(t.tokens_out)}",
             "engine": duration(t.engine_busy_s), "wall": duration(t.wall_s), "out tok/s": _rate(t.output_tokens_per_s),
             "fill": _f(t.avg_fill), "next": "",

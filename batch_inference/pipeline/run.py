@@ -571,7 +571,9 @@ class PipelineRun:
         elif last is None or last.kind not in ("done", "exhausted"):
             raise StepOrderError(f"run {self.spec.run!r}: the rounds have not finished (last decision: {last and last.kind})")
         exhausted = 0
-        if last is not None and last.kind == "exhausted" and not tail:
+        # the last round's rejected rows: those left at the cap, and any permanent failures of
+        # a round that had nothing else left to retry
+        if last is not None and not tail and (last.kind == "exhausted" or (last.kind == "done" and last.figures.get("failed"))):
             exhausted = passes.write_exhausted(
                 [self.layout.rejected(last.round)], self.layout.exhausted, round=last.round, storage_options=self.storage_options,
                 failed_dst=self.layout.failed_records(last.round),

@@ -188,6 +188,16 @@ class PhaseSummary(_Summary):
         return int(self.counts.get("rejected", 0))
 
     @property
+    def records_failed(self) -> int:
+        """Records that ended failed in the phase: its quarantined shards' and (the tail) its errors."""
+        return self.records_quarantined + int(self.counts.get("error", 0))
+
+    @property
+    def max_attempts(self) -> int:
+        """Records that used every attempt (the tail): unfinished, not failed."""
+        return int(self.counts.get("max_attempts", 0))
+
+    @property
     def permanent_errors(self) -> int:
         """Of a judge's rejected rows, those with a permanent error: they end ``failed``, never retried."""
         return int(self.counts.get(PERMANENT_ERRORS, 0))

@@ -146,6 +146,25 @@ def test_round_metadata_counts_permanent_errors_as_failed_and_the_review_outcome
     assert (waiting.approved, waiting.rejected, waiting.awaiting_review) == (20, 3, 15)
 
 
+def test_the_tail_row_counts_errors_as_failed_in_the_funnel_and_the_cli_alike():
+    """The in-place tail's errors ended failed and its max_attempts rows are unfinished: the
+    Dagster funnel says so as the CLI table does."""
+    from batch_inference.pipeline.report import ledger_table, output_console
+
+    tail = PhaseSummary.from_dict({
+        "round": 1, "phase": "tail", "input_url": "/r/p", "output_url": "/r/t", "shards": 1, "shards_run": 1, "records_in": 10,
+        "counts": {"approved": 5, "max_attempts": 2, "error": 3}, "tokens_in": 0, "tokens_out": 0, "engine_busy_s": 0.0,
+        "wall_s": 1.0, "drain_s": 0.0, "avg_fill": 0.0, "cached_tasks": 0,
+    })
+    view = LedgerView(spec=None, shard=None, tail=tail)
+    assert "| tail (in place) | 10 | 5 | 2 (max attempts) | 3 | 50.0% |" in funnel_markdown(view)
+    console = output_console()
+    with console.capture() as captured:
+        console.print(ledger_table(view, "t"))
+    row = next(line for line in captured.get().splitlines() if "tail (from 1)" in line)
+    assert [c.strip() for c in row.split("│")][2:6] == ["10", "5", "2*", "3"], row
+
+
 def test_a_backlog_larger_than_a_tick_is_handled_oldest_first(monkeypatch):
     """With more events than one tick takes, the cursor stops at the last one handled."""
     from batch_inference.defs.partitions import RUNS

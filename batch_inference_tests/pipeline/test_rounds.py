@@ -266,3 +266,18 @@ async def test_a_shard_quarantined_by_an_interrupted_call_that_succeeds_on_rerun
         again = await PipelineRun(spec, CountingRunner(pool)).infer(0)
     assert again.quarantined == [] and again.shards_run == 1 and again.records_in == 600
     assert list((run_dir / "round-00" / "failed").iterdir()) == []
+
+
+async def test_a_round_whose_rejected_rows_all_failed_permanently_is_the_last(tmp_path: Path, make_spec) -> None:
+    """Nothing is left to retry when every rejected row has a permanent error: the run ends
+    after that round (no round of zero records), and the failed rows reach failed-records."""
+    src = tmp_path / "input.jsonl"
+    rows = [{"id": f"p{i:03d}", "prompt": f"q {i}"} for i in range(100)]
+    rows[10], rows[60] = {"id": "p010", "question": "no prompt"}, {"id": "p060", "question": "no prompt"}
+    src.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    spec = make_spec(approval=1.0, max_rounds=3)
+    summary = await run_pipeline(spec)
+    assert (summary.status, summary.rounds, summary.approved, summary.failed) == ("records_failed", 1, 98, 2)
+    assert summary.conservation["ok"]
+    decision = PipelineRun(spec).ledger.view().rounds[0].decision
+    assert decision.kind == "done" and decision.figures["failed"] == 2 and decision.figures["rejected"] == 0
