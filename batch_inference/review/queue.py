@@ -18,6 +18,7 @@ from batch_inference.review.verdicts import COMPACT_EVERY, Fold, ReviewLog, Verd
 from batch_inference.storage import JsonlDir
 
 _round = round  # the ``round=`` keyword of the queue's methods shadows it there
+RATE_WINDOW_S = 3600.0  # progress's rate: verdicts per hour over the last hour
 
 
 @dataclass
@@ -78,7 +79,7 @@ class ReviewQueue:
         self.folds: dict[int, Fold] = {}
         self.leases: dict[tuple[int, str], Lease] = {}
         self.history: dict[tuple[int, str], list[dict[str, Any]]] = {}
-        self.decided_at: list[tuple[float, str]] = []  # (time, reviewer) of verdicts seen by this server
+        self.decided_at: list[tuple[float, str]] = []  # (time, reviewer) of the run's verdicts: the log's, then this server's
         self.closed: set[int] = set()
         self.appended: dict[int, int] = {}  # segments this server wrote per round since its last compaction
         self._lock = asyncio.Lock()
@@ -94,6 +95,7 @@ class ReviewQueue:
             if r not in self.items and r not in self.closed and opened(self.ledger, r) is not None:
                 if closing(self.ledger, r):
                     self.closed.add(r)
+                    self._count_verdicts(ReviewLog(self.layout, r, self.opts).entries())
                 else:
                     self._load_round(r)
             elif r in self.items and closing(self.ledger, r):
@@ -104,13 +106,23 @@ class ReviewQueue:
     def _load_round(self, r: int) -> None:
         items = {str(row["id"]): Item(r, str(row["id"]), row) for _, row in queue_rows(self.layout, r, self.opts)}
         log = ReviewLog(self.layout, r, self.opts)
-        f = fold(log.entries())
+        entries = log.entries()
+        f = fold(entries)
+        self._count_verdicts(entries)
         now = self.clock()
         for rid, lease in log.leases().items():
             if float(lease["expires_at"]) > now and rid in items and rid not in f.decided:
                 self.leases[(r, rid)] = Lease(rid, r, str(lease["reviewer"]), str(lease["token"]), float(lease["expires_at"]))
         self.history.update(self._earlier_attempts(r, set(items)))
         self.logs[r], self.folds[r], self.items[r] = log, f, items
+
+    def _count_verdicts(self, entries: list[dict[str, Any]]) -> None:
+        """Verdicts already in a round's log, for the rate over the last hour: a restarted
+        server goes on from what is stored, not from zero."""
+        since = self.clock() - RATE_WINDOW_S
+        self.decided_at.extend((t, str(e.get("reviewer"))) for e in entries
+                               if e.get("kind") == "verdict" and (t := int(e.get("at_ns", 0)) / 1e9) > since)
+        self.decided_at.sort()
 
     def _earlier_attempts(self, r: int, ids: set[str]) -> dict[tuple[int, str], list[dict[str, Any]]]:
         """Each queued record's rows in the rejected sets of earlier rounds (one scan per round)."""
@@ -164,6 +176,16 @@ class ReviewQueue:
                     self.leases[(r, it.id)] = lease
                     return it, lease
         return None
+
+    async def next(self, reviewer: str, *, round: int | None = None, reason: str | None = None,
+                   skip: Iterable[str] = ()) -> tuple[Item, Lease] | None:
+        """``claim``, looking at storage again when nothing is here: a round may have opened since the last refresh."""
+        skipped = list(skip)
+        claim = await self.claim(reviewer, round=round, reason=reason, skip=skipped)
+        if claim is None:
+            await self.refresh()
+            claim = await self.claim(reviewer, round=round, reason=reason, skip=skipped)
+        return claim
 
     async def release(self, reviewer: str, r: int, rid: str) -> None:
         """Give a record back (skip): others may take it at once."""
@@ -270,7 +292,7 @@ class ReviewQueue:
                 verdicts[str(e["verdict"])] += 1
             done += len(f.decided)
             left += n_left if not reason else sum(1 for it in self._undecided(r) if it.reason == reason)
-        window = [t for t, _ in self.decided_at if now - t <= 3600.0]
+        window = [t for t, _ in self.decided_at if now - t <= RATE_WINDOW_S]
         span = max(60.0, now - min(window)) if window else 0.0
         rate_per_h = len(window) * 3600.0 / span if window else 0.0
         return {"done": done, "left": left, "per_reviewer": dict(per_reviewer), "verdicts": dict(verdicts),

@@ -169,10 +169,8 @@ def create_app(queue: ReviewQueue, *, reviewers: dict[str, str] | None = None, d
         skip = data.get("skip") or []
         if not isinstance(skip, list):
             raise web.HTTPBadRequest(text="skip must be a list of record ids")
-        if not queue.rounds():
-            await queue.refresh()
-        claim = await queue.claim(request[REVIEWER], round=_round(data.get("round")), reason=data.get("reason") or None,
-                                  skip=[str(s) for s in skip])
+        claim = await queue.next(request[REVIEWER], round=_round(data.get("round")), reason=data.get("reason") or None,
+                                 skip=[str(s) for s in skip])
         return _json({"record": queue.view(*claim) if claim else None})
 
     async def verdict(request: web.Request) -> web.Response:

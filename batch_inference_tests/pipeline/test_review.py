@@ -315,3 +315,42 @@ async def test_a_verdict_landing_as_the_round_closes_is_told_whether_it_counted(
     assert summary.approved == (1 if counted else 0)
     with pytest.raises(rv.ReviewClosed):  # and the server takes no verdict after the close
         await q.decide("ann", 0, item.id, "reject")
+
+
+async def test_a_restarted_server_rebuilds_the_verdict_rate_from_the_log(make_spec) -> None:
+    """'Verdicts per hour over the last hour' is the log's, not the server's memory."""
+    spec = make_spec(records=8, judge={"kind": "human"}, max_rounds=3)
+    await judged_round(spec)
+    first = rv.ReviewQueue(spec)
+    await first.refresh()
+    for _ in range(5):
+        item, _ = await first.claim("ann")
+        await first.decide("ann", 0, item.id, "approve")
+    before = first.progress()
+    assert before["rate_per_hour"] == 5 * 60.0 and before["eta_s"] is not None  # 5 verdicts within a minute
+    restarted = rv.ReviewQueue(spec)
+    await restarted.refresh()
+    after = restarted.progress()
+    assert (after["done"], after["left"], after["rate_per_hour"]) == (5, 3, before["rate_per_hour"])
+    assert after["eta_s"] == before["eta_s"]
+
+
+async def test_next_picks_up_a_round_opened_since_the_last_refresh(make_spec) -> None:
+    """A page asking for work finds a newly opened round at once (the queue looks at storage again when it has none)."""
+    spec = make_spec(records=2, judge={"kind": "human"}, max_rounds=3)
+    run = await judged_round(spec)
+    q = rv.ReviewQueue(spec)
+    await q.refresh()
+    for _ in range(2):
+        item, _ = await q.next("ann")
+        await q.decide("ann", 0, item.id, "reject")
+    assert await q.next("ann") is None
+    await run.resolve_review(0)
+    assert run.decide(0).kind == "next_round"
+    async with open_runner(spec) as runner:
+        nxt = PipelineRun(spec, runner)
+        await nxt.recompact(0)
+        await nxt.infer(1)
+        await nxt.judge(1)
+    claim = await q.next("ann")  # no refresh in between: the review server's refresher has not run
+    assert claim is not None and claim[0].round == 1 and q.rounds() == [1]

@@ -138,3 +138,35 @@ def test_xss_payloads_in_model_output_are_inert(review_spec, review_server, tmp_
     assert len(f.decided) == 3 and {e["reviewer"] for e in f.decided.values()} == {"carol"}
     asyncio.run(run.resolve_review(0))
     assert balanced(run, 0)["rejected"] == 3
+
+
+def test_the_page_picks_up_a_newly_opened_round_by_itself(review_spec, review_server, tmp_path) -> None:
+    """The page says nothing is left; round 1's queue opens; a record appears without a key or a reload."""
+    from batch_inference.pipeline.runner import open_runner
+
+    spec, spec_path = review_spec(records=2, max_rounds=3)
+    server = review_server(spec_path, "--as", "dave")
+
+    async def go() -> str:
+        async with Browser() as b:
+            await b.goto(server.url + "/")
+            rid = await b.wait_for(SHOWN)
+            while rid != "<empty>":
+                await b.press("r")
+                rid = await shows_next(b, rid)
+            run = PipelineRun(spec)
+            await run.resolve_review(0)
+            assert run.decide(0).kind == "next_round"
+            async with open_runner(spec) as runner:
+                nxt = PipelineRun(spec, runner)
+                await nxt.recompact(0)
+                await nxt.infer(1)
+                await nxt.judge(1)
+            # the server's refresher and the page's poll each run every 5 s: no key is pressed
+            shown = await b.wait_for(SHOWN, timeout_s=30)
+            assert await b.eval("document.getElementById('rround').textContent") == "1"
+            assert await b.wait_for("document.getElementById('left').textContent === '2'")
+            assert not [c for c in b.console if c.get("method") == "Runtime.exceptionThrown"]
+            return shown
+
+    assert asyncio.run(go())

@@ -96,7 +96,7 @@
     progress();
   }
 
-  async function progress() {
+  async function progress() {  // the header; returns the figures (null when the server did not answer)
     try {
       const f = filters();
       const q = new URLSearchParams();
@@ -114,8 +114,22 @@
       const per = $("per-reviewer");
       per.replaceChildren();
       for (const [name, n] of Object.entries(p.per_reviewer)) item(per, name + ": " + n);
+      return p;
     } catch (err) {
       say(err.message, true);
+      return null;
+    }
+  }
+
+  async function poll() {  // new work (a round opened, a lease expired) is fetched without a key or a reload
+    const p = await progress();
+    if (p && !current && !busy && p.left > skipped.length) {
+      setBusy(true);
+      try {
+        await next();
+      } finally {
+        setBusy(false);
+      }
     }
   }
 
@@ -196,6 +210,6 @@
     $("round").appendChild(o);
     $("round").value = query.get("round");
   }
-  setInterval(progress, 5000);
+  setInterval(poll, 5000);
   next();
 })();
