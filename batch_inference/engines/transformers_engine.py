@@ -61,7 +61,7 @@ class TransformersEngine:
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         if self.device == "cpu" and num_threads:
             # Process-wide: on small shared CPUs one thread per worker process beats
-            # oversubscription (2 threads were up to 10x slower under load, DESIGN.md).
+            # oversubscribing the cores (docs/engines.md, ``num_threads``).
             torch.set_num_threads(num_threads)
         torch_dtype = _DTYPES.get(dtype) or (torch.bfloat16 if self.device == "cuda" else torch.float32)
         self.tokenizer = AutoTokenizer.from_pretrained(model)
@@ -192,7 +192,7 @@ class TransformersEngine:
         """New token ids per request (or its error) from a ``ContinuousBatchingManager``.
 
         The paged cache is sized from the requests (``num_blocks``): left to itself on CPU it
-        sizes from *system* memory and took ~10 GB for the tiny model here (OOM-killed)."""
+        sizes from *system* memory, enough to get a tiny model OOM-killed (docs/engines.md)."""
         p, page = own[0], 256
         fixed, sample = p.min_tokens >= p.max_tokens, p.temperature > 0
         gen = GenerationConfig(

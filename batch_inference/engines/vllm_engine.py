@@ -140,8 +140,8 @@ def _tokens_input_factory() -> Any:
     """Token ids as the engine input AsyncLLM takes as it is (``vllm.inputs.engine.tokens_input``).
 
     A raw ``TokensPrompt`` is sent through AsyncLLM's input processing on a thread pool
-    (~15% of the event loop's time in hand-offs, for prompts that are already token
-    ids); a rendered input is processed inline. Releases without it take the raw prompt.
+    (event-loop time in hand-offs, for prompts that are already token ids; docs/engines.md);
+    a rendered input is processed inline. Releases without it take the raw prompt.
     """
     try:
         from vllm.inputs.engine import tokens_input
@@ -247,9 +247,9 @@ class VllmStreamingEngine:
             from vllm.config import StructuredOutputsConfig
 
             kwargs["structured_outputs_config"] = StructuredOutputsConfig(**kwargs["structured_outputs_config"])
-        # LLM_CLASS: the scheduler sizes of offline ``vllm.LLM`` (a batch job), not the
-        # engine-context defaults (max_num_seqs 128, 2,048 batched tokens), which cost
-        # ~17% here (256 / 4,096 on CPU) and far more on a GPU (1,024 / 16,384 on H100/H200).
+        # LLM_CLASS: the scheduler sizes of offline ``vllm.LLM`` (a batch job: 256 / 4,096 on
+        # CPU, 1,024 / 16,384 on H100/H200), not the engine-context defaults (max_num_seqs 128,
+        # 2,048 batched tokens), sized for an API server's latency (docs/engines.md).
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS,
                                               stat_loggers=[self._stat_logger_factory()])
         # The engine core sends its scheduler figures (it was built logging stats) whatever

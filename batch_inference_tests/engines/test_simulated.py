@@ -7,11 +7,11 @@ import time
 import pytest
 
 from batch_inference.engines import SamplingParams, SimulatedOptions
-from batch_inference.engines.simulated import SimulatedBatchError, SimulatedEngine, simulated_token_count
+from batch_inference.engines.simulated import LinearSimulatedEngine, SimulatedBatchError, simulated_token_count
 
 
-def engine(**opts) -> SimulatedEngine:
-    return SimulatedEngine(SimulatedOptions(**{"latency_a_s": 0.0, "latency_b_s": 0.0, **opts}))
+def engine(**opts) -> LinearSimulatedEngine:
+    return LinearSimulatedEngine(SimulatedOptions(**{"latency_a_s": 0.0, "latency_b_s": 0.0, **opts}))
 
 
 def test_cost_model_linear_in_tokens_and_padded() -> None:
@@ -61,7 +61,7 @@ def test_approval_rate(rate: float) -> None:
 
 
 def test_fault_injection_and_length_errors() -> None:
-    e = SimulatedEngine(SimulatedOptions(latency_a_s=0, latency_b_s=0, fail_on="POISON", fail_batch_every=3), max_model_len=20)
+    e = LinearSimulatedEngine(SimulatedOptions(latency_a_s=0, latency_b_s=0, fail_on="POISON", fail_batch_every=3), max_model_len=20)
     out = e.generate(["ok", "has POISON", "x" * 100], SamplingParams(max_tokens=4))
     assert out[0].error is None and out[0].finish_reason != "error"
     assert out[1].finish_reason == "error" and "POISON" in (out[1].error or "")

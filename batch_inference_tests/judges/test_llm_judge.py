@@ -6,7 +6,7 @@ import pytest
 
 from batch_inference.engines import Completion, SamplingParams
 from batch_inference.engines.config import SimulatedOptions
-from batch_inference.engines.simulated import SimulatedEngine
+from batch_inference.engines.simulated import LinearSimulatedEngine
 from batch_inference.judges import LLMJudge, Verdict, build_judge, parse_keyword, parse_score
 
 
@@ -61,7 +61,7 @@ def test_verdict_from_engine_error() -> None:
 
 
 def test_judge_with_simulated_engine_rate_and_missing_field() -> None:
-    engine = SimulatedEngine(SimulatedOptions(latency_a_s=0, latency_b_s=0, approval_rate=0.25))
+    engine = LinearSimulatedEngine(SimulatedOptions(latency_a_s=0, latency_b_s=0, approval_rate=0.25))
     judge = build_judge({"kind": "llm", "template": "{prompt} => {result}", "max_tokens": 4})
     assert isinstance(judge, LLMJudge) and judge.sampling == SamplingParams(max_tokens=4)
     records = [{"id": str(i), "prompt": f"p{i}"} for i in range(1000)] + [{"id": "nope"}]
