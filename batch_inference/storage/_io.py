@@ -85,7 +85,7 @@ def parse_blocks(
 
     Lazily, not a block at a time: a consumer that drops each record before the next keeps
     the allocator and the cyclic GC as idle as a bare ``for line in f: loads(line)`` loop
-    (a list of a block's dicts triggers GC passes over the whole heap: 3x slower measured).
+    (a list of a block's dicts triggers GC passes over the whole heap; docs/storage.md).
     Line numbers are worked out only for a bad line (from the list iterator's position).
     """
     loads, decode_error = orjson.loads, orjson.JSONDecodeError
@@ -160,8 +160,8 @@ def iter_blocks(
     """Yield (url, number of the first line, ~1 MiB of lines) at a time: the unit one thread hop carries.
 
     ``readlines(1 MiB)`` on a 1 MiB BufferedReader: C cuts the lines and carries a line
-    cut at a chunk's end over to the next read (measured ~10% faster than bytes.split
-    plus joining the cut line). Lines keep their newline; orjson takes it as whitespace.
+    cut at a chunk's end over to the next read (faster than bytes.split plus joining the
+    cut line). Lines keep their newline; orjson takes it as whitespace.
     """
     raw = _ChunkStream(zstd_chunks(fs, path, url)) if compressed else _open(fs, path, url)
     with io.BufferedReader(raw, PLAIN_READ_SIZE) as reader:

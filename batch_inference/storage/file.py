@@ -147,8 +147,8 @@ async def aiter_records(
 
     Listing, read + decompress + line split run in a thread, one ~1 MiB chunk per hop;
     each line is then parsed as it is yielded (about a microsecond on the loop), lazily for
-    the reason given in ``_io.parse_blocks``. (Reading the next chunk ahead in the thread
-    was measured: no faster, the thread waits for the GIL while the loop parses.)
+    the reason given in ``_io.parse_blocks``. (No read-ahead in the thread: it would wait
+    for the GIL while the loop parses; docs/storage.md.)
     """
     loads, decode_error = orjson.loads, orjson.JSONDecodeError
     blocks = _shard_blocks(list_shards)
@@ -302,7 +302,7 @@ class JsonlWriter(_WriterBase):
     this writer's own thread, which compresses and writes it while the loop encodes the
     next one. The loop waits until the thread has *started* the block (taken the GIL for
     its Python part and entered compress/write, which release it): handing it over and
-    encoding on at once was measured slower, the thread then waits up to the 5 ms GIL
+    encoding on at once is slower: the thread then waits up to the 5 ms GIL
     switch interval just to start. One block in flight at most (bounded memory, blocks
     land in order); its error is raised by the next block hand-over or the commit. All
     core work runs on that one thread, so an abort always comes after the block in flight.
@@ -347,7 +347,7 @@ class JsonlWriter(_WriterBase):
                 await asyncio.wrap_future(fut)
             # The block's lines die here, not in the thread: orjson allocated them on this
             # thread, and freed from another one glibc hands their pages back to the OS, so
-            # the next block faults them in again (measured: 3x the page faults, -30%).
+            # the next block faults them in again (docs/storage.md).
             self._inflight_lines = None
             fut.result()
 
