@@ -585,7 +585,7 @@ class _Sample:
         self.row = {**self.base, **final}
 
     def error(self, text: str) -> None:
-        """This record's own failure (prompt, engine item, judge): not checkpointed, as before."""
+        """This record's own failure (prompt, engine item, judge), not checkpointed: a resumed task takes the record up at its last checkpoint."""
         self.row = {**self.base, "result": None, "status": Status.ERROR, "error": text, "attempts": self.prior + self.attempt + 1}
 
 
@@ -716,6 +716,4 @@ async def run_task(ctx: TaskContext) -> dict[str, int]:
     return counts
 
 
-RESULT_FIELDS = rows.RESULT_FIELDS  # kept importable from here
-
-__all__ = ["RESULT_FIELDS", "JudgePoolError", "TaskContext", "TaskInputError", "TaskMeter", "run_task"]
+__all__ = ["JudgePoolError", "TaskContext", "TaskInputError", "TaskMeter", "run_task"]
