@@ -5,9 +5,9 @@ order requests arrive in decides how often a prefix is computed again. ``layout_
 signs every record (``prompting.prefix``: its rendered request's block-hash chain), sorts
 the records by signature through the storage layer (``storage.sort.ExternalSort``: sorted
 runs spilled under the run, then merged; memory is one run, never the dataset) and
-rewrites the directory in that order, cut into shards as before. Sorting by the chain is
-a depth-first walk of the prefix tree: every family of records sharing a prefix is
-contiguous, and within it the sub-families sharing a longer one.
+rewrites the directory in that order, cut into shards of ``shard_records`` as sharding
+cuts them. Sorting by the chain is a depth-first walk of the prefix tree: every family of
+records sharing a prefix is contiguous, and within it the sub-families sharing a longer one.
 
 The records are only moved: ids, attempts and every field stay as they are, so
 conservation holds by construction (and is checked: as many records out as in). It runs

@@ -186,7 +186,7 @@ def decide_round(spec: PipelineSpec, r: int, infer: PhaseSummary, judge: PhaseSu
 
 def _per_worker(phase: PhaseSummary, fallback: int) -> float:
     """Engine time per worker that ran the phase (endpoints and k8s discovery need not match
-    ``pool.replicas``); ``fallback`` only for ledgers written before workers were recorded."""
+    ``pool.replicas``); ``fallback`` only for a ledger without ``workers``."""
     return phase.engine_busy_s / max(1, phase.workers or fallback)
 
 

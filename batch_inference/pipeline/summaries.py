@@ -71,7 +71,7 @@ class ConservationReport(_Summary):
     unreadable: list[str]
     method: str
 
-    def __getitem__(self, key: str) -> Any:  # dict-style reads kept for existing callers
+    def __getitem__(self, key: str) -> Any:  # report["ok"] reads as the ledger's JSON of it does
         return getattr(self, key)
 
 
@@ -121,7 +121,7 @@ class ShardSummary(_Summary):
     malformed: int = 0  # input lines quarantined at sharding (see RunLayout.input_quarantine)
     input_format: str = "jsonl"  # "jsonl" (native records) or "openai_batch" (converted at sharding)
     # The run instance: drawn when the input is sharded, part of every task id (RunLayout.task_id);
-    # empty in a ledger written before it was recorded.
+    # empty in a ledger without the field.
     instance: str = ""
     layout: LayoutSummary | None = None  # the prefix-aware layout (None: layout.prefix off)
 
@@ -148,7 +148,7 @@ class PhaseSummary(_Summary):
     task_retries: int = 0  # tasks re-sent after a failure (as counted by the runner, e.g. PoolClient.retried)
     longest_task_s: float = 0.0  # the longest task's wall: wall - this = the driver's dispatch gaps (one wave)
     quarantined: list[QuarantineEntry] = field(default_factory=list)
-    workers: int = 0  # distinct workers that ran its tasks (0: recorded before this was)
+    workers: int = 0  # distinct workers that ran its tasks (0: a ledger without the field)
     warnings: list[str] = field(default_factory=list)  # what its tasks reported (TaskResult.warnings)
     # "Is the engine full?": what it delivered, and its own occupancy sampled while the phase
     # ran (streaming engines: mean running/waiting/in-flight, summed over workers; KV use
