@@ -34,7 +34,7 @@ def _register() -> None:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
-            if exc.name == module_name:  # that layer's commands are not there yet
+            if exc.name == module_name:  # a command module this install lacks: its commands are left out
                 continue
             raise
         for name in names:
