@@ -1,4 +1,4 @@
-"""Behaviour of DynamicBatcher / TokenBatcher: each test pins one semantic of issue 3."""
+"""Behaviour of DynamicBatcher / TokenBatcher: each test pins one semantic (docs/batching.md)."""
 
 from __future__ import annotations
 

@@ -57,9 +57,8 @@ def _worker_stats(k8s: K8sCluster, endpoint: str, token: str) -> dict[str, Any]:
 def test_up_scale_status_ttl_down_and_the_endpoints_404_race(k8s: K8sCluster, namespace, tmp_path: Path) -> None:
     ns = namespace(live=True)
     launcher = _launcher(k8s, ns, [str(tmp_path)], replicas=2, min_replicas=1, idle_ttl_s=600, scaledown_ttl_s=30)
-    # No Service yet, so no Endpoints object (404): "no ready workers", not an error. Before
-    # the fix, endpoints() raised ApiException(404) here and up() failed the same way when the
-    # endpoints controller had not yet created the new Service's Endpoints.
+    # No Service yet, so no Endpoints object (404): "no ready workers", not an error, here and
+    # in up() while the endpoints controller has not yet created the new Service's Endpoints.
     assert launcher.endpoints() == []
     with pytest.raises(TimeoutError, match=r"0/2 workers ready .*no Endpoints"):
         launcher.wait_ready(wait_s=0.5, poll_s=0.1)

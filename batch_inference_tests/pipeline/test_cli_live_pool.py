@@ -73,10 +73,10 @@ def test_rerun_sequences_through_the_cli_on_a_pool_left_up(cli: Any, tmp_path: P
 
     run_ok("first run")
     shutil.rmtree(out)
-    run_ok("same spec, output deleted")  # ConservationError: 400 missing, when workers answered from memory
+    run_ok("same spec, output deleted")  # a new run instance: no worker answers its tasks from memory
     shutil.rmtree(out)
     data["infer"] = {**data["infer"], "template": "Reply briefly: {prompt}"}
     spec.write_text(yaml.safe_dump(data))
-    text = run_ok("template edited, output deleted")  # every shard quarantined by a 409, when ids were reused
+    text = run_ok("template edited, output deleted")  # new task ids: no 409 for a spec changed under an id
     assert "quarantined" not in text.lower()
     assert cli.pids() == workers  # the pool left up served all three runs

@@ -87,7 +87,8 @@ async def test_constrained_records_through_an_infer_task(tiny_model_dir: Path, t
     assert all(_valid(json.loads(r["result"])) for r in rows)
 
 
-# The schema of issue 20 item 15: an enum, an integer range, an array of short strings.
+# A review-label schema: an enum, an integer range, an array of short strings (length-bounded
+# strings are where xgrammar admits raw control characters).
 REVIEW_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["label", "score", "tags"],
                  "properties": {"label": {"enum": ["good", "bad", "unsure"]},
                                 "score": {"type": "integer", "minimum": 1, "maximum": 5},
