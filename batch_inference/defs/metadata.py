@@ -12,7 +12,7 @@ from typing import Any
 
 import dagster as dg
 
-from batch_inference.pipeline.summaries import LedgerView, PhaseSummary, RoundView, rate
+from batch_inference.pipeline.summaries import LedgerView, PhaseSummary, RoundView, cache_hit_rate, prefill_vs_ideal, rate
 
 MAX_LISTED_SHARDS = 20
 
@@ -83,6 +83,26 @@ def phase_metadata(summary: PhaseSummary | RoundView) -> dict[str, Any]:
     for key, value in summary.engine.items():
         meta[f"engine.{key}"] = dg.MetadataValue.text(value) if isinstance(value, str) else dg.MetadataValue.float(float(value))
     meta.update(placement_metadata(summary))
+    meta.update(cache_metadata(summary))
+    return meta
+
+
+def cache_metadata(summary: PhaseSummary | RoundView) -> dict[str, Any]:
+    """What the engine did not compute: requests answered by an identical one (always), and
+    its prefix cache (where the engine keeps one): hit rate, prompt tokens prefilled, the
+    ideal (each distinct prefix computed once) and their ratio."""
+    phases = summary.phases if isinstance(summary, RoundView) else [summary]
+    meta: dict[str, Any] = {
+        "duplicates": dg.MetadataValue.int(sum(p.duplicates for p in phases)),
+        "duplicate_tokens_in": dg.MetadataValue.int(sum(p.duplicate_tokens_in for p in phases)),
+        "duplicate_tokens_out": dg.MetadataValue.int(sum(p.duplicate_tokens_out for p in phases)),
+    }
+    if (hit_rate := cache_hit_rate(phases)) is not None:
+        meta["prefix_cache_hit_rate"] = dg.MetadataValue.float(hit_rate)
+        meta["prefill_tokens"] = dg.MetadataValue.int(sum(p.prefill_tokens for p in phases))
+    if (vs_ideal := prefill_vs_ideal(phases)) is not None:
+        meta["ideal_prefill_tokens"] = dg.MetadataValue.int(sum(p.ideal_prefill_tokens or 0 for p in phases))
+        meta["prefill_vs_ideal"] = dg.MetadataValue.float(vs_ideal)
     return meta
 
 

@@ -12,6 +12,7 @@ from batch_inference.engines.base import (
     Engine,
     EngineDeadError,
     EngineOccupancy,
+    PrefixCacheStats,
     Prompt,
     ResponseFormat,
     SamplingParams,
@@ -19,6 +20,8 @@ from batch_inference.engines.base import (
     Tokens,
     greedy_ignores_seed,
     is_streaming,
+    prefix_block_size,
+    prefix_cache_stats,
     supports_structured_output,
 )
 from batch_inference.engines.config import EngineConfig, SimulatedOptions, TransformersOptions, VllmOptions
@@ -33,6 +36,7 @@ __all__ = [
     "EngineDeadError",
     "EngineOccupancy",
     "EngineConfig",
+    "PrefixCacheStats",
     "Prompt",
     "ResponseFormat",
     "SamplingParams",
@@ -45,5 +49,7 @@ __all__ = [
     "greedy_ignores_seed",
     "is_streaming",
     "make_tiny_model",
+    "prefix_block_size",
+    "prefix_cache_stats",
     "supports_structured_output",
 ]

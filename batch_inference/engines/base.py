@@ -111,11 +111,54 @@ class Completion:
     completion_tokens: int
     finish_reason: FinishReason
     error: str | None = None
+    # prompt tokens the engine's prefix cache supplied (vLLM's num_cached_tokens); None: the
+    # engine keeps no prefix cache or does not say
+    cached_tokens: int | None = None
 
     @classmethod
     def failed(cls, error: str, prompt_tokens: int = 0) -> Completion:
         """A failed item; ``error`` is tagged with its ``ErrorKind`` (ValueError otherwise)."""
         return cls(text="", prompt_tokens=prompt_tokens, completion_tokens=0, finish_reason="error", error=ErrorKind.checked(error))
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    """An engine's prefix cache over its lifetime, in prompt tokens (vLLM: its scheduler's
+    ``prefix_cache_stats``, summed): what was looked up, what was found cached, and the
+    re-lookups of requests preempted and recomputed."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    @property
+    def computed(self) -> int:
+        """Prompt tokens the engine prefilled: the misses, recomputation after preemption included."""
+        return self.queries - self.hits + self.preempted_queries - self.preempted_hits
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"requests": self.requests, "queries": self.queries, "hits": self.hits,
+                "preempted_queries": self.preempted_queries, "preempted_hits": self.preempted_hits,
+                "hit_rate": round(self.hit_rate, 4), "computed": self.computed}
+
+
+def prefix_block_size(engine: object) -> int | None:
+    """The block size of the engine's prefix cache (attribute ``prefix_block_size``; absent or
+    None: it keeps none). Such an engine also signs a request's Tokens (``prefix_signature``)."""
+    size = getattr(engine, "prefix_block_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def prefix_cache_stats(engine: object) -> PrefixCacheStats | None:
+    """The engine's own prefix-cache counters (method ``prefix_cache``; absent or None: it keeps none)."""
+    method = getattr(engine, "prefix_cache", None)
+    return method() if callable(method) else None
 
 
 @runtime_checkable

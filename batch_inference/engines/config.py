@@ -19,6 +19,7 @@ class DecodeOverrides(BaseModel):
     kv_capacity_tokens: int | None = Field(None, ge=1)
     max_num_seqs: int | None = Field(None, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)
+    block_size: int | None = Field(None, ge=1, description="KV block size: the prefix cache's unit")
 
 
 class SimulatedOptions(BaseModel):
@@ -58,6 +59,10 @@ class SimulatedOptions(BaseModel):
     die_after_requests: int | None = Field(
         None, ge=0, description="continuous: the engine dies (EngineDeadError) once this many requests have completed"
     )
+    prefix_cache: bool = Field(
+        False, description="decode model: vLLM's automatic prefix cache (block-level LRU in the KV the running "
+                           "sequences leave free; a prompt's cached leading blocks are not prefilled)"
+    )
 
     @model_validator(mode="after")
     def _known_profile(self) -> SimulatedOptions:
@@ -65,6 +70,8 @@ class SimulatedOptions(BaseModel):
 
         if self.profile not in PROFILES:
             raise ValueError(f"unknown simulated engine profile {self.profile!r}; known: {sorted(PROFILES)}")
+        if self.prefix_cache and self.cost_model != "decode":
+            raise ValueError("prefix_cache models the decode engine's KV cache: it needs cost_model 'decode'")
         return self
 
 

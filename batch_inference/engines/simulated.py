@@ -24,6 +24,12 @@ the same hash (``output_lengths``: fixed / geometric / pareto, mean ``output_tok
 so a record's length never depends on what else is in flight. Token counting is a cheap
 documented rule: ``max(1, ceil(len(text) / 4))``, its ids the positions (``encode``); chat
 prompts count (and hash) as their plain-text view (``engines.chat.prompt_text``).
+
+With ``prefix_cache`` (decode model) the engines keep vLLM's automatic prefix cache
+(``decode_model.PrefixCache``): a prompt's leading blocks of ``profile.block_size`` tokens
+(4 characters a token), keyed by chained hashes of their text, are not prefilled again
+while they stay cached; completions carry ``cached_tokens`` and the engine its
+``prefix_cache()`` counters, as vLLM's do.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from batch_inference.engines.base import (
     Completion,
     EngineDeadError,
     EngineOccupancy,
+    PrefixCacheStats,
     Prompt,
     SamplingParams,
     Tokens,
@@ -51,7 +58,15 @@ from batch_inference.engines.base import (
 )
 from batch_inference.engines.chat import prompt_text
 from batch_inference.engines.config import EngineConfig, SimulatedOptions
-from batch_inference.engines.decode_model import DecodeProfile, DecodeScheduler, draw_output_tokens, get_profile, record_rng
+from batch_inference.engines.blocks import block_keys, cacheable_blocks, chain_hashes
+from batch_inference.engines.decode_model import (
+    DecodeProfile,
+    DecodeScheduler,
+    PrefixCache,
+    draw_output_tokens,
+    get_profile,
+    record_rng,
+)
 from batch_inference.rows import ErrorKind
 
 log = logging.getLogger(__name__)
@@ -62,9 +77,12 @@ _WORDS = (
 ).split()
 
 
+SIMULATED_CHARS_PER_TOKEN = 4
+
+
 def simulated_token_count(text: str) -> int:
     """The simulated tokenizer: one token per 4 characters, at least one."""
-    return max(1, math.ceil(len(text) / 4))
+    return max(1, math.ceil(len(text) / SIMULATED_CHARS_PER_TOKEN))
 
 
 def simulated_encode(prompt: Prompt) -> Tokens:
@@ -121,6 +139,32 @@ class _Answers:
         self.calls = 0
         self.busy_s = 0.0  # total modelled engine time, for reports
         self._lock = threading.Lock()
+
+    @property
+    def prefix_block_size(self) -> int | None:
+        """The decode model's KV block size with its prefix cache on (``prefix_cache``), else None."""
+        profile = getattr(self, "profile", None)
+        return profile.block_size if self.options.prefix_cache and profile is not None else None
+
+    def prefix_signature(self, tokens: Tokens) -> bytes:
+        """The prompt's cacheable blocks, keyed by their text (its tokens are 4 characters each)."""
+        size = self.prefix_block_size or 1
+        chars = cacheable_blocks(len(tokens.ids), size) * size * SIMULATED_CHARS_PER_TOKEN
+        data = prompt_text(tokens.source)[:chars].encode("utf-32-le")
+        return chain_hashes(data, 4 * SIMULATED_CHARS_PER_TOKEN * size)
+
+    def _blocks(self, prompt: Prompt | Tokens) -> list[bytes]:
+        """The prefix cache's keys of a prompt's cacheable blocks (none without the cache)."""
+        if self.prefix_block_size is None:
+            return []
+        tokens = prompt if isinstance(prompt, Tokens) else simulated_encode(prompt)
+        return block_keys(self.prefix_signature(tokens))
+
+    def prefix_cache(self) -> PrefixCacheStats | None:
+        cache: PrefixCache | None = getattr(self, "cache", None)
+        if cache is None:
+            return None
+        return PrefixCacheStats(cache.requests, cache.queries, cache.hits, cache.preempted_queries, cache.preempted_hits)
 
     @property
     def greedy_ignores_seed(self) -> bool:
@@ -199,17 +243,29 @@ class DecodeBatchEngine(_Answers):
         self.name = f"simulated-decode-blocking({self.profile.name})"
         self.completed = 0
         self.output_tokens = 0
+        # the engine's prefix cache outlives its calls, as vLLM's does across LLM.generate calls
+        self.cache = PrefixCache(self.profile.block_size) if self.options.prefix_cache else None
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> DecodeBatchEngine:
         return cls(cfg.simulated, max_model_len=cfg.max_model_len or 4096, seed=cfg.seed)
 
-    def batch_time_s(self, prompt_tokens: list[int], output_tokens: list[int]) -> float:
+    def batch_time_s(self, prompt_tokens: list[int], output_tokens: list[int],
+                     blocks: Sequence[Sequence[bytes]] | None = None) -> float:
         """Modelled seconds of one blocking call over these requests."""
-        sched = DecodeScheduler(self.profile)
+        return self._run_batch(prompt_tokens, output_tokens, blocks)[0]
+
+    def _run_batch(self, prompt_tokens: list[int], output_tokens: list[int],
+                   blocks: Sequence[Sequence[bytes]] | None) -> tuple[float, dict[object, int]]:
+        """Modelled seconds of one call, and each request's prompt tokens taken from the cache."""
+        sched = DecodeScheduler(self.profile, self.cache)
         for i, (p, o) in enumerate(zip(prompt_tokens, output_tokens)):
-            sched.add(i, p, max(1, o))
-        return sched.run_until_idle()
+            sched.add(i, p, max(1, o), blocks[i] if blocks is not None else ())
+        cached: dict[object, int] = {}
+        start = sched.now_s
+        while not sched.idle:
+            cached.update(sched.step().cached)
+        return sched.now_s - start, cached
 
     def generate(self, prompts: Sequence[Prompt | Tokens], params: SamplingParams | Sequence[SamplingParams]) -> list[Completion]:
         per_item = expand_params(prompts, params)
@@ -219,11 +275,17 @@ class DecodeBatchEngine(_Answers):
         self._count_call()
         started = time.perf_counter()
         out = [self._answer(prompt, p) for prompt, p in zip(prompts, per_item)]
-        ran = [c for c in out if c.error is None]
-        self._sleep_rest(self.batch_time_s([c.prompt_tokens for c in ran], [c.completion_tokens for c in ran]), started)
+        ran = [i for i, c in enumerate(out) if c.error is None]
+        with self._lock:  # the cache is the engine's: one call at a time models it
+            seconds, cached = self._run_batch([out[i].prompt_tokens for i in ran], [out[i].completion_tokens for i in ran],
+                                              [self._blocks(prompts[i]) for i in ran] if self.cache is not None else None)
+        if self.cache is not None:
+            for j, i in enumerate(ran):
+                out[i] = replace(out[i], cached_tokens=cached.get(j, 0))
+        self._sleep_rest(seconds, started)
         with self._lock:
             self.completed += len(out)
-            self.output_tokens += sum(c.completion_tokens for c in ran)
+            self.output_tokens += sum(out[i].completion_tokens for i in ran)
         return out
 
     def close(self) -> None:
@@ -251,11 +313,12 @@ class DecodeStreamingEngine(_Answers):
         super().__init__(options, max_model_len, seed)
         self.profile = decode_profile(self.options, max_model_len=max_model_len)
         self.name = f"simulated-decode-continuous({self.profile.name})"
-        self.scheduler = DecodeScheduler(self.profile)
+        self.cache = PrefixCache(self.profile.block_size) if self.options.prefix_cache else None
+        self.scheduler = DecodeScheduler(self.profile, self.cache)
         self.completed = 0
         self.output_tokens = 0
         self._ids = itertools.count()
-        self._futures: dict[int, asyncio.Future[None]] = {}
+        self._futures: dict[int, asyncio.Future[int | None]] = {}  # resolved with its cached prompt tokens
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._dead: EngineDeadError | None = None
@@ -279,18 +342,18 @@ class DecodeStreamingEngine(_Answers):
         if completion.error is not None:
             return completion
         rid = next(self._ids)
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
         self._futures[rid] = future
-        self.scheduler.add(rid, completion.prompt_tokens, max(1, completion.completion_tokens))
+        self.scheduler.add(rid, completion.prompt_tokens, max(1, completion.completion_tokens), self._blocks(prompt))
         self._wake.set()
         try:
-            await future
+            cached = await future
         except asyncio.CancelledError:
             self.scheduler.abort(rid)  # nothing keeps decoding for a caller that left
             raise
         finally:
             self._futures.pop(rid, None)
-        return completion
+        return completion if cached is None else replace(completion, cached_tokens=cached)
 
     def capacity(self) -> int:
         """Twice what the engine can run at once: finished sequences are replaced at the next step."""
@@ -350,7 +413,7 @@ class DecodeStreamingEngine(_Answers):
             for rid in result.finished:
                 future = self._futures.get(rid)
                 if future is not None and not future.done():
-                    future.set_result(None)
+                    future.set_result(result.cached.get(rid))
             self.completed += len(result.finished)
             self.output_tokens = sched.output_tokens
             dead_after = self.options.die_after_requests

@@ -36,6 +36,7 @@ from batch_inference.engines.base import (
     Completion,
     EngineDeadError,
     EngineOccupancy,
+    PrefixCacheStats,
     Prompt,
     SamplingParams,
     Tokens,
@@ -43,6 +44,7 @@ from batch_inference.engines.base import (
     token_counts,
     too_long_error,
 )
+from batch_inference.engines.blocks import ids_signature
 from batch_inference.engines.chat import TokenizerCopy, encode_chat, encode_error
 from batch_inference.engines.config import EngineConfig
 from batch_inference.rows import ErrorKind
@@ -132,8 +134,16 @@ def completion_from_output(output: Any) -> Completion:
     first = output.outputs[0]
     n_prompt = len(output.prompt_token_ids or [])
     if first.finish_reason in ("stop", "length"):
-        return Completion(first.text, n_prompt, len(first.token_ids), first.finish_reason)
+        cached = getattr(output, "num_cached_tokens", None)  # the prefix-cache hits of its prefill
+        return Completion(first.text, n_prompt, len(first.token_ids), first.finish_reason,
+                          cached_tokens=int(cached) if cached is not None else None)
     return Completion.failed(ErrorKind.ENGINE_ERROR.tag(f"finish_reason={first.finish_reason}"), prompt_tokens=n_prompt)
+
+
+def prefix_block_size(vllm_config: Any) -> int | None:
+    """vLLM's KV block size when its prefix cache is on (the size its blocks are cached at), else None."""
+    cache = vllm_config.cache_config
+    return int(cache.block_size) if getattr(cache, "enable_prefix_caching", False) else None
 
 
 def _tokens_input_factory() -> Any:
@@ -167,11 +177,16 @@ class VllmEngine:
         self.tokenizer = self._llm.get_tokenizer()  # generate's (LLM.generate detokenizes with it too)
         self._counting = TokenizerCopy(self.tokenizer)  # encode runs on other threads than generate
         self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
+        self.prefix_block_size = prefix_block_size(self._llm.llm_engine.vllm_config)
         self.name = f"vllm:{cfg.model}"
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> VllmEngine:
         return cls(cfg)
+
+    def prefix_signature(self, tokens: Tokens) -> bytes:
+        """The prompt's cacheable blocks as vLLM's prefix cache keys them (``engines.blocks``)."""
+        return ids_signature(tokens.ids, self.prefix_block_size or 1)
 
     def encode(self, prompts: Sequence[Prompt]) -> list[Tokens | Completion]:
         """On a copy of the tokenizer (never generate's: this runs on other threads)."""
@@ -241,6 +256,7 @@ class VllmStreamingEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self._stats: Any = None  # the engine core's last SchedulerStats
+        self._prefix = [0, 0, 0, 0, 0]  # its prefix_cache_stats summed: requests, queries, hits, preempted queries/hits
         kwargs = engine_kwargs(cfg)
         kwargs.setdefault("disable_log_stats", True)  # our stat logger below still gets the figures
         if isinstance(kwargs["structured_outputs_config"], dict):  # AsyncEngineArgs takes the config object
@@ -264,8 +280,13 @@ class VllmStreamingEngine:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
         self._capacity = cfg.vllm.max_in_flight or 2 * self.max_num_seqs
+        self.prefix_block_size = prefix_block_size(vllm_config)
         self.name = f"vllm:{cfg.model}"
         self._ids = itertools.count()
+
+    def prefix_signature(self, tokens: Tokens) -> bytes:
+        """The prompt's cacheable blocks as vLLM's prefix cache keys them (``engines.blocks``)."""
+        return ids_signature(tokens.ids, self.prefix_block_size or 1)
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> VllmStreamingEngine:
@@ -290,6 +311,7 @@ class VllmStreamingEngine:
         def record(self: Any, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
             if scheduler_stats is not None:
                 engine._stats = scheduler_stats
+                engine._add_prefix_stats(getattr(scheduler_stats, "prefix_cache_stats", None))
 
         def no_op(self: Any, *args: Any, **kwargs: Any) -> None:
             pass
@@ -350,6 +372,17 @@ class VllmStreamingEngine:
 
     def capacity(self) -> int:
         return self._capacity
+
+    def _add_prefix_stats(self, stats: Any) -> None:
+        """One scheduler update's prefix-cache figures (a delta: vLLM resets them per update)."""
+        if stats is None:
+            return
+        for i, name in enumerate(("requests", "queries", "hits", "preempted_queries", "preempted_hits")):
+            self._prefix[i] += int(getattr(stats, name, 0) or 0)
+
+    def prefix_cache(self) -> PrefixCacheStats:
+        """vLLM's own prefix-cache counters over this engine's life (its scheduler's figures)."""
+        return PrefixCacheStats(*self._prefix)
 
     def occupancy(self) -> EngineOccupancy:
         stats = self._stats

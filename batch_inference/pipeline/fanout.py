@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from batch_inference.engines.blocks import DistinctBlocks
 from batch_inference.pipeline.ledger import Ledger
 from batch_inference.pipeline.summaries import PhaseSummary, QuarantineEntry
 from batch_inference.pool import dispatch_bounded
@@ -162,6 +163,9 @@ class FanOut:
             duplicates=sum(int(x.get("duplicates", 0)) for x in recs),
             duplicate_tokens_in=sum(int(x.get("duplicate_tokens_in", 0)) for x in recs),
             duplicate_tokens_out=sum(int(x.get("duplicate_tokens_out", 0)) for x in recs),
+            prefix_queried=sum(int(x.get("prefix_queried", 0)) for x in recs),
+            prefix_hits=sum(int(x.get("prefix_hits", 0)) for x in recs),
+            ideal_prefill_tokens=ideal_prefill(recs),
         )
 
     def _file(self, url: str) -> JsonlFile:
@@ -194,6 +198,28 @@ class FanOut:
         for key, url in spec.outputs.items():
             if key != "checkpoint":
                 self._remove(url)
+
+
+def ideal_prefill(recs: list[dict[str, Any]]) -> int | None:
+    """Each distinct prefix of the phase computed once: the tasks' block sketches merged
+    (their distinct cacheable blocks, over every worker) times the block size, plus every
+    request's tokens past its blocks. None when no task's engine keeps a prefix cache."""
+    merged: DistinctBlocks | None = None
+    size: int | None = None
+    tail = 0
+    for rec in recs:
+        if not rec.get("prefix_blocks") or not rec.get("prefix_block_size"):
+            continue
+        sketch = DistinctBlocks.from_text(rec["prefix_blocks"])
+        size = int(rec["prefix_block_size"])
+        tail += int(rec.get("prefix_tail_tokens", 0))
+        if merged is None:
+            merged = sketch
+        else:
+            merged.merge(sketch)
+    if merged is None or size is None:
+        return None
+    return merged.estimate() * size + tail
 
 
 class OccupancySampler:

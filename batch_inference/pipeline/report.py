@@ -160,12 +160,16 @@ def _rate(tokens_per_s: float) -> str:
 # The ledger table's columns, and the order they are left out in when the console is too
 # narrow for all of them ("funnel bar": the funnel keeps its percentage, loses its bar).
 # When even the rest does not fit, each row is printed as a block of "name value" lines.
+# "cache" (the engine's prefix-cache hit rate), "vs ideal" (prompt tokens prefilled / each
+# distinct prefix computed once) and "dups" (requests answered by an identical one) appear
+# only when some row has them (OPTIONAL).
 COLUMNS: tuple[tuple[str, str], ...] = (
     ("phase", "left"), ("in", "right"), ("approved", "right"), ("rejected", "right"), ("failed", "right"),
     ("funnel", "left"), ("tokens in/out", "right"), ("engine", "right"), ("wall", "right"), ("out tok/s", "right"),
-    ("fill", "right"), ("next", "left"),
+    ("fill", "right"), ("cache", "right"), ("vs ideal", "right"), ("dups", "right"), ("next", "left"),
 )
-LEAVE_OUT_ORDER: tuple[str, ...] = ("fill", "out tok/s", "engine", "tokens in/out", "funnel bar", "wall")
+OPTIONAL: frozenset[str] = frozenset({"cache", "vs ideal", "dups"})
+LEAVE_OUT_ORDER: tuple[str, ...] = ("vs ideal", "dups", "fill", "cache", "out tok/s", "engine", "tokens in/out", "funnel bar", "wall")
 
 
 class LedgerTable:
@@ -179,9 +183,10 @@ class LedgerTable:
         self.title, self.rows, self.bars = title, rows, bars  # bars: row index -> its funnel bar
 
     def table(self, left_out: tuple[str, ...] = ()) -> Table:
-        caption = f"left out at this width: {', '.join(left_out)}" if left_out else None
+        shown = [name for name in left_out if name not in OPTIONAL or self._has(name)]
+        caption = f"left out at this width: {', '.join(shown)}" if shown else None
         table = Table(title=self.title, caption=caption, show_lines=False)
-        names = [name for name, _ in COLUMNS if name not in left_out]
+        names = [name for name, _ in COLUMNS if name not in left_out and (name not in OPTIONAL or self._has(name))]
         for name, justify in COLUMNS:
             if name in names:
                 table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
@@ -191,6 +196,9 @@ class LedgerTable:
                      "next": row.get("next") or row.get("note", "")}
             table.add_row(*(cells.get(name, "") for name in names))
         return table
+
+    def _has(self, name: str) -> bool:
+        return any(row.get(name) for row in self.rows)
 
     def stacked(self, width: int) -> list[Text]:
         """Each row as its label (and what follows it), then its "name value" pairs wrapped to ``width``."""
@@ -222,7 +230,8 @@ class LedgerTable:
 
 def ledger_table(view: LedgerView, title: str) -> LedgerTable:
     """Per round (and tail): the funnel, tokens, engine time, wall, output tokens/s (the
-    inference phase's: what the engine delivered), fill, and the decision, fitted to the
+    inference phase's: what the engine delivered), fill, the prefix cache (hit rate, prefill
+    vs the ideal) and duplicates saved where there are any, and the decision, fitted to the
     console's width (``LedgerTable``).
 
     "in" is the round's pending records (quarantined shards included); "failed" the records
@@ -244,6 +253,7 @@ def ledger_table(view: LedgerView, title: str) -> LedgerTable:
             "rejected": _n(rnd.rejected if judged else None), "failed": _n(rnd.failed), "funnel": f"{rnd.approval:.0%}",
             "tokens in/out": f"{_k(rnd.tokens_in)}/{_k(rnd.tokens_out)}", "engine": duration(rnd.engine_busy_s),
             "wall": duration(rnd.wall_s), "out tok/s": _rate(rnd.output_tokens_per_s), "fill": _f(rnd.avg_fill),
+            **_cache_cells(rnd.prefix_hit_rate, rnd.prefill_vs_ideal, rnd.duplicates),
             "next": rnd.decision.kind if rnd.decision else "review" if rnd.awaiting_review else "-",
         })
     if t := view.tail:
@@ -254,9 +264,16 @@ def ledger_table(view: LedgerView, title: str) -> LedgerTable:
             "rejected": f"{_n(t.max_attempts)}*", "failed": _n(t.records_failed),
             "funnel": f"{approval:.0%}", "tokens in/out": f"{_k(t.tokens_in)}/{_k(t.tokens_out)}",
             "engine": duration(t.engine_busy_s), "wall": duration(t.wall_s), "out tok/s": _rate(t.output_tokens_per_s),
-            "fill": _f(t.avg_fill), "next": "",
+            "fill": _f(t.avg_fill), **_cache_cells(t.prefix_hit_rate, t.prefill_vs_ideal, t.duplicates), "next": "",
         })
     return LedgerTable(title, rows, bars)
+
+
+def _cache_cells(hit_rate: float | None, vs_ideal: float | None, duplicates: int) -> dict[str, str]:
+    """The optional cells: empty where the engine keeps no prefix cache, or nothing repeated."""
+    return {"cache": f"{hit_rate:.0%}" if hit_rate is not None else "",
+            "vs ideal": f"{vs_ideal:.2f}x" if vs_ideal is not None else "",
+            "dups": _n(duplicates) if duplicates else ""}
 
 
 def run_lines(view: LedgerView) -> list[str]:

@@ -163,6 +163,14 @@ class PhaseSummary(_Summary):
     duplicates: int = 0
     duplicate_tokens_in: int = 0
     duplicate_tokens_out: int = 0
+    # The engine's prefix cache over the requests it ran (vLLM's per-request cached tokens):
+    # prompt tokens looked up, and those found cached.
+    prefix_queried: int = 0
+    prefix_hits: int = 0
+    # The ideal prefill: each distinct prefix of the phase computed once (distinct cacheable
+    # blocks over every worker, a merged sketch: ~1.6% error, plus the tokens past them);
+    # None where the engine keeps no prefix cache.
+    ideal_prefill_tokens: int | None = None
 
     _nested: ClassVar[dict[str, Any]] = {"quarantined": _entries}
 
@@ -201,6 +209,21 @@ class PhaseSummary(_Summary):
     def permanent_errors(self) -> int:
         """Of a judge's rejected rows, those with a permanent error: they end ``failed``, never retried."""
         return int(self.counts.get(PERMANENT_ERRORS, 0))
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """Prompt tokens the engine's prefix cache supplied / looked up (None: no engine said)."""
+        return rate(self.prefix_hits, self.prefix_queried) if self.prefix_queried else None
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens the engine computed (its prefix-cache misses)."""
+        return self.prefix_queried - self.prefix_hits
+
+    @property
+    def prefill_vs_ideal(self) -> float | None:
+        """Prefill computed / the ideal (1.0: every distinct prefix computed exactly once)."""
+        return rate(self.prefill_tokens, self.ideal_prefill_tokens) if self.ideal_prefill_tokens and self.prefix_queried else None
 
 
 @dataclass(frozen=True)
@@ -278,6 +301,18 @@ class RunSummary(_Summary):
     def unfinished(self) -> int:
         """Records that ran out of rounds or attempts."""
         return self.exhausted + self.max_attempts
+
+
+def cache_hit_rate(phases: list[PhaseSummary]) -> float | None:
+    """Prompt tokens the engines' prefix caches supplied / looked up, over phases (None: none said)."""
+    queried = sum(p.prefix_queried for p in phases)
+    return rate(sum(p.prefix_hits for p in phases), queried) if queried else None
+
+
+def prefill_vs_ideal(phases: list[PhaseSummary]) -> float | None:
+    """Prompt tokens prefilled / the ideal (each distinct prefix once), over the phases that know it."""
+    known = [p for p in phases if p.ideal_prefill_tokens and p.prefix_queried]
+    return rate(sum(p.prefill_tokens for p in known), sum(p.ideal_prefill_tokens or 0 for p in known)) if known else None
 
 
 @dataclass(frozen=True)
@@ -369,6 +404,19 @@ class RoundView:
     def avg_fill(self) -> float:
         """The batch fill of the phase that used the engine most (a rule judge runs none)."""
         return max((p.avg_fill for p in self.phases), default=0.0)
+
+    @property
+    def duplicates(self) -> int:
+        """Requests of the round answered by an identical one (both phases)."""
+        return sum(p.duplicates for p in self.phases)
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        return cache_hit_rate(self.phases)
+
+    @property
+    def prefill_vs_ideal(self) -> float | None:
+        return prefill_vs_ideal(self.phases)
 
 
 @dataclass

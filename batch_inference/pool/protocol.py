@@ -107,6 +107,16 @@ class TaskResult(_Wire):
     duplicates: int = 0
     duplicate_tokens_in: int = 0
     duplicate_tokens_out: int = 0
+    # The engine's prefix cache over the requests it ran (those whose engine reports it):
+    # prompt tokens looked up, and those found cached (prefill computed = queried - hits).
+    prefix_queried: int = 0
+    prefix_hits: int = 0
+    # The ideal prefill: the distinct cacheable blocks of the requests the engine ran (a
+    # DistinctBlocks sketch, engines.blocks, merged over the phase), their block size, and
+    # their tokens past those blocks (computed by every request).
+    prefix_blocks: str | None = None
+    prefix_block_size: int | None = None
+    prefix_tail_tokens: int = 0
     cached: bool = False
     warnings: list[str] = []  # e.g. checkpoint flushes that failed and were retried
 

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from batch_inference.engines import EngineDeadError
+from batch_inference.engines import EngineDeadError, prefix_block_size, prefix_cache_stats
 from batch_inference.pool.engine_host import EngineHost
 from batch_inference.pool.protocol import TaskResult, TaskRunner, TaskSpec
 from batch_inference.pool.tasks import TaskContext, run_task
@@ -106,7 +106,8 @@ class WorkerRuntime:
         self.started_at = time.monotonic()
         self.last_activity = time.monotonic()
         self.counters = {"completed": 0, "failed": 0, "cached": 0, "refused": 0, "abandoned": 0,
-                         "records": 0, "tokens_in": 0, "tokens_out": 0}
+                         "records": 0, "tokens_in": 0, "tokens_out": 0, "duplicates": 0,
+                         "prefix_queried": 0, "prefix_hits": 0}
 
     # -- tasks --------------------------------------------------------------
 
@@ -196,6 +197,10 @@ class WorkerRuntime:
             records_in=m.records_in, tokens_in=m.tokens_in, tokens_out=m.tokens_out,
             wall_s=time.perf_counter() - t0, engine_busy_s=m.engine_s, avg_fill=m.avg_fill,
             duplicates=m.duplicates, duplicate_tokens_in=m.duplicate_tokens_in, duplicate_tokens_out=m.duplicate_tokens_out,
+            prefix_queried=m.prefix_queried, prefix_hits=m.prefix_hits,
+            prefix_blocks=m.prefix_blocks.to_text() if m.prefix_blocks is not None else None,
+            prefix_block_size=prefix_block_size(self.host.engine) if m.prefix_blocks is not None else None,
+            prefix_tail_tokens=m.prefix_tail_tokens,
             warnings=ctx.warnings,
         )
         for warning in ctx.warnings:
@@ -204,6 +209,9 @@ class WorkerRuntime:
         self.counters["records"] += m.records_in
         self.counters["tokens_in"] += m.tokens_in
         self.counters["tokens_out"] += m.tokens_out
+        self.counters["duplicates"] += m.duplicates
+        self.counters["prefix_queried"] += m.prefix_queried
+        self.counters["prefix_hits"] += m.prefix_hits
         self.finished[spec.task_id] = (spec, result)
         while len(self.finished) > self.result_cache:
             self.finished.popitem(last=False)
@@ -297,4 +305,17 @@ class WorkerRuntime:
             "stream": stream,
             # identical requests computed once (pool.dedup): led, joined, replayed, orphaned
             "dedup": host.memo.stats(),
+            "prefix_cache": self._prefix_cache(),
         }
+
+    def _prefix_cache(self) -> dict[str, Any] | None:
+        """The engine's prefix cache: its own counters (vLLM's scheduler figures, preemptions
+        included) where it keeps them, else the finished tasks' per-request figures."""
+        own = prefix_cache_stats(self.host.engine) if self.host.engine is not None else None
+        if own is not None:
+            return {**own.as_dict(), "source": "engine"}
+        queried, hits = self.counters["prefix_queried"], self.counters["prefix_hits"]
+        if not queried:
+            return None
+        return {"queries": queried, "hits": hits, "hit_rate": round(hits / queried, 4), "computed": queried - hits,
+                "source": "requests"}

