@@ -35,10 +35,11 @@ class SpecChanged(SpecError):
 
 
 # The spec keys that decide a run's results. A run resumed with any of them changed would mix
-# two specs' results in one output; the rest (pool, strategy, limits, review policy, storage)
-# only say how the run is carried out, and a resumed run may change them.
+# two specs' results in one output; the rest (pools, strategy, limits, review policy, storage,
+# an engine's tuning) only say how the run is carried out, and a resumed run may change them.
 RESULT_KEYS = ("input", "input_format", "openai_batch", "infer", "judge")
 ENGINE_RESULT_KEYS = ("kind", "model", "dtype", "seed")
+PLACEMENT_KEYS = ("judge.pool",)  # where the judge runs: a Dagster pool resource sets it per step
 
 
 def result_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -46,7 +47,11 @@ def result_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[st
     specs as JSON (``PipelineSpec.public_dict``), in a stable order."""
 
     def flat(value: Any, prefix: str) -> dict[str, Any]:
+        if prefix in PLACEMENT_KEYS:
+            return {}
         if isinstance(value, dict):
+            if prefix.endswith("engine") and prefix != "engine":  # a judge's own engine: as the top-level one
+                return {k: v for key in ENGINE_RESULT_KEYS for k, v in flat(value.get(key), f"{prefix}.{key}").items()}
             out: dict[str, Any] = {}
             for k, v in value.items():
                 out.update(flat(v, f"{prefix}.{k}"))

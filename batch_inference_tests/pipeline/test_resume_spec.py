@@ -18,6 +18,12 @@ def test_result_changes_name_the_dotted_keys_that_decide_results() -> None:
     assert result_changes(a, b) == ["infer.template"]  # the pool and engine tuning only say how it runs
     assert result_changes(a, {**a, "judge": {"kind": "rule"}, "engine": {"kind": "vllm", "model": "m"}}) == [
         "engine.kind", "engine.model", "judge.kind"]
+    # a judge's own engine counts as the top-level one does; where the judge runs does not count
+    own = {**a, "judge": {"kind": "llm", "engine": {"kind": "simulated", "seed": 1, "vllm": {}}, "pool": None}}
+    placed = {**own, "judge": {**own["judge"], "pool": {"launcher": "local", "endpoints": ["http://127.0.0.1:9"]},
+                               "engine": {"kind": "simulated", "seed": 1, "vllm": {"max_num_seqs": 4}}}}
+    assert result_changes(own, placed) == []
+    assert result_changes(own, {**own, "judge": {**own["judge"], "engine": {"kind": "simulated", "seed": 2}}}) == ["judge.engine.seed"]
 
 
 async def test_a_finished_run_refuses_an_edited_template_and_resumes_an_edited_pool(make_spec) -> None:
