@@ -40,14 +40,14 @@ def _open(fs: fsspec.AbstractFileSystem, path: str, url: str) -> Any:
         raise FileNotFoundError(f"No such file: {url}") from None
 
 
-def zstd_chunks(fs: fsspec.AbstractFileSystem, path: str, url: str) -> Iterator[bytes]:
-    """Yield the decompressed bytes of a zstd file, what ZSTD_READ_SIZE of input makes at a time."""
+def zstd_chunks(fs: fsspec.AbstractFileSystem, path: str, url: str, read_size: int = ZSTD_READ_SIZE) -> Iterator[bytes]:
+    """Yield the decompressed bytes of a zstd file, what ``read_size`` of input makes at a time."""
     with _open(fs, path, url) as f:
         dctx = zstandard.ZstdDecompressor()
         dobj = dctx.decompressobj()
         seen = False
         try:
-            while raw := f.read(ZSTD_READ_SIZE):
+            while raw := f.read(read_size):
                 seen = True
                 while raw:
                     out = dobj.decompress(raw)
@@ -155,18 +155,20 @@ class _ChunkStream(io.RawIOBase):
 
 
 def iter_blocks(
-    fs: fsspec.AbstractFileSystem, path: str, url: str, compressed: bool
+    fs: fsspec.AbstractFileSystem, path: str, url: str, compressed: bool, block_bytes: int = PLAIN_READ_SIZE,
 ) -> Iterator[tuple[str, int, list[bytes]]]:
     """Yield (url, number of the first line, ~1 MiB of lines) at a time: the unit one thread hop carries.
 
     ``readlines(1 MiB)`` on a 1 MiB BufferedReader: C cuts the lines and carries a line
     cut at a chunk's end over to the next read (faster than bytes.split plus joining the
     cut line). Lines keep their newline; orjson takes it as whitespace.
+    ``block_bytes`` is smaller where many files are read at once (a merge of sorted runs).
     """
-    raw = _ChunkStream(zstd_chunks(fs, path, url)) if compressed else _open(fs, path, url)
-    with io.BufferedReader(raw, PLAIN_READ_SIZE) as reader:
+    zstd_read = max(1 << 12, block_bytes * ZSTD_READ_SIZE // PLAIN_READ_SIZE)
+    raw = _ChunkStream(zstd_chunks(fs, path, url, zstd_read)) if compressed else _open(fs, path, url)
+    with io.BufferedReader(raw, block_bytes) as reader:
         line_no = 1
-        while lines := reader.readlines(PLAIN_READ_SIZE):
+        while lines := reader.readlines(block_bytes):
             yield url, line_no, lines
             line_no += len(lines)
 

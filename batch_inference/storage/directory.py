@@ -26,6 +26,7 @@ from batch_inference.storage.file import (
     aiter_records,
     check_sink,
     numbered_records,
+    parsed_lines,
     sync_records,
 )
 from batch_inference.storage.lock import DirLock
@@ -138,6 +139,10 @@ class JsonlDir:
     ) -> Iterator[tuple[int, dict]]:
         """``(line number, record)``: 0-based over the shards in order, blank and malformed lines counted."""
         return numbered_records(self.shards, on_error, quarantine)
+
+    def iter_parsed_lines_sync(self) -> Iterator[tuple[dict, bytes]]:
+        """``(record, its line)`` over the shards in order (``file.parsed_lines``)."""
+        return parsed_lines(self.shards)
 
     def iter_records(
         self, *, on_error: OnError = "raise", quarantine: QuarantineSink | None = None

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import orjson
 
 from batch_inference.storage import _io, urls
+from batch_inference.storage.errors import MalformedRecordError
 
 QuarantineSink = Callable[[dict], Awaitable[None] | None]
 OnError = Literal["raise", "quarantine"]
@@ -73,6 +74,10 @@ class JsonlFile:
     ) -> Iterator[tuple[int, dict]]:
         """``(0-based line number, record)`` on this thread: blank and malformed lines count."""
         return numbered_records(lambda: [self], on_error, quarantine)
+
+    def iter_parsed_lines_sync(self) -> Iterator[tuple[dict, bytes]]:
+        """``(record, its line)`` on this thread (see ``parsed_lines``)."""
+        return parsed_lines(lambda: [self])
 
     def iter_records(
         self, *, on_error: OnError = "raise", quarantine: QuarantineSink | None = None
@@ -131,6 +136,24 @@ def sync_records(
     list_shards: Callable[[], list[JsonlFile]], on_error: str, quarantine: QuarantineSink | None
 ) -> Iterator[dict]:
     return _io.parse_blocks(_shard_blocks(list_shards), on_error, _sync_sink(on_error, quarantine))  # one generator level per record
+
+
+def parsed_lines(list_shards: Callable[[], list[JsonlFile]]) -> Iterator[tuple[dict, bytes]]:
+    """Every record with the line it was read from (newline kept, exactly its size): passes
+    that move records keep the line and need not encode them again. Blank lines are skipped;
+    a malformed line raises ``MalformedRecordError`` (directories the pipeline wrote have none)."""
+    loads, decode_error = orjson.loads, orjson.JSONDecodeError
+    for url, first, lines in _shard_blocks(list_shards):
+        for k, raw in enumerate(lines):
+            if not raw.strip():
+                continue
+            try:
+                rec = loads(raw)
+            except decode_error as exc:
+                raise MalformedRecordError(url, first + k, str(exc)) from None
+            if type(rec) is not dict:
+                raise MalformedRecordError(url, first + k, "expected a JSON object")
+            yield rec, raw if raw.endswith(b"\n") else raw + b"\n"
 
 
 def numbered_records(

@@ -8,8 +8,8 @@ a time until at most ``fan_in`` are left (spilling the intermediate merges), and
 ``iter_sorted()`` yields the records in key order (as often as asked: one merge each). Keys compare as bytes; ties keep the order they were added in
 (each run's sort and every merge are stable), so the same input always sorts the same.
 
-Memory is one run while adding and ``fan_in`` open readers (a block of ~1 MiB each) while
-merging, whatever the number of records; the spill takes about the records' compressed
+Memory is one run while adding and ``fan_in`` open readers (a block of ``MERGE_BLOCK_BYTES``
+each) while merging, whatever the number of records; the spill takes about the records' compressed
 size (twice while one merge level is written). A sort whose process dies leaves its
 spill files: ``clear()`` (which ``__enter__`` calls) removes them.
 """
@@ -24,7 +24,8 @@ from typing import Any
 from batch_inference.storage import _io, urls
 
 DEFAULT_RUN_BYTES = 128 << 20
-DEFAULT_FAN_IN = 32
+DEFAULT_FAN_IN = 16
+MERGE_BLOCK_BYTES = 1 << 17  # lines read at a time from each run being merged: fan_in of them are open
 _ITEM_OVERHEAD = 120  # bytes a (key, line) pair costs beyond its contents (tuple, two bytes objects)
 _HEAD = b'{"k":"'
 _MID = b'","r":'
@@ -115,7 +116,7 @@ class ExternalSort:
 
     def _read(self, path: str) -> Iterator[tuple[bytes, bytes]]:
         url = f"{self.url.rstrip('/')}/{path.rsplit('/', 1)[-1]}"
-        for _url, _first, lines in _io.iter_blocks(self.fs, path, url, True):
+        for _url, _first, lines in _io.iter_blocks(self.fs, path, url, True, MERGE_BLOCK_BYTES):
             for line in lines:
                 yield _parse(line)
 

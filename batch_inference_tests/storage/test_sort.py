@@ -71,3 +71,19 @@ def test_add_after_finish_is_refused(tmp_path: Path) -> None:
         s.add(b"k", b"{}\n")
     with pytest.raises(RuntimeError):
         list(ExternalSort(str(tmp_path / "other")).iter_sorted())
+
+
+def test_parsed_lines_carry_each_records_own_line(tmp_path: Path) -> None:
+    from batch_inference.storage import JsonlFile, MalformedRecordError
+
+    recs = [{"id": str(i), "t": "é\n" * i} for i in range(5)]
+    with JsonlDir(str(tmp_path / "d")).writer_sync(max_records_per_shard=2, compression="zstd") as w:
+        w.write_many(recs)
+    got = list(JsonlDir(str(tmp_path / "d")).iter_parsed_lines_sync())
+    assert [r for r, _ in got] == recs
+    assert all(line == orjson.dumps(r, option=orjson.OPT_APPEND_NEWLINE) and len(line) == len(bytes(line)) for r, line in got)
+    (tmp_path / "f.jsonl").write_bytes(b'{"id": "a"}\n\n{"id": "b"}')  # a blank line, no final newline
+    assert [line for _, line in JsonlFile(str(tmp_path / "f.jsonl")).iter_parsed_lines_sync()] == [b'{"id": "a"}\n', b'{"id": "b"}\n']
+    (tmp_path / "bad.jsonl").write_bytes(b'{"id": "a"}\n[1]\n')
+    with pytest.raises(MalformedRecordError, match=r"bad.jsonl:2: malformed record"):
+        list(JsonlFile(str(tmp_path / "bad.jsonl")).iter_parsed_lines_sync())
