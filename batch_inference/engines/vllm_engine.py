@@ -391,6 +391,11 @@ class VllmStreamingEngine:
         return EngineOccupancy(running=int(stats.num_running_reqs), waiting=int(stats.num_waiting_reqs),
                                max_num_seqs=self.max_num_seqs, kv_cache_usage=float(stats.kv_cache_usage))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Empty vLLM's prefix cache (benchmarks: a measurement that follows another over the
+        same prompts would measure its cache hits, not the workload); False while requests run."""
+        return bool(await self._llm.reset_prefix_cache())
+
     async def aclose(self) -> None:
         """Stop the engine core process (in-flight requests were cancelled by the host first)."""
         if self._llm is not None:
