@@ -14,9 +14,11 @@ conservation holds by construction (and is checked: as many records out as in). 
 before any round, over ``sharded/``; recompaction keeps the order (the rejected records of
 a round, concatenated in shard order, are a subsequence of a sorted sequence).
 
-Work is skipped when it cannot pay: the rewrite happens only when prefix order shares at
-least ``min_gain`` of the blocks more than input order does (a prefix every record shares,
-such as a template's preamble, is cached in any order).
+Work is skipped when it cannot pay: a first pass signs every record by its text (cheap,
+no tokenizer) and decides; records are tokenised and the directory rewritten only when
+prefix order shares at least ``min_gain`` of the blocks more than input order does (a
+prefix every record shares, such as a template's preamble, is cached in any order). A
+shared text prefix is a shared token prefix, so the text decides as the tokens would.
 """
 
 from __future__ import annotations
@@ -25,14 +27,16 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from batch_inference.engines.base import Prompt
 from batch_inference.pipeline.summaries import LayoutSummary
 from batch_inference.prompting import InferConfig, RequestBuilder
-from batch_inference.prompting.prefix import PrefixSigner, shared_blocks
+from batch_inference.prompting.prefix import CharTokens, PrefixSigner, shared_blocks
 from batch_inference.storage import JsonlDir
 from batch_inference.storage.sort import ExternalSort
+from batch_inference.storage.urls import join
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +60,55 @@ def _batches(it: Iterator[Any], n: int) -> Iterator[list[Any]]:
         yield batch
 
 
+@dataclass
+class _Pass:
+    """One signing pass over the directory: its sort and what it counted."""
+
+    sort: ExternalSort
+    records: int = 0
+    blocks: int = 0
+    shared_input: int = 0
+    shared_sorted: int = 0
+    sign_s: float = 0.0
+
+    @property
+    def gain(self) -> float:
+        return (self.shared_sorted - self.shared_input) / self.blocks if self.blocks else 0.0
+
+
+def _sign_pass(d: JsonlDir, signer: PrefixSigner, builder: RequestBuilder, sort: ExternalSort, *, keep_lines: bool) -> _Pass:
+    """Sign every record, spill (signature, line) into ``sort`` (the line only when kept), count sharing."""
+    p = _Pass(sort)
+    prev = b""
+    for batch in _batches(d.iter_parsed_lines_sync(), SIGN_BATCH):  # each record with its own line: moved as it is
+        t = time.perf_counter()
+        signatures = signer.sign([record_prompt(builder, rec) for rec, _ in batch])
+        p.sign_s += time.perf_counter() - t
+        for (_, line), sig in zip(batch, signatures):
+            p.shared_input += shared_blocks(prev, sig.blocks)
+            prev = sig.blocks
+            p.blocks += sig.n_blocks
+            sort.add(sig.blocks, line if keep_lines else b"")
+        p.records += len(batch)
+    sort.finish()
+    prev = b""
+    for key, _ in sort.iter_sorted():
+        p.shared_sorted += shared_blocks(prev, key)
+        prev = key
+    return p
+
+
 def layout_by_prefix(
     url: str, *, signer: PrefixSigner, infer: InferConfig, records_per_shard: int, spill_url: str,
     storage_options: dict[str, Any] | None = None, min_gain: float = 0.01, run_bytes: int = 128 << 20,
 ) -> LayoutSummary:
     """Rewrite the JsonlDir at ``url`` in prefix order, when that pays (blocking: a CPU pass).
+
+    First a cheap pass signs every record by its text (``CharTokens``: no tokenizer) and
+    sorts the signatures alone: when prefix order would not share ``min_gain`` more, it
+    stops there and the directory keeps its order (no record tokenised). Otherwise, with a
+    tokenizer-backed ``signer``, a second pass signs every record by the engine's tokens and
+    sorts the records by those; with a text signer the first pass's sort is the order.
 
     The directory is read in full (signed, spilled as sorted runs) before it is rewritten;
     a process killed while rewriting leaves it without a manifest, which the shard step
@@ -71,47 +119,45 @@ def layout_by_prefix(
     if man is None:
         raise PlacementError(f"{d.url} is not committed: nothing to lay out")
     builder = RequestBuilder(infer)
-    sign_s = 0.0
-    records = blocks = shared_input = shared_sorted = 0
     t0 = time.perf_counter()
-    with ExternalSort(spill_url, storage_options=storage_options, run_bytes=run_bytes) as sort:
-        prev = b""
-        for batch in _batches(d.iter_parsed_lines_sync(), SIGN_BATCH):  # each record with its own line: moved as it is
-            t = time.perf_counter()
-            signatures = signer.sign([record_prompt(builder, rec) for rec, _ in batch])
-            sign_s += time.perf_counter() - t
-            for (_, line), sig in zip(batch, signatures):
-                shared_input += shared_blocks(prev, sig.blocks)
-                prev = sig.blocks
-                blocks += sig.n_blocks
-                sort.add(sig.blocks, line)
-            records += len(batch)
-        if records != man.records:
-            raise PlacementError(f"{d.url}: read {records} records, its manifest says {man.records}")
-        sort.finish()
-        prev = b""
-        for key, _ in sort.iter_sorted():
-            shared_sorted += shared_blocks(prev, key)
-            prev = key
-        gain = (shared_sorted - shared_input) / blocks if blocks else 0.0
-        applied = blocks > 0 and gain >= min_gain and gain > 0
-        if applied:
-            reason = f"prefix order shares {gain:.1%} of the blocks more than input order (>= min_gain {min_gain:.1%})"
-            with d.writer_sync(max_records_per_shard=records_per_shard, compression=man.compression) as w:
-                w.write_lines(line for _, line in sort.iter_sorted())
-            written = w.records
-            if written != records:  # pragma: no cover - the sort hands back what it took
-                raise PlacementError(f"{d.url}: rewrote {written} of {records} records")
-        else:
-            reason = (f"kept input order: prefix order would share {gain:.1%} of the blocks more (< min_gain {min_gain:.1%})"
-                      if blocks else "kept input order: no request has a full block")
-        runs, levels = sort.spilled_runs, sort.merge_levels
+    by_text = isinstance(signer.tokenizer, CharTokens)
+    gate_signer = signer if by_text else PrefixSigner(CharTokens(), block_size=signer.block_size, max_blocks=signer.max_blocks)
+    sign_s = 0.0
+    with ExternalSort(join(spill_url, "gate"), storage_options=storage_options, run_bytes=run_bytes) as gate_sort:
+        gate = _sign_pass(d, gate_signer, builder, gate_sort, keep_lines=by_text)
+        sign_s += gate.sign_s
+        if gate.records != man.records:
+            raise PlacementError(f"{d.url}: read {gate.records} records, its manifest says {man.records}")
+        final, applied = gate, gate.blocks > 0 and gate.gain >= min_gain and gate.gain > 0
+        if applied and not by_text:
+            gate_sort.clear()
+            with ExternalSort(join(spill_url, "tokens"), storage_options=storage_options, run_bytes=run_bytes) as token_sort:
+                final = _sign_pass(d, signer, builder, token_sort, keep_lines=True)
+                sign_s += final.sign_s
+                _rewrite(d, final, records_per_shard, man.compression)
+        elif applied:
+            _rewrite(d, final, records_per_shard, man.compression)
+        runs, levels = final.sort.spilled_runs, final.sort.merge_levels
+    if applied:
+        reason = f"prefix order shares {final.gain:.1%} of the blocks more than input order (>= min_gain {min_gain:.1%})"
+    elif gate.blocks:
+        reason = f"kept input order: prefix order would share {gate.gain:.1%} of the blocks more (< min_gain {min_gain:.1%})"
+    else:
+        reason = "kept input order: no request has a full block"
     summary = LayoutSummary(
-        applied=applied, reason=reason, signature=signer.tokenizer.name, block_size=signer.block_size,
-        max_blocks=signer.max_blocks, records=records, blocks=blocks, shared_input=shared_input,
-        shared_sorted=shared_sorted, gain=round(gain, 4), sign_s=round(sign_s, 3),
-        sort_s=round(time.perf_counter() - t0 - sign_s, 3), runs=runs, merge_levels=levels,
+        applied=applied, reason=reason, signature=(signer if final is not gate else gate_signer).tokenizer.name,
+        block_size=signer.block_size, max_blocks=signer.max_blocks, records=final.records, blocks=final.blocks,
+        shared_input=final.shared_input, shared_sorted=final.shared_sorted, gain=round(final.gain, 4),
+        sign_s=round(sign_s, 3), sort_s=round(time.perf_counter() - t0 - sign_s, 3), runs=runs, merge_levels=levels,
+        text_gain=round(gate.gain, 4),
     )
-    log.info("placement %s: %s (%d records, %d blocks, signing %.1f s, sorting %.1f s)",
-             d.url, reason, records, blocks, summary.sign_s, summary.sort_s)
+    log.info("layout %s: %s (%d records, %d blocks, signing %.1f s, sorting %.1f s)",
+             d.url, reason, summary.records, summary.blocks, summary.sign_s, summary.sort_s)
     return summary
+
+
+def _rewrite(d: JsonlDir, p: _Pass, records_per_shard: int, compression: Any) -> None:
+    with d.writer_sync(max_records_per_shard=records_per_shard, compression=compression) as w:
+        w.write_lines(line for _, line in p.sort.iter_sorted())
+    if w.records != p.records:  # pragma: no cover - the sort hands back what it took
+        raise PlacementError(f"{d.url}: rewrote {w.records} of {p.records} records")

@@ -84,7 +84,8 @@ class LayoutSummary(_Summary):
     it in input order, ``shared_sorted`` the same in prefix order: what a cache that holds
     only the last request's prefix would save either way; ``gain`` is their difference
     over ``blocks``. ``applied`` says whether the records were rewritten in prefix order
-    (``reason`` why or why not).
+    (``reason`` why or why not). The figures are the final signature's: the model's tokens
+    when the first pass (by text, ``text_gain``) found the order worth it, else the text's.
     """
 
     applied: bool
@@ -101,6 +102,7 @@ class LayoutSummary(_Summary):
     sort_s: float  # spilling, merging, rewriting
     runs: int  # spilled sorted runs (0: the records sorted in memory)
     merge_levels: int
+    text_gain: float = 0.0  # the first pass's gain, signing by text: below min_gain nothing is tokenised
 
 
 @dataclass(frozen=True)

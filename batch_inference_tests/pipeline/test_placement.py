@@ -261,3 +261,37 @@ def test_shared_blocks_in_sorted_order_is_the_tree_of_prefixes() -> None:
 
     distinct, total = distinct_blocks(sigs)
     assert total - shared == distinct
+
+
+async def test_the_models_tokens_are_computed_only_when_order_pays(tmp_path: Path, tiny_model_dir: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from batch_inference.prompting.prefix import HFTokens
+
+    packed: list[int] = []
+    pack = HFTokens.pack
+
+    def counting(self: HFTokens, prompts: Any, max_tokens: Any) -> Any:
+        packed.append(len(prompts))
+        return pack(self, prompts, max_tokens)
+
+    monkeypatch.setattr(HFTokens, "pack", counting)
+    rng = random.Random(13)
+    engine = {"kind": "transformers", "model": str(tiny_model_dir), "device": "cpu"}
+    for name, recs, pays in (("control", workload(rng, docs=0, questions=0, singles=40, preamble=True), False),
+                             ("docs", workload(rng, docs=6, questions=5, singles=4, preamble=False), True)):
+        packed.clear()
+        src = write(tmp_path / f"{name}.jsonl", recs)
+        spec = spec_for(tmp_path, src, run=name, prefix=True, engine=engine)
+        p = (await PipelineRun(spec).shard()).layout
+        assert p is not None and p.applied is pays, p
+        if not pays:  # the text pass decided: no record went through the tokenizer
+            assert packed == [] and p.signature.startswith("text") and p.text_gain < spec.layout.min_gain
+            continue
+        assert sum(packed) == len(recs) and "tokenizer" in p.signature and p.gain > 0.5
+        from transformers import AutoTokenizer
+
+        signer = PrefixSigner(HFTokens(AutoTokenizer.from_pretrained(str(tiny_model_dir))), block_size=16, max_blocks=128)
+        builder = RequestBuilder(spec.infer)
+        rows = list(JsonlDir(RunLayout(spec.output, spec.run).sharded).iter_records_sync())
+        sigs = [s.blocks for s in signer.sign([placement_mod.record_prompt(builder, r) for r in rows])]
+        assert sigs == sorted(sigs)  # in the order of the model's own block hashes
