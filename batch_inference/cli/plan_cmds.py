@@ -98,6 +98,14 @@ def plan(spec_path: Path, gpus: int | None, price: float | None, profile_path: P
     best = min(p.strategies, key=lambda s: s.wall_s)
     console.print(f"fastest: [bold]{best.strategy}[/] ({duration(best.wall_s)}); the spec's hybrid decisions: "
                   + ("; ".join(p.for_strategy("hybrid").decisions) or "-"))
+    if (x := p.prefix) is not None:
+        line = (f"prefix cache: ideal hit rate {x['ideal_hit_rate']:.1%} of inferred prompt tokens "
+                f"(~{x['family']:,.1f} records per shared prefix)")
+        if x.get("gpu_hours_saved") is not None:
+            cost = f", {x['cost_saved']:,.2f} saved" if x.get("cost_saved") is not None else ""
+            line += (f"; the engine's cache supplies {x['hit_rate']:.1%}: {x['strategy']} takes {x['gpu_hours_saved']:,.1f} "
+                     f"GPU-h less ({x['gpu_hours_without']:,.1f} without it){cost}, {duration(x['wall_s_saved'])} less wall")
+        console.print(line)
     console.print("[bold]assumptions[/]")
     for line in p.assumptions:
         console.print(f"  - {line}")

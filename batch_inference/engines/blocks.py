@@ -57,6 +57,13 @@ def ids_signature(ids: Sequence[int], block_size: int) -> bytes:
     return chain_hashes(array.array("I", ids[:n]).tobytes(), 4 * block_size)
 
 
+def text_signature(text: str, prompt_tokens: int, block_size: int, chars_per_token: int = 4) -> bytes:
+    """The chained hashes of a prompt's cacheable blocks where a token is ``chars_per_token``
+    characters of its text (the simulated engine's tokenizer): 4 bytes a character."""
+    chars = cacheable_blocks(prompt_tokens, block_size) * block_size * chars_per_token
+    return chain_hashes(text[:chars].encode("utf-32-le"), 4 * chars_per_token * block_size)
+
+
 class DistinctBlocks:
     """How many distinct block hashes a stream of signatures holds: exact while small, then a
     HyperLogLog sketch.

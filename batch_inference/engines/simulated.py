@@ -58,7 +58,7 @@ from batch_inference.engines.base import (
 )
 from batch_inference.engines.chat import prompt_text
 from batch_inference.engines.config import EngineConfig, SimulatedOptions
-from batch_inference.engines.blocks import block_keys, cacheable_blocks, chain_hashes
+from batch_inference.engines.blocks import block_keys, text_signature
 from batch_inference.engines.decode_model import (
     DecodeProfile,
     DecodeScheduler,
@@ -148,10 +148,7 @@ class _Answers:
 
     def prefix_signature(self, tokens: Tokens) -> bytes:
         """The prompt's cacheable blocks, keyed by their text (its tokens are 4 characters each)."""
-        size = self.prefix_block_size or 1
-        chars = cacheable_blocks(len(tokens.ids), size) * size * SIMULATED_CHARS_PER_TOKEN
-        data = prompt_text(tokens.source)[:chars].encode("utf-32-le")
-        return chain_hashes(data, 4 * SIMULATED_CHARS_PER_TOKEN * size)
+        return text_signature(prompt_text(tokens.source), len(tokens.ids), self.prefix_block_size or 1, SIMULATED_CHARS_PER_TOKEN)
 
     def _blocks(self, prompt: Prompt | Tokens) -> list[bytes]:
         """The prefix cache's keys of a prompt's cacheable blocks (none without the cache)."""

@@ -23,7 +23,7 @@ from batch_inference.planning.cluster import Cluster, Overheads
 from batch_inference.planning.profiling import EngineProfile
 from batch_inference.planning.rates import EngineRates, Workload, engine_rates
 from batch_inference.planning.simulation import SimResult, simulate
-from batch_inference.planning.sizing import input_size, prompt_token_counts
+from batch_inference.planning.sizing import PREFIX_SAMPLE, input_size, leading_records, predict_prefix, prompt_token_counts
 
 STRATEGIES = ("rounds", "in_place", "hybrid")
 DEFAULT_GPU_PROFILE = "h200-llama-8b"
@@ -70,6 +70,9 @@ class RunPlan:
     strategies: list[StrategyPlan]
     assumptions: list[str]
     chosen: str  # the spec's own strategy
+    # the engine's prefix cache on the inferred prompts: predicted from the sample's prefix
+    # structure, and what it saves the spec's strategy (against the same engine without it)
+    prefix: dict[str, Any] | None = None
 
     def for_strategy(self, strategy: str) -> StrategyPlan:
         return next(s for s in self.strategies if s.strategy == strategy)
@@ -91,6 +94,10 @@ class RunPlan:
             out["plan.wall_s.low"], out["plan.wall_s.high"] = (round(x, 1) for x in s.wall_band_s)
         for p in s.phases:
             out[f"plan.phase.{p['name']}.wall_s"] = p["wall_s"]
+        if self.prefix is not None:
+            for key in ("hit_rate", "ideal_hit_rate", "gpu_hours_saved", "cost_saved", "wall_s_saved"):
+                if self.prefix.get(key) is not None:
+                    out[f"plan.prefix.{key}"] = self.prefix[key]
         return out
 
 
@@ -144,6 +151,25 @@ def linear_rates(spec: PipelineSpec, w: Workload) -> EngineRates:
                        steps_per_record=1 / batch, calls_per_record=1 / batch, scheduling="blocking", profile="simulated-linear")
 
 
+def cache_block_size(spec: PipelineSpec, gpu_profile: str | None) -> int | None:
+    """The block size of the prefix cache the planned engine keeps, or None when it keeps none:
+    a spec planned on a GPU profile (vLLM there), vLLM (unless ``enable_prefix_caching`` is
+    off), the simulated decode engine with ``prefix_cache``; transformers keeps none."""
+    cfg = spec.engine
+    if gpu_profile is not None:
+        return get_profile(gpu_profile).block_size
+    if cfg.kind == "simulated":
+        from batch_inference.engines.simulated import decode_profile
+
+        return decode_profile(cfg.simulated).block_size if cfg.simulated.cost_model == "decode" and cfg.simulated.prefix_cache else None
+    if cfg.kind == "vllm":
+        if cfg.vllm.extra.get("enable_prefix_caching") is False:
+            return None
+        size = cfg.vllm.extra.get("block_size")
+        return size if isinstance(size, int) and size > 0 else get_profile(DEFAULT_GPU_PROFILE).block_size
+    return None
+
+
 def local_overheads(spec: PipelineSpec) -> Overheads:
     """Latencies of the launcher the spec names: nothing to launch in process or locally."""
     if spec.pool.launcher == "k8s":
@@ -163,6 +189,7 @@ def make_plan(
     approval: float | None = None,
     records: int | None = None,
     sample: int = 500,
+    prefix_sample: int = PREFIX_SAMPLE,
     overheads: Overheads | None = None,
     strategies: tuple[str, ...] = STRATEGIES,
 ) -> RunPlan:
@@ -171,9 +198,23 @@ def make_plan(
     size = input_size(spec, sample=sample)
     n = records if records is not None else size.records
     notes.append(f"input: {n:,} records ({'given' if records is not None else size.how})")
-    counts, how = prompt_token_counts(spec, size.sample)
+    counts, how, _ = prompt_token_counts(spec, size.sample)
     prompt_mean = sum(counts) / len(counts) if counts else (profile.prompt_tokens if profile and profile.prompt_tokens else 100.0)
     notes.append(f"prompt tokens: mean {prompt_mean:.1f} over {len(counts)} sample records ({how})")
+    prefix = None
+    if (block_size := cache_block_size(spec, gpu_profile)) is not None:
+        window = leading_records(spec, prefix_sample)
+        wcounts, _, blocks = prompt_token_counts(spec, window, block_size=block_size)
+        prefix = predict_prefix(wcounts, blocks, block_size)
+        if prefix is not None:
+            notes.append(f"prefix structure: over the input's first {prefix.sample:,} records, {prefix.share:.1%} of prompt tokens "
+                         f"lie in {block_size}-token blocks other records share, ~{prefix.family:,.1f} records per shared prefix: "
+                         f"an ideal prefix-cache hit rate of {prefix.hit_rate:.1%} (sharing between records further apart is not "
+                         "seen: a lower bound unless the input is in prefix order); families adjacent, as the prefix-aware layout "
+                         "orders them")
+        else:
+            notes.append(f"prefix structure: no {block_size}-token block repeats over the input's first {len(window):,} records: "
+                         "no prefix-cache saving planned")
     max_tokens = spec.infer.sampling.max_tokens
     sim_opts = spec.engine.simulated if spec.engine.kind == "simulated" else None
     if profile is not None and profile.output_tokens is not None:
@@ -201,7 +242,9 @@ def make_plan(
     w = Workload(records=n, prompt_tokens=max(1.0, prompt_mean), output_tokens=max(1.0, out_mean), judge_prompt_tokens=judge_tokens,
                  output_lengths=(sim_opts.output_lengths if sim_opts is not None else "geometric"),
                  max_tokens=max_tokens, judge_output_tokens=spec.judge.max_tokens if spec.judge.kind == "llm" else 1,
-                 approval=a, retry_approval=a_later)
+                 approval=a, retry_approval=a_later,
+                 prefix_share=prefix.share if prefix else 0.0, prefix_family=prefix.family if prefix else 1.0)
+    uncached: EngineRates | None = None
     if profile is not None:
         rates = profile.rates()
         notes.append(f"engine: measured profile {profile.source}: {profile.infer_s * 1000:.3f} ms per inferred record, "
@@ -215,9 +258,19 @@ def make_plan(
     else:
         name = gpu_profile or (sim_opts.profile if sim_opts is not None and sim_opts.cost_model == "decode" else DEFAULT_GPU_PROFILE)
         prof = get_profile(name)
-        rates = engine_rates(prof, w, sample=min(20_000, max(2_000, n)))
+        rate_sample = min(5_000 if prefix else 20_000, max(2_000, n))
+        rates = engine_rates(prof, w, sample=rate_sample)
         notes.append(f"engine: calibrated decode-step profile {name} ({prof.source}), continuous batching: "
                      f"{rates.infer_s * 1000:.3f} ms per inferred record, {rates.judge_s * 1000:.3f} ms per judged record per replica")
+        if prefix is not None:
+            uncached = engine_rates(prof, w, sample=rate_sample, prefix_cache=False)
+            notes.append(f"prefix cache: the decode model's LRU prefix cache (blocks pinned while their sequences run, the "
+                         f"rest least recently used first out) supplies {rates.prefix_hit_rate:.1%} of inferred prompt "
+                         f"tokens: {rates.infer_s * 1000:.3f} ms per inferred record against {uncached.infer_s * 1000:.3f} "
+                         "without it")
+    if prefix is not None and uncached is None:
+        notes.append("prefix cache: not priced (the engine's cost here is measured or linear, its cache already in it or "
+                     "not modelled; plan on a decode-step profile, --engine-profile, for the saving)")
     replicas = gpus or spec.pool.replicas
     if spec.pool.launcher == "inprocess" and gpus is None:
         cluster = Cluster(replicas=1, concurrency=spec.pool.concurrency * spec.pool.replicas)
@@ -245,4 +298,16 @@ def make_plan(
             walls = sorted(simulate(s, b, rates, cluster=cluster, overheads=o).wall_s for b in bounds)
             plan.wall_band_s = (min(walls[0], res.wall_s), max(walls[-1], res.wall_s))
         plans.append(plan)
-    return RunPlan(spec.run, n, cluster.replicas, cluster.concurrency, gpu_hour_price, plans, notes, spec.strategy)
+    saving: dict[str, Any] | None = None
+    if prefix is not None:
+        saving: dict[str, Any] = {"ideal_hit_rate": round(prefix.hit_rate, 4), "share": round(prefix.share, 4),
+                                  "family": round(prefix.family, 2), "sample": prefix.sample, "block_size": prefix.block_size}
+        if uncached is not None:
+            chosen = next(p for p in plans if p.strategy == spec.strategy) if spec.strategy in strategies else plans[0]
+            res = simulate(spec.model_copy(update={"strategy": chosen.strategy}), w, uncached, cluster=cluster, overheads=o)
+            without = StrategyPlan.of(res, w, gpu_hour_price, judge_tokens, cluster.replicas)
+            saving.update(hit_rate=round(rates.prefix_hit_rate, 4), strategy=chosen.strategy,
+                          gpu_hours_without=round(without.gpu_hours, 3), gpu_hours_saved=round(without.gpu_hours - chosen.gpu_hours, 3),
+                          wall_s_saved=round(without.wall_s - chosen.wall_s, 1),
+                          cost_saved=round(without.cost - chosen.cost, 2) if without.cost is not None and chosen.cost is not None else None)
+    return RunPlan(spec.run, n, cluster.replicas, cluster.concurrency, gpu_hour_price, plans, notes, spec.strategy, saving)

@@ -7,11 +7,14 @@ spends; ``engine_rates`` measures them on ``engines.decode_model`` over a sample
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
+from batch_inference.engines.blocks import cacheable_blocks
 from batch_inference.engines.decode_model import (
     DecodeProfile,
+    PrefixCache,
     draw_output_tokens,
     record_rng,
     run_blocking,
@@ -37,6 +40,14 @@ class Workload:
     # independent across attempts (a hard record stays hard; greedy sampling repeats
     # itself): None means the same as ``approval``.
     retry_approval: float | None = None
+    # Prefix structure: the share of a record's prompt tokens that lead it and that it shares
+    # with the other records of its family (a document asked several questions, a few-shot
+    # block per task), families of ``prefix_family`` records; ``grouped``: a family's
+    # records reach the engine together (the prefix-aware layout), ``interleaved``: spread
+    # through the whole input (input order, scattered over replicas).
+    prefix_share: float = 0.0
+    prefix_family: float = 1.0
+    prefix_layout: Literal["grouped", "interleaved"] = "grouped"
 
     @property
     def later_approval(self) -> float:
@@ -69,6 +80,7 @@ class EngineRates:
     scheduling: str
     profile: str
     tail_attempt_s: float = 0.0  # one in-place record-attempt when measured (else infer + judge)
+    prefix_hit_rate: float = 0.0  # prompt tokens of the inferred records the engine's prefix cache supplied
 
     @property
     def per_attempt_s(self) -> float:
@@ -83,24 +95,34 @@ def engine_rates(
     target_batch_tokens: int = 12_800,
     max_batch_size: int = 256,
     sample: int = 20_000,
+    prefix_cache: bool = True,
 ) -> EngineRates:
-    """Measure the workload on the decode model (a sample of records, virtual time)."""
+    """Measure the workload on the decode model (a sample of records, virtual time).
+
+    With a prefix structure (``prefix_share``) the engine keeps vLLM's prefix cache unless
+    ``prefix_cache`` is off (the same prompts, every token prefilled: what the cache saves).
+    """
     w = workload
     infer = []
-    judge = []
     for i in range(sample):
         p = draw_output_tokens(record_rng("plan", "p", i), "geometric", w.prompt_tokens, max_tokens=1 << 20)
         o = draw_output_tokens(record_rng("plan", "o", i), w.output_lengths, w.output_tokens, max_tokens=w.max_tokens)
         infer.append((p, o))
-        jp = round(w.judge_prompt_tokens) if w.judge_prompt_tokens is not None else p + o + w.judge_extra_tokens
-        judge.append((max(1, jp), w.judge_output_tokens))
+    shaped: list[Any] = infer
+    if w.prefix_share > 0:
+        shaped = prefix_requests(infer, w, profile.block_size)
+        infer = [(p, o) for p, o, _ in shaped]
+    judge = [(max(1, round(w.judge_prompt_tokens) if w.judge_prompt_tokens is not None else p + o + w.judge_extra_tokens),
+              w.judge_output_tokens) for p, o in infer]
+    cache = PrefixCache(profile.block_size) if w.prefix_share > 0 and prefix_cache else None
     budget = token_budget_batches(infer, target_tokens=target_batch_tokens, max_tokens=w.max_tokens, max_batch_size=max_batch_size)
     if scheduling == "continuous":
-        ri = run_continuous(profile, infer, max_in_flight=2 * profile.max_num_seqs)
+        ri = run_continuous(profile, shaped, max_in_flight=2 * profile.max_num_seqs, cache=cache)
         rj = run_continuous(profile, judge, max_in_flight=2 * profile.max_num_seqs)
         steps = ri.steps / sample
     else:
-        ri = run_blocking(profile, budget)
+        starts = [0, *itertools.accumulate(len(b) for b in budget)]
+        ri = run_blocking(profile, [shaped[starts[k]:starts[k + 1]] for k in range(len(budget))], cache=cache)
         rj = run_blocking(profile, token_budget_batches(judge, target_tokens=target_batch_tokens,
                                                         max_tokens=w.judge_output_tokens, max_batch_size=max_batch_size))
         steps = len(budget) / sample
@@ -112,4 +134,29 @@ def engine_rates(
         infer_latency_s=step_i * mean_out, judge_latency_s=step_j * w.judge_output_tokens,
         infer_tokens_out=mean_out, steps_per_record=steps, calls_per_record=len(budget) / sample,
         scheduling=scheduling, profile=profile.name,
+        prefix_hit_rate=ri.cached_tokens / max(1, sum(p for p, _ in infer)),
     )
+
+
+def prefix_requests(requests: list[tuple[int, int]], w: Workload, block_size: int) -> list[tuple[int, int, list[bytes]]]:
+    """The requests shaped by the workload's prefix structure, with the prefix cache's block keys.
+
+    Family ``f`` has one shared prefix (its length drawn once per family, mean
+    ``prefix_share x prompt_tokens``); a record's prompt is that prefix followed by
+    ``1 - prefix_share`` of its own drawn length, so the mean prompt stays ``prompt_tokens``.
+    Its cacheable blocks inside the family prefix have the family's keys, the rest its own.
+    ``grouped``: records ``i // family`` form a family, one after another; ``interleaved``:
+    each record's family is drawn at random among the whole input's ``records / family``
+    families (so at scale a family member rarely meets another while its blocks are cached).
+    """
+    families = max(1, round(w.records / max(1.0, w.prefix_family)))
+    out = []
+    for i, (p, o) in enumerate(requests):
+        f = int(i // max(1.0, w.prefix_family)) if w.prefix_layout == "grouped" else record_rng("family", i).randrange(families)
+        shared = draw_output_tokens(record_rng("plan", "family", f), "geometric", w.prefix_share * w.prompt_tokens, max_tokens=1 << 20)
+        prompt = shared + max(1, round(p * (1 - w.prefix_share)))
+        n = cacheable_blocks(prompt, block_size)
+        own = min(n, shared // block_size)
+        keys = [f"f{f}:{j}".encode() for j in range(own)] + [f"r{i}:{j}".encode() for j in range(own, n)]
+        out.append((prompt, o, keys))
+    return out

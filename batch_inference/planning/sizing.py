@@ -95,8 +95,13 @@ def input_size(spec: PipelineSpec, *, sample: int = 500, count_limit_bytes: int 
                      f"the first {len(head):,} records (a single file too large to read whole: shard it for a spread sample)")
 
 
-def prompt_token_counts(spec: PipelineSpec, records: list[dict[str, Any]]) -> tuple[list[int], str]:
-    """Prompt tokens of each sample record, through the engine's own tokenizer."""
+def prompt_token_counts(spec: PipelineSpec, records: list[dict[str, Any]], *,
+                        block_size: int | None = None) -> tuple[list[int], str, list[bytes]]:
+    """Prompt tokens of each sample record, through the engine's own tokenizer, and (with a
+    ``block_size``) each prompt's cacheable blocks as a prefix cache of that block size keys
+    them (``engines.blocks``)."""
+    from batch_inference.engines.blocks import ids_signature, text_signature
+    from batch_inference.engines.chat import prompt_text
     from batch_inference.prompting import RequestBuilder
 
     builder = RequestBuilder(spec.infer)
@@ -107,15 +112,72 @@ def prompt_token_counts(spec: PipelineSpec, records: list[dict[str, Any]]) -> tu
         except (ValueError, KeyError):
             continue  # a bad record fails at run time with its reason; it costs nothing here
     if not prompts:
-        return [], "no sample record renders a prompt"
+        return [], "no sample record renders a prompt", []
     cfg = spec.engine
     if cfg.kind == "simulated":
-        from batch_inference.engines.simulated import LinearSimulatedEngine
+        from batch_inference.engines.simulated import SIMULATED_CHARS_PER_TOKEN, LinearSimulatedEngine
 
-        return LinearSimulatedEngine(cfg.simulated).count_tokens(prompts), "the simulated engine's tokenizer"
+        counts = LinearSimulatedEngine(cfg.simulated).count_tokens(prompts)
+        blocks = [text_signature(prompt_text(p), n, block_size, SIMULATED_CHARS_PER_TOKEN) for p, n in zip(prompts, counts)] \
+            if block_size else []
+        return counts, "the simulated engine's tokenizer", blocks
     from transformers import AutoTokenizer
 
     from batch_inference.engines.chat import encode_prompts
 
     tok = AutoTokenizer.from_pretrained(cfg.model)
-    return [len(ids) for ids in encode_prompts(tok, prompts)], f"{cfg.model}'s tokenizer"
+    ids = encode_prompts(tok, prompts)
+    return [len(x) for x in ids], f"{cfg.model}'s tokenizer", [ids_signature(x, block_size) for x in ids] if block_size else []
+
+
+PREFIX_SAMPLE = 4_000  # records read one after another for the prefix structure
+
+
+def leading_records(spec: PipelineSpec, k: int = PREFIX_SAMPLE) -> list[dict[str, Any]]:
+    """The input's first ``k`` records, one after another: a family of records sharing a
+    prefix shows whole in a contiguous window, where a spread sample would split it."""
+    opts = spec.storage_options or None
+    d = JsonlDir(spec.input, storage_options=opts)
+    src = d if d.exists_sync() and not spec.input.endswith((".jsonl", ".jsonl.zst")) else JsonlFile(spec.input, storage_options=opts)
+    return [r for _, r in zip(range(k), src.iter_records_sync())]
+
+
+@dataclass(frozen=True)
+class PrefixPrediction:
+    """The prefix structure of a window of the input's records.
+
+    ``hit_rate``: the ideal prefix-cache hit rate within the window (each distinct prefix
+    block computed once: of its prompt tokens, those a perfect cache supplies); ``share``:
+    of the prompt tokens, those in blocks another record of the window shares; ``family``:
+    records per shared prefix, so that ``hit_rate = share x (1 - 1 / family)``. Sharing
+    between records further apart than the window is not seen (a lower bound for a
+    shuffled input; exact for an input in prefix order).
+    """
+
+    share: float
+    family: float
+    hit_rate: float
+    sample: int
+    block_size: int
+
+
+def predict_prefix(counts: list[int], blocks: list[bytes], block_size: int) -> PrefixPrediction | None:
+    """The prefix structure of prompts (their token counts and block signatures), or None
+    when no block repeats."""
+    from collections import Counter
+
+    from batch_inference.engines.blocks import BLOCK_HASH_BYTES, block_keys
+
+    seen: Counter[bytes] = Counter()
+    tails = 0
+    for n, sig in zip(counts, blocks):
+        seen.update(block_keys(sig))
+        tails += n - len(sig) // BLOCK_HASH_BYTES * block_size
+    total = sum(counts)
+    shared = sum(c for c in seen.values() if c >= 2)
+    if not shared or not total:
+        return None
+    hit_rate = 1.0 - (tails + block_size * len(seen)) / total
+    share = block_size * shared / total
+    family = 1.0 / (1.0 - hit_rate / share) if hit_rate < share else float(len(blocks))
+    return PrefixPrediction(share=share, family=family, hit_rate=hit_rate, sample=len(blocks), block_size=block_size)

@@ -155,3 +155,42 @@ def test_plan_prints_durations_in_human_units_not_hours_or_raw_floats(tmp_path: 
     cells = [c.strip() for c in row.strip("│┃ ").split("│")]
     assert all(re.fullmatch(r"[\d.,]+ (ms|s|min|h)", c) for c in cells[3:5]), row  # engine, wall
     assert re.search(r"fastest: \w+ \([\d.,]+ (ms|s|min|h)\)", res.output), res.output
+
+
+def write_documents(path: Path, docs: int, questions: int) -> Path:
+    """Each document asked several questions, in prefix order: a family per document."""
+    with open(path, "wb") as f:
+        for d in range(docs):
+            for q in range(questions):
+                f.write(orjson.dumps({"prompt": f"document {d}: " + f"fact {d} is worth knowing. " * 40 + f"question {q}?"}) + b"\n")
+    return path
+
+
+def test_plan_predicts_the_prefix_cache_from_the_input_and_prices_the_saving(tmp_path: Path) -> None:
+    from batch_inference.engines.blocks import DistinctBlocks, cacheable_blocks, text_signature
+    from batch_inference.engines.simulated import simulated_token_count
+
+    path = write_documents(tmp_path / "docs.jsonl", 300, 8)
+    engine = {"kind": "simulated", "simulated": {"cost_model": "decode", "prefix_cache": True, "profile": "h200-llama-8b",
+                                                 "output_tokens": 8, "approval_rate": 0.5}}
+    spec = PipelineSpec.parse({**spec_dict(tmp_path, shard_records=20_000, engine=engine, strategy="rounds"), "input": str(path)})
+    plan = make_plan(spec, gpu_hour_price=3.0, records=2_000_000, strategies=("rounds",), prefix_sample=800)
+    x = plan.prefix
+    assert x is not None and x["sample"] == 800 and x["block_size"] == 16
+    # the ideal over the window, exactly: every distinct block once, every prompt's tokens past its blocks
+    prompts = ["Q: " + orjson.loads(line)["prompt"] for line in path.read_bytes().splitlines()[:800]]
+    sketch, tails, total = DistinctBlocks(exact_limit=1 << 20), 0, 0
+    for text in prompts:
+        n = simulated_token_count(text)
+        sketch.add(text_signature(text, n, 16))
+        tails += n - cacheable_blocks(n, 16) * 16
+        total += n
+    assert x["ideal_hit_rate"] == round(1 - (tails + 16 * sketch.estimate()) / total, 4)
+    assert x["family"] == pytest.approx(8, rel=0.05)
+    assert 0 < x["hit_rate"] <= x["ideal_hit_rate"] + 1e-9 and x["gpu_hours_saved"] > 0
+    assert x["cost_saved"] == pytest.approx(3.0 * x["gpu_hours_saved"], abs=0.05)
+    assert plan.metadata()["plan.prefix.gpu_hours_saved"] == x["gpu_hours_saved"]
+    assert any(a.startswith("prefix structure:") for a in plan.assumptions)
+    # no prefix cache in the engine: nothing predicted, nothing priced
+    plain = PipelineSpec.parse({**spec_dict(tmp_path, shard_records=20_000), "input": str(path)})
+    assert make_plan(plain, records=2_000_000, strategies=("rounds",), prefix_sample=800).prefix is None
