@@ -28,19 +28,18 @@ that predict the cache (``lru_blocks_computed``, ``distinct_blocks``).
 from __future__ import annotations
 
 import array
-import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal, NamedTuple, Protocol
 
 from batch_inference.engines.base import ChatPrompt, Prompt
+from batch_inference.engines.blocks import BLOCK_HASH_BYTES, block_keys, chain_hashes  # as the engines key their caches
 from batch_inference.engines.chat import ChatTemplateError, has_chat_template, prompt_text
 from batch_inference.engines.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
-BLOCK_HASH_BYTES = 8
 SignatureKind = Literal["tokens", "text"]
 VLLM_GPU_BLOCK_SIZE = 16  # vLLM's default block size on CUDA
 VLLM_CPU_BLOCK_SIZE = 128  # vLLM-CPU's block size
@@ -66,24 +65,6 @@ class Signature(NamedTuple):
 EMPTY = Signature(b"", 0)
 
 
-def chain_hashes(data: bytes, block_bytes: int, max_blocks: int | None = None) -> bytes:
-    """The chained 8-byte hashes of ``data``'s full blocks of ``block_bytes`` bytes.
-
-    Block ``i``'s hash is ``blake2b(hash(i - 1) + block i)``: it names the whole prefix up
-    to and including block ``i``, as vLLM's block hashes do.
-    """
-    n = len(data) // block_bytes
-    if max_blocks is not None:
-        n = min(n, max_blocks)
-    out = bytearray()
-    parent = b""
-    blake2b = hashlib.blake2b
-    for i in range(n):
-        parent = blake2b(parent + data[i * block_bytes:(i + 1) * block_bytes], digest_size=BLOCK_HASH_BYTES).digest()
-        out += parent
-    return bytes(out)
-
-
 def shared_blocks(a: bytes, b: bytes) -> int:
     """Leading blocks two signatures (their ``blocks``) have in common."""
     n = min(len(a), len(b)) // BLOCK_HASH_BYTES
@@ -96,11 +77,6 @@ def shared_blocks(a: bytes, b: bytes) -> int:
         else:
             hi = mid - 1
     return lo
-
-
-def block_keys(blocks: bytes) -> list[bytes]:
-    """A signature's block hashes one by one (each names its whole prefix: a cache key)."""
-    return [blocks[i:i + BLOCK_HASH_BYTES] for i in range(0, len(blocks), BLOCK_HASH_BYTES)]
 
 
 # ------------------------------------------------------------------ tokenizers
