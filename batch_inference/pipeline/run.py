@@ -18,7 +18,7 @@ import uuid
 from dataclasses import asdict, replace
 from typing import Any, Protocol
 
-from batch_inference.pipeline import inputs, passes, placement
+from batch_inference.pipeline import affinity, inputs, passes, placement
 from batch_inference.pipeline.fanout import FanOut, Item, NullReporter, Phase, Reporter
 from batch_inference.pipeline.layout import RunLayout, part
 from batch_inference.pipeline.ledger import ConservationError, IdSource, Ledger, check_conservation
@@ -37,7 +37,7 @@ from batch_inference.pipeline.summaries import (
     StepOutcome,
 )
 from batch_inference.pool.protocol import JUDGE_POOL_OUTPUT, REVIEW_OUTPUT, SubmitOrder, TaskResult, TaskRunner, TaskSpec
-from batch_inference.prompting.prefix import PrefixSigner
+from batch_inference.prompting.prefix import PrefixSigner, default_block_size
 from batch_inference.review import lifecycle as review
 from batch_inference.storage import JsonlDir, JsonlFile, ReshardReport
 from batch_inference.storage.urls import join
@@ -199,6 +199,15 @@ class PipelineRun:
         data = self.ledger.read(name)
         return data if data is not None and self._dir(output_url).manifest() is not None else None
 
+    def _families(self, items: list[Item]) -> dict[int, str]:
+        """Each shard's prefix family for a pool of several workers (``pipeline.affinity``;
+        blocking); none in process, where one engine serves every task, or with it off."""
+        pool = self.spec.pool
+        if not pool.affinity or (pool.launcher == "inprocess" and not pool.endpoints):
+            return {}
+        block = self.spec.layout.block_size or default_block_size(self.spec.engine)
+        return affinity.shard_families(items, self.spec.infer, block_size=block)
+
     def _dedup_scope(self, r: int, kind: str, instance: str) -> str | None:
         """The phase within which identical requests run once (None: the spec turned it off)."""
         return self.layout.phase_key(r, kind, instance=instance) if self.spec.dedup else None
@@ -216,10 +225,12 @@ class PipelineRun:
             return done
         items, records = await asyncio.to_thread(self._pending_items, r)
         instance = await asyncio.to_thread(self._instance)
+        families = await asyncio.to_thread(self._families, items)
 
         def make(index: int, shard: JsonlFile) -> TaskSpec:
             return TaskSpec(
                 task_id=self.layout.task_id(r, "infer", index, instance=instance), kind="infer", input_url=shard.url,
+                affinity=families.get(index),
                 outputs={"output": join(self.layout.inferred(r), part(index))}, infer=self.spec.infer,
                 chunk_size=self.spec.chunk_size, round=r, storage_options_ref=self.spec.pool.storage_options_ref, order=self._order,
                 dedup_scope=self._dedup_scope(r, "infer", instance),
@@ -247,6 +258,7 @@ class PipelineRun:
         items = [(i, self._file(join(self.layout.inferred(r), part(i)))) for i in sorted(inferred)]
         written = {i: int(rec["records_in"]) for i, rec in inferred.items()}
         instance = await asyncio.to_thread(self._instance)
+        families = await asyncio.to_thread(self._families, items)
 
         def make(index: int, shard: JsonlFile) -> TaskSpec:
             outputs = {"approved": self.layout.approved_shard(r, index), "rejected": join(self.layout.rejected(r), part(index))}
@@ -254,6 +266,7 @@ class PipelineRun:
                 outputs[REVIEW_OUTPUT] = join(self.layout.review_queue(r), part(index))
             return TaskSpec(
                 task_id=self.layout.task_id(r, "judge", index, instance=instance), kind="judge", input_url=shard.url,
+                affinity=families.get(index),
                 outputs=outputs,
                 judge=self.spec.judge.task_config(), infer=self.spec.infer, chunk_size=self.spec.chunk_size, round=r,
                 storage_options_ref=self.spec.pool.storage_options_ref, order=self._order, dedup_scope=self._dedup_scope(r, "judge", instance),
@@ -422,6 +435,7 @@ class PipelineRun:
             raise StepOrderError(f"tail({from_round}): no attempts left (max_attempts {self.spec.max_attempts})")
         items, records = await asyncio.to_thread(self._pending_items, from_round)
         instance = await asyncio.to_thread(self._instance)
+        families = await asyncio.to_thread(self._families, items)
 
         def make(index: int, shard: JsonlFile) -> TaskSpec:
             outputs = {"output": join(self.layout.tail_output, part(index)), "checkpoint": self.layout.tail_checkpoint(index)}
@@ -429,6 +443,7 @@ class PipelineRun:
                 outputs[JUDGE_POOL_OUTPUT] = self.layout.tail_judge_waves(index)
             return TaskSpec(
                 task_id=self.layout.task_id(from_round, "retry", index, instance=instance), kind="retry", input_url=shard.url,
+                affinity=families.get(index),
                 outputs=outputs, infer=self.spec.infer, judge=self.spec.judge.task_config(), max_attempts=attempts_left,
                 chunk_size=self.spec.chunk_size,
                 round=from_round, storage_options_ref=self.spec.pool.storage_options_ref, order=self._order,

@@ -1,7 +1,12 @@
 """``PoolClient``: the TaskRunner over HTTP workers.
 
 It spreads tasks over the workers (least in-flight first), so ``limit`` =
-replicas x concurrency tasks can be in flight. A task whose worker dies, times out or
+replicas x concurrency tasks can be in flight. A task with a prefix family
+(``TaskSpec.affinity``) goes to the family's worker: the first live worker with a free
+slot in the family's rendezvous order over the live workers (each worker scored by a
+hash of family and endpoint), so one family's shards meet the cache that holds its
+prefix; a full or dead worker passes its turn to the next, and no worker waits idle for
+a family (bounded by its ``concurrency`` slots). A task whose worker dies, times out or
 answers 5xx is retried on another worker with exponential backoff, up to ``retries``
 times; "busy"/"shutting down" refusals (429/503) wait and go elsewhere without using a
 retry. A deterministic refusal (400/401/403/409/413/422) or exhausted retries raise
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import itertools
 import logging
 import random
@@ -64,6 +70,8 @@ class PoolClient:
         self.in_flight: dict[str, int] = {e: 0 for e in self.endpoints}
         self.down_until: dict[str, float] = {}
         self.retried = 0  # tasks re-sent after a failure, for reports
+        self.affinity_kept = 0  # tasks of a family sent to its worker
+        self.affinity_moved = 0  # sent to another (its worker full, down, or tried already)
         self._session: aiohttp.ClientSession | None = None
         self._refreshing: asyncio.Task[None] | None = None
 
@@ -92,14 +100,23 @@ class PoolClient:
 
     # -- choosing a worker ------------------------------------------------------
 
-    def _pick(self, tried: dict[str, int]) -> str:
-        """Least in-flight among live workers this task has not tried (else the one tried longest ago)."""
+    def _pick(self, tried: dict[str, int], family: str | None = None) -> str:
+        """Among live workers this task has not tried (else the one tried longest ago): the
+        family's first worker with a free slot in rendezvous order, else the least in flight."""
         now = time.monotonic()
         up = [e for e in self.endpoints if self.down_until.get(e, 0) <= now] or list(self.endpoints)
         pool = [e for e in up if e not in tried]
         if not pool:
             oldest = min(tried.get(e, -1) for e in up)
             pool = [e for e in up if tried.get(e, -1) == oldest]
+        if family is not None:
+            for e in sorted(pool, key=lambda e: rendezvous(family, e), reverse=True):
+                if self.in_flight.get(e, 0) < self.concurrency:
+                    if e != max(up, key=lambda u: rendezvous(family, u)):
+                        self.affinity_moved += 1
+                    else:
+                        self.affinity_kept += 1
+                    return e
         least = min(self.in_flight.get(e, 0) for e in pool)
         return random.choice([e for e in pool if self.in_flight.get(e, 0) == least])
 
@@ -133,7 +150,7 @@ class PoolClient:
         failures = refusals = 0
         tried: dict[str, int] = {}  # endpoint -> the step at which this task last went there
         for step in itertools.count():
-            endpoint = self._pick(tried)
+            endpoint = self._pick(tried, spec.affinity)
             tried[endpoint] = step
             self.in_flight[endpoint] = self.in_flight.get(endpoint, 0) + 1
             try:
@@ -201,7 +218,14 @@ class PoolClient:
             "utilization": (sum(s["utilization"] for s in live) / len(live)) if live else 0.0,
             "avg_fill": (sum(s["avg_fill"] * s["engine_busy_s"] for s in live) / busy) if busy else 0.0,
             "retried": self.retried,
+            "affinity": {"kept": self.affinity_kept, "moved": self.affinity_moved},
         }
+
+
+def rendezvous(family: str, endpoint: str) -> int:
+    """The worker's score for a family (highest random weight): every client ranks the
+    workers alike, and a worker that leaves moves only its own families."""
+    return int.from_bytes(hashlib.blake2b(f"{family}\x1f{endpoint}".encode(), digest_size=8).digest(), "big")
 
 
 def _message(payload: bytes) -> str:

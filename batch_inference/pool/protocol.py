@@ -61,6 +61,10 @@ class TaskSpec(_Wire):
     # Identical deterministic requests of tasks that share this scope (one phase: run
     # instance, round, kind) run once per worker (pool.dedup); None: every request runs.
     dedup_scope: str | None = Field(None, min_length=1, max_length=512)
+    # The prefix family of the shard's records (pipeline.affinity): a pool of several
+    # workers sends one family's tasks to one worker while it has a free slot, so its
+    # engine's prefix cache holds the family (pool.client). None: any worker.
+    affinity: str | None = Field(None, min_length=1, max_length=128)
     order: SubmitOrder = "input"
 
     @model_validator(mode="after")

@@ -134,3 +134,48 @@ async def test_refresh_replaces_endpoints_after_a_death(serve) -> None:
     async with PoolClient([_dead_endpoint()], retries=2, backoff_s=0.05, refresh=refresh) as pool:
         result = await pool.run_task(SPEC)
     assert refreshed.is_set() and result.worker == "good" and pool.endpoints == [good_url]
+
+
+def _family_spec(i: int, family: str) -> TaskSpec:
+    return SPEC.model_copy(update={"task_id": f"{family}-{i}", "affinity": family})
+
+
+async def test_a_family_goes_to_one_worker_while_it_has_a_free_slot(serve) -> None:
+    from batch_inference.pool.client import rendezvous
+
+    workers = [Scripted(n, []) for n in "abc"]
+    urls = [await serve(w) for w in workers]
+    name = dict(zip(urls, "abc"))
+    families = [f"family{i}" for i in range(12)]
+    async with PoolClient(urls, concurrency=2) as pool:
+        for family in families:  # one at a time: every worker has a free slot
+            ran = {(await pool.run_task(_family_spec(i, family))).worker for i in range(3)}
+            assert ran == {name[max(urls, key=lambda u: rendezvous(family, u))]}, family
+        assert (pool.affinity_kept, pool.affinity_moved) == (36, 0)
+    # the families spread as their rendezvous order says
+    assert {w.name for w in workers if w.hits} == {name[max(urls, key=lambda u: rendezvous(f, u))] for f in families}
+    # the family's worker full: the next task goes to the family's next worker at once
+    slow = [Scripted(n, [], delay_s=0.3) for n in "ab"]
+    urls = [await serve(w) for w in slow]
+    family = "big"
+    first, second = sorted(urls, key=lambda u: rendezvous(family, u), reverse=True)
+    async with PoolClient(urls, concurrency=1) as pool:
+        results = await asyncio.gather(*(pool.run_task(_family_spec(i, family)) for i in range(2)))
+        assert pool.affinity_moved == 1
+    assert sorted(r.worker for r in results) == ["a", "b"] and max(w.peak for w in slow) == 1
+
+
+async def test_affinity_falls_back_when_its_worker_dies_and_stays_on_the_fallback(serve) -> None:
+    from batch_inference.pool.client import rendezvous
+
+    alive = [Scripted(n, []) for n in "ab"]
+    dead = _dead_endpoint()
+    urls = [await serve(w) for w in alive]
+    # a family whose worker is the dead endpoint
+    family = next(f"f{i}" for i in range(1000) if max([dead, *urls], key=lambda u: rendezvous(f"f{i}", u)) == dead)
+    fallback = {u: w.name for u, w in zip(urls, alive)}[max(urls, key=lambda u: rendezvous(family, u))]
+    async with PoolClient([dead, *urls], retries=3, backoff_s=0.01, down_cooldown_s=60) as pool:
+        ran = [(await pool.run_task(_family_spec(i, family))).worker for i in range(4)]
+        assert dead in pool.down_until
+    assert ran == [fallback] * 4  # the next worker in the family's order, every time
+
