@@ -210,8 +210,9 @@ def make_plan(
             notes.append(f"prefix structure: over the input's first {prefix.sample:,} records, {prefix.share:.1%} of prompt tokens "
                          f"lie in {block_size}-token blocks other records share, ~{prefix.family:,.1f} records per shared prefix: "
                          f"an ideal prefix-cache hit rate of {prefix.hit_rate:.1%} (sharing between records further apart is not "
-                         "seen: a lower bound unless the input is in prefix order); families adjacent, as the prefix-aware layout "
-                         "orders them")
+                         "seen: a lower bound unless the input is in prefix order); "
+                         + ("families adjacent, as the prefix-aware layout orders them (layout.prefix)" if spec.layout.prefix
+                            else "families spread through the input (layout.prefix off)"))
         else:
             notes.append(f"prefix structure: no {block_size}-token block repeats over the input's first {len(window):,} records: "
                          "no prefix-cache saving planned")
@@ -243,7 +244,8 @@ def make_plan(
                  output_lengths=(sim_opts.output_lengths if sim_opts is not None else "geometric"),
                  max_tokens=max_tokens, judge_output_tokens=spec.judge.max_tokens if spec.judge.kind == "llm" else 1,
                  approval=a, retry_approval=a_later,
-                 prefix_share=prefix.share if prefix else 0.0, prefix_family=prefix.family if prefix else 1.0)
+                 prefix_share=prefix.share if prefix else 0.0, prefix_family=prefix.family if prefix else 1.0,
+                 prefix_layout="grouped" if spec.layout.prefix else "interleaved")
     uncached: EngineRates | None = None
     if profile is not None:
         rates = profile.rates()

@@ -194,3 +194,17 @@ def test_plan_predicts_the_prefix_cache_from_the_input_and_prices_the_saving(tmp
     # no prefix cache in the engine: nothing predicted, nothing priced
     plain = PipelineSpec.parse({**spec_dict(tmp_path, shard_records=20_000), "input": str(path)})
     assert make_plan(plain, records=2_000_000, strategies=("rounds",), prefix_sample=800).prefix is None
+
+
+def test_without_the_prefix_layout_the_plan_spreads_families_through_the_input(tmp_path: Path) -> None:
+    path = write_documents(tmp_path / "docs.jsonl", 300, 8)
+    engine = {"kind": "simulated", "simulated": {"cost_model": "decode", "prefix_cache": True, "profile": "h200-llama-8b",
+                                                 "output_tokens": 8, "approval_rate": 0.5}}
+    plans = {}
+    for on in (True, False):
+        spec = PipelineSpec.parse({**spec_dict(tmp_path, shard_records=20_000, engine=engine, strategy="rounds"),
+                                   "input": str(path), "layout": {"prefix": on}})
+        plans[on] = make_plan(spec, records=2_000_000, strategies=("rounds",), prefix_sample=800).prefix
+    assert plans[True]["ideal_hit_rate"] == plans[False]["ideal_hit_rate"]  # the same structure ...
+    assert plans[False]["hit_rate"] < 0.2 * plans[True]["hit_rate"]  # ... that a scattered order cannot use
+    assert plans[False]["gpu_hours_saved"] < plans[True]["gpu_hours_saved"]
