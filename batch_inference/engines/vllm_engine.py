@@ -268,10 +268,11 @@ class VllmStreamingEngine:
         # 2,048 batched tokens), sized for an API server's latency (docs/engines.md).
         self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), usage_context=UsageContext.LLM_CLASS,
                                               stat_loggers=[self._stat_logger_factory()])
-        # The engine core sends its scheduler figures (it was built logging stats) whatever
-        # this says; off here, the output handler skips the per-request, per-step iteration
-        # statistics nothing reads (~13% of this event loop's time). Read when the output
-        # handler starts, at the first request.
+        # A custom stat logger turns AsyncLLM's log_stats on, and no public argument keeps
+        # the logger without the per-request, per-step iteration statistics nothing here reads
+        # (their cost on the event loop: docs/engines.md). Off here, the output handler skips
+        # them; the engine core, built logging stats, still sends its scheduler figures. Read
+        # when the output handler starts, at the first request.
         self._llm.log_stats = False
         self._tokens_input = _tokens_input_factory()
         self.tokenizer = self._llm.get_tokenizer()  # the event loop's: complete() and vLLM's detokenizer
@@ -293,33 +294,28 @@ class VllmStreamingEngine:
         return cls(cfg)
 
     def _stat_logger_factory(self) -> Any:
-        """A stat logger that keeps the engine core's latest scheduler figures for ``occupancy()``.
-
-        It is a ``PrometheusStatLogger`` to vLLM, so vLLM adds no Prometheus logger of its
-        own: that one updates a dozen histograms per step on the event loop (~12% of the
-        throughput on a 2-core host), for metrics nothing here exports (the worker's
-        ``/metrics`` has its own). Every other hook vLLM may call on it (they differ
-        between releases) is a no-op. Where that class is missing, a plain logger does.
-        """
-        from vllm.v1.metrics import loggers
+        """vLLM's stat-logger plug-in (``StatLoggerBase``), keeping the engine core's latest
+        scheduler figures for ``occupancy()`` and ``prefix_cache()``; vLLM adds its Prometheus
+        logger beside it."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
 
         engine = self
-        base = getattr(loggers, "PrometheusStatLogger", None)
-        if not (isinstance(base, type) and issubclass(base, getattr(loggers, "AggregateStatLoggerBase", ()))):
-            base = loggers.StatLoggerBase
 
-        def record(self: Any, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
-            if scheduler_stats is not None:
-                engine._stats = scheduler_stats
-                engine._add_prefix_stats(getattr(scheduler_stats, "prefix_cache_stats", None))
+        class OccupancyLogger(StatLoggerBase):
+            """The engine core's scheduler figures, nothing else."""
 
-        def no_op(self: Any, *args: Any, **kwargs: Any) -> None:
-            pass
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
 
-        hooks = {name: no_op for cls in base.__mro__ if cls is not object
-                 for name, value in vars(cls).items() if callable(value) and not name.startswith("_")}
-        return type("OccupancyLogger", (base,), {**hooks, "__init__": no_op, "record": record,
-                                                  "__doc__": "The engine core's scheduler figures, nothing else."})
+            def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+                if scheduler_stats is not None:
+                    engine._stats = scheduler_stats
+                    engine._add_prefix_stats(getattr(scheduler_stats, "prefix_cache_stats", None))
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return OccupancyLogger
 
     def encode(self, prompts: Sequence[Prompt]) -> list[Tokens | Completion]:
         """On a copy of the tokenizer: the event loop (vLLM's detokenizer) uses the other."""

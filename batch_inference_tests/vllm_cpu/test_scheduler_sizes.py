@@ -1,5 +1,5 @@
 """Real vLLM (the CPU build): the streaming engine is sized like offline ``vllm.LLM`` and
-reads the engine's own occupancy without vLLM's Prometheus logger. ``make test-vllm``.
+reads the engine's own occupancy through vLLM's stat-logger plug-in. ``make test-vllm``.
 
 A module of its own: one vLLM engine per process at a time (test_streaming_vllm's
 module-scoped engine is gone by the time this one starts).
@@ -27,13 +27,13 @@ def engine_config(model: Path) -> dict:
             "vllm": {"enforce_eager": True, "extra": {"enable_chunked_prefill": False}}}
 
 
-async def test_scheduler_sizes_are_offline_vllms_and_occupancy_needs_no_prometheus_logger(tiny_model_dir: Path) -> None:
+async def test_scheduler_sizes_are_offline_vllms_and_occupancy_comes_through_the_stat_logger_plugin(tiny_model_dir: Path) -> None:
     """With no sizes given, the streaming engine schedules like offline ``vllm.LLM`` (a batch
-    job), not with AsyncLLM's server defaults (128 seqs, 2,048 tokens: ~17% slower here),
-    and the engine's own occupancy arrives through our stat logger alone."""
+    job), not with AsyncLLM's server defaults (128 seqs, 2,048 tokens), and the engine's own
+    occupancy arrives through our ``StatLoggerBase`` plug-in (one per engine core)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.usage.usage_lib import UsageContext
-    from vllm.v1.metrics.loggers import PrometheusStatLogger
+    from vllm.v1.metrics.loggers import PerEngineStatLoggerAdapter, StatLoggerBase
 
     from batch_inference.engines.config import EngineConfig
     from batch_inference.engines.vllm_engine import engine_kwargs
@@ -46,7 +46,8 @@ async def test_scheduler_sizes_are_offline_vllms_and_occupancy_needs_no_promethe
             offline.scheduler_config.max_num_seqs, offline.scheduler_config.max_num_batched_tokens)
         assert sched.max_num_seqs > 128 and h.gate is not None and h.gate.capacity == 2 * sched.max_num_seqs
         loggers = h.engine._llm.logger_manager.stat_loggers  # type: ignore[union-attr]
-        assert [type(lg).__name__ for lg in loggers if isinstance(lg, PrometheusStatLogger)] == ["OccupancyLogger"]
+        ours = [x for lg in loggers if isinstance(lg, PerEngineStatLoggerAdapter) for x in lg.per_engine_stat_loggers.values()]
+        assert [type(x).__name__ for x in ours] == ["OccupancyLogger"] and isinstance(ours[0], StatLoggerBase)
         futures = await h.submit([GenRequest(f"occupancy {i}", SamplingParams(max_tokens=64, min_tokens=64, temperature=1.0, seed=i), 0) for i in range(40)])
         running: list[int] = []
         while not all(f.done() for f in futures):
