@@ -188,13 +188,13 @@ class Raw:
             from batch_inference.pool.engine_host import BatcherOptions
 
             budget = BatcherOptions().target_batch_tokens
-            counts = self.engine.count_tokens(texts)
+            encoded = self.engine.encode(texts)  # once, as the pipeline does: the ids cost and run each prompt
             tokens, batch, cost = 0, [], 0
             for i in range(len(texts)):  # the batcher's rule: close a batch once its cost reaches the budget
                 batch.append(i)
-                cost += counts[i] + params[i].max_tokens
+                cost += len(encoded[i].ids) + params[i].max_tokens
                 if cost >= budget or i == len(texts) - 1:
-                    done = self.engine.generate([texts[j] for j in batch], [params[j] for j in batch])
+                    done = self.engine.generate([encoded[j] for j in batch], [params[j] for j in batch])
                     tokens += sum(c.completion_tokens for c in done)
                     batch, cost = [], 0
         return tokens, time.perf_counter() - t0
