@@ -23,7 +23,7 @@ class PoolPair:
 
     ``for_phase`` names the pool a phase runs on: the judge phase on the judge pool,
     infer and the tail on the infer pool (whose retry tasks send their judge waves to the
-    judge pool themselves, ``pool.tasks.PoolJudging``). As a ``TaskRunner`` it routes each
+    judge pool themselves, ``pool.judging.PoolJudging``). As a ``TaskRunner`` it routes each
     task the same way, at most each pool's own ``limit`` in flight there.
     """
 

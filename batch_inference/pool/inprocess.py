@@ -15,7 +15,7 @@ from batch_inference.engines import EngineConfig, EngineDeadError
 from batch_inference.pool.engine_host import BatcherOptions, EngineHost
 from batch_inference.pool.protocol import TaskConflict, TaskFailed, TaskResult, TaskRunner, TaskSpec
 from batch_inference.pool.runtime import EngineDead, Refused, SpecConflict, WorkerRuntime, is_machine_error
-from batch_inference.pool.tasks import TaskInputError
+from batch_inference.pool.context import TaskInputError
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,8 @@ from typing import Any
 from batch_inference.engines import EngineDeadError, prefix_block_size, prefix_cache_stats
 from batch_inference.pool.engine_host import EngineHost
 from batch_inference.pool.protocol import TaskResult, TaskRunner, TaskSpec
-from batch_inference.pool.tasks import TaskContext, run_task
+from batch_inference.pool.context import TaskContext
+from batch_inference.pool.tasks import run_task
 from batch_inference.storage import JsonlFile
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ from batch_inference.pool.engine_host import BatcherOptions, EngineHost
 from batch_inference.pool.metrics import prometheus_text
 from batch_inference.pool.protocol import TaskSpec
 from batch_inference.pool.runtime import Refused, WorkerRuntime, is_machine_error
-from batch_inference.pool.tasks import TaskInputError
+from batch_inference.pool.context import TaskInputError
 from batch_inference.storage import CorruptShardError, MalformedRecordError, is_under, urls
 
 log = logging.getLogger("batch_inference.worker")

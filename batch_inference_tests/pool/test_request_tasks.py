@@ -80,7 +80,7 @@ class _ConstrainingHost:
 
 async def test_constrained_output_cut_by_max_tokens_is_an_error_not_a_result(tmp_path: Path) -> None:
     from batch_inference.engines import ResponseFormat, SamplingParams
-    from batch_inference.pool.tasks import TaskContext
+    from batch_inference.pool.context import TaskContext
     from batch_inference.prompting import Request
 
     ctx = TaskContext(infer_spec("t", tmp_path / "in", tmp_path / "out"), host=_ConstrainingHost())  # type: ignore[arg-type]

@@ -1,0 +1,319 @@
+"""What a shard task runs with: its spec, the worker's engine host, storage, and its meter.
+
+``TaskContext`` is the one object every task kind (``pool.tasks``) and the judging
+(``pool.judging``) take: it submits prompts to the worker's engine host (deduplicated
+within a phase where the spec allows), opens the task's input and outputs by reference,
+and meters records, tokens, cache figures and warnings into the task's result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from batch_inference import rows
+from batch_inference.engines import (
+    Completion,
+    EngineDeadError,
+    SamplingParams,
+    Tokens,
+    greedy_ignores_seed,
+    prefix_block_size,
+    supports_structured_output,
+)
+from batch_inference.engines.base import unconstrained_error
+from batch_inference.engines.blocks import BLOCK_HASH_BYTES, DistinctBlocks
+from batch_inference.engines.structured import format_error
+from batch_inference.pool.dedup import Orphaned, request_key
+from batch_inference.pool.engine_host import EngineHost
+from batch_inference.pool.protocol import TaskRunner, TaskSpec
+from batch_inference.pool.request import GenRequest
+from batch_inference.prompting import Request, RequestBuilder, RequestError
+from batch_inference.prompting.prefix import prompt_order_key
+from batch_inference.rows import ErrorKind
+from batch_inference.storage import JsonlFile
+
+log = logging.getLogger(__name__)
+
+
+class TaskInputError(ValueError):
+    """The task's input is unusable as a whole (retrying cannot help): the worker answers 422."""
+
+
+@dataclass
+class TaskMeter:
+    """Token and engine-time accounting for one task (its share of shared batches)."""
+
+    records_in: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    engine_s: float = 0.0
+    fill_sum: float = 0.0
+    requests: int = 0
+    duplicates: int = 0  # answered by an identical request (pool.dedup): no engine work
+    duplicate_tokens_in: int = 0
+    duplicate_tokens_out: int = 0
+    # the engine's prefix cache over this task's requests (those whose completion says):
+    # prompt tokens looked up, and those it found cached
+    prefix_queried: int = 0
+    prefix_hits: int = 0
+    # the ideal (each distinct prefix computed once): the distinct cacheable blocks of the
+    # requests the engine ran (a sketch the driver merges over the phase) and their tokens
+    # past those blocks, which every request computes
+    prefix_blocks: DistinctBlocks | None = None
+    prefix_tail_tokens: int = 0
+
+    def sign(self, tokens: list[Tokens | Completion], signature: Any, block_size: int) -> None:
+        """Adds the encoded requests' blocks to the phase's ideal (blocking: off the event loop)."""
+        if self.prefix_blocks is None:
+            self.prefix_blocks = DistinctBlocks()
+        for t in tokens:
+            if isinstance(t, Tokens):
+                blocks = signature(t)
+                self.prefix_blocks.add(blocks)
+                self.prefix_tail_tokens += len(t.ids) - len(blocks) // BLOCK_HASH_BYTES * block_size
+
+    def add(self, request: GenRequest, completion: Completion) -> None:
+        self.tokens_in += completion.prompt_tokens
+        self.tokens_out += completion.completion_tokens
+        self.engine_s += request.engine_s
+        self.fill_sum += request.fill
+        self.requests += 1
+        if completion.cached_tokens is not None:
+            self.prefix_queried += completion.prompt_tokens
+            self.prefix_hits += completion.cached_tokens
+
+    def add_duplicate(self, completion: Completion) -> None:
+        """Its tokens count as the task's (its row carries them); the engine computed none."""
+        self.tokens_in += completion.prompt_tokens
+        self.tokens_out += completion.completion_tokens
+        self.duplicates += 1
+        self.duplicate_tokens_in += completion.prompt_tokens
+        self.duplicate_tokens_out += completion.completion_tokens
+
+    @property
+    def avg_fill(self) -> float:
+        """Fill of the batches this task's requests rode in, weighted per request."""
+        return self.fill_sum / self.requests if self.requests else 0.0
+
+
+@dataclass
+class TaskContext:
+    """What one running task needs: its spec, the worker's engine host, storage options."""
+
+    spec: TaskSpec
+    host: EngineHost
+    storage_options: dict[str, Any] | None = None
+    checkpoint_interval_s: float = 5.0
+    judge_runner: TaskRunner | None = None  # the worker's judge pool (retry tasks with a judge_pool output)
+    meter: TaskMeter = field(default_factory=TaskMeter)
+    warnings: list[str] = field(default_factory=list)  # reported in TaskResult.warnings
+    schema_invalid: int = 0  # constrained completions that failed their format (counted in the task's counts)
+
+    def file(self, url: str) -> JsonlFile:
+        return JsonlFile(url, storage_options=self.storage_options)
+
+    async def chunks(self) -> AsyncIterator[list[dict[str, Any]]]:
+        """The input shard in ``chunk_size`` chunks; checks every record has an id."""
+        src = self.file(self.spec.input_url)
+        chunk: list[dict[str, Any]] = []
+        async for record in src.iter_records():
+            self.meter.records_in += 1
+            if not isinstance(record, dict) or "id" not in record:
+                raise TaskInputError(f"{src.url}: record {self.meter.records_in} has no 'id' (ids are assigned at sharding)")
+            chunk.append(record)
+            if len(chunk) >= self.spec.chunk_size:
+                yield chunk
+                chunk = []
+        if chunk:
+            yield chunk
+
+    async def generate(self, requests: Sequence[Request | BaseException],
+                       attempts: Sequence[int] | None = None) -> list[Completion | BaseException]:
+        """Run requests through the worker's engine host; an exception in stays an exception out.
+
+        A constrained request (``response_format``) on an engine that cannot constrain
+        fails here with that reason: it is never run unconstrained; one cut short by
+        ``max_tokens`` (not schema-valid) fails as ``truncated_output``, and one whose
+        text is not strict JSON or not valid against its schema as ``schema_invalid``
+        (both retryable): a result that claims a format satisfies it.
+        ``EngineDeadError`` is raised, never returned: a dead engine is the worker's
+        fault, not the records', so the task fails and is retried on another worker.
+        Cancelled (the task was abandoned), every request still in the engine is cancelled.
+
+        With a ``dedup_scope``, identical deterministic requests (``pool.dedup``; ``attempts``
+        gives each request's attempt number, part of what makes two identical) run once on
+        this worker: the others get the leader's completion, or run on their own when it
+        failed.
+        """
+        out: list[Completion | BaseException] = list(requests)  # type: ignore[arg-type]
+        constrained_ok = supports_structured_output(self.host.engine)
+        live: list[int] = []
+        for i, r in enumerate(requests):
+            if isinstance(r, Request):
+                if r.params.response_format is not None and not constrained_ok:
+                    out[i] = Completion.failed(unconstrained_error(getattr(self.host.engine, "name", "?")))
+                else:
+                    live.append(i)
+        if self.spec.order == "prefix":  # requests that share a prefix side by side, one run into the engine
+            live.sort(key=lambda i: prompt_order_key(requests[i].prompt))  # type: ignore[union-attr]
+        scope = self.spec.dedup_scope
+        memo = self.host.memo if scope is not None else None
+        ignores_seed = greedy_ignores_seed(self.host.engine)
+        leaders: list[int] = []  # go to the engine
+        keys: dict[int, bytes] = {}  # leaders under a memo key
+        waits: dict[int, asyncio.Future[Completion]] = {}  # every live request's future
+        duplicates: set[int] = set()
+        for i in live:
+            r = requests[i]
+            assert isinstance(r, Request)
+            key = None if memo is None or scope is None else request_key(
+                scope, r.prompt, r.params, attempts[i] if attempts is not None else 0, greedy_ignores_seed=ignores_seed)
+            hit = None if key is None or memo is None else memo.answer(key)
+            if hit is None:
+                leaders.append(i)
+                if key is not None and memo is not None:
+                    keys[i] = key
+                    waits[i] = memo.lead(key)
+            elif isinstance(hit, Completion):
+                out[i] = self._duplicate(r, hit)
+            else:
+                duplicates.add(i)
+                waits[i] = hit
+        try:
+            gen, engine_futures = await self._submit([requests[i] for i in leaders])  # type: ignore[misc]
+        except BaseException:
+            for i in leaders:
+                if i in keys and memo is not None:
+                    memo.abandon(keys[i])
+            for i in duplicates:
+                waits[i].cancel()
+            raise
+        for i, future in zip(leaders, engine_futures):
+            if i in keys and memo is not None:
+                memo.attach(keys[i], future)
+            else:
+                waits[i] = future
+        order = [i for i in live if i in waits]
+        try:
+            done = await asyncio.gather(*(waits[i] for i in order), return_exceptions=True)
+        except asyncio.CancelledError:
+            for i in order:
+                waits[i].cancel()
+            raise
+        by_leader = dict(zip(leaders, gen))
+        orphans: list[int] = []
+        for i, result in zip(order, done):
+            if isinstance(result, EngineDeadError):
+                raise result
+            if isinstance(result, Orphaned):  # the request it waited on (or its own) went away
+                orphans.append(i)
+                continue
+            if i in duplicates:
+                if isinstance(result, Completion):
+                    out[i] = self._duplicate(requests[i], result)  # type: ignore[arg-type]
+                else:  # its leader failed or went away: it runs on its own
+                    orphans.append(i)
+                continue
+            if isinstance(result, Completion) and (request := by_leader[i]) is not None:
+                self.meter.add(request, result)
+                result = self.checked_completion(request.params, result)
+            out[i] = result
+        if orphans:
+            again = await self._run_plain([requests[i] for i in orphans])  # type: ignore[misc]
+            for i, result in zip(orphans, again):
+                out[i] = result
+        return out
+
+    def checked_completion(self, params: SamplingParams, completion: Completion) -> Completion:
+        """``checked_completion``, counting the completions that failed their format (``schema_invalid``)."""
+        result = checked_completion(params, completion)
+        if result is not completion and ErrorKind.of(result.error) is ErrorKind.SCHEMA_INVALID:
+            self.schema_invalid += 1
+        return result
+
+    def _duplicate(self, request: Request, completion: Completion) -> Completion:
+        """An identical request's completion, as this request's own (its engine time: none)."""
+        self.meter.add_duplicate(completion)
+        return self.checked_completion(request.params, completion)
+
+    async def _submit(self, requests: Sequence[Request]) -> tuple[list[GenRequest | None], list[asyncio.Future[Completion]]]:
+        """One future per request. The one tokenisation of each prompt: its ids cost it for the
+        batcher and go on to the engine; a prompt the tokenizer (or chat template) rejects has
+        no GenRequest and its failed Completion, resolved at once."""
+        encoded = await self.host.encode([r.prompt for r in requests])
+        if (block_size := prefix_block_size(self.host.engine)) is not None:
+            await asyncio.to_thread(self.meter.sign, encoded, self.host.engine.prefix_signature, block_size)  # type: ignore[union-attr]
+        gen: list[GenRequest | None] = [None if isinstance(tokens, Completion) else GenRequest(tokens, r.params, len(tokens.ids))
+                                        for r, tokens in zip(requests, encoded)]
+        submitted = iter(await self.host.submit([g for g in gen if g is not None], together=self.spec.order == "prefix"))
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[Completion]] = []
+        for g, tokens in zip(gen, encoded):
+            if g is None:
+                failed: asyncio.Future[Completion] = loop.create_future()
+                failed.set_result(tokens)  # type: ignore[arg-type]
+                futures.append(failed)
+            else:
+                futures.append(next(submitted))
+        return gen, futures
+
+    async def _run_plain(self, requests: Sequence[Request]) -> list[Completion | BaseException]:
+        """Each request on its own (no memo): what a duplicate does when its leader failed."""
+        gen, futures = await self._submit(requests)
+        try:
+            done = await asyncio.gather(*futures, return_exceptions=True)
+        except asyncio.CancelledError:
+            for f in futures:
+                f.cancel()
+            raise
+        out: list[Completion | BaseException] = []
+        for request, result in zip(gen, done):
+            if isinstance(result, EngineDeadError):
+                raise result
+            if isinstance(result, Completion) and request is not None:
+                self.meter.add(request, result)
+                result = self.checked_completion(request.params, result)
+            out.append(result)
+        return out
+
+
+def checked_completion(params: SamplingParams, completion: Completion) -> Completion:
+    """A constrained completion as a result only when it satisfies its format: cut by
+    max_tokens it is ``truncated_output``, not strict JSON or not valid against its schema
+    ``schema_invalid`` (both retryable)."""
+    fmt = params.response_format
+    if fmt is None or completion.error is not None:
+        return completion
+    if completion.finish_reason == "length":
+        return Completion.failed(ErrorKind.TRUNCATED_OUTPUT.tag(
+            f"max_tokens {params.max_tokens} reached before the constrained output was complete"),
+            prompt_tokens=completion.prompt_tokens)
+    if (why := format_error(completion.text, fmt)) is not None:
+        return Completion.failed(ErrorKind.SCHEMA_INVALID.tag(why), prompt_tokens=completion.prompt_tokens)
+    return completion
+
+
+
+
+def error_text(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, RequestError) else rows.error_text(exc)
+
+
+def prior_attempts(record: dict[str, Any]) -> int:
+    value = record.get("attempts", 0)
+    return value if isinstance(value, int) and value >= 0 else 0
+
+
+def attempt_request(builder: RequestBuilder, record: dict[str, Any], attempt: int) -> Request | BaseException:
+    """The record's request for this attempt, or the reason it has none (its error)."""
+    try:
+        return builder.build(record, attempt)
+    except (KeyError, RequestError) as exc:  # MissingFieldError / RequestError name the record
+        return exc
+
+
+# --------------------------------------------------------------------------- infer
