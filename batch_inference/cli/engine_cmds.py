@@ -10,8 +10,18 @@ import click
 @click.command("make-model")
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", default=0, show_default=True, help="weight seed (same seed => same files)")
-def make_model(out_dir: Path, seed: int) -> None:
-    """Build a tiny Llama model with a locally trained BPE tokenizer into OUT_DIR (no download)."""
+@click.option("--adapter-for", "adapter_for", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="build a LoRA adapter for this tiny model instead of a model (engine.vllm.lora.adapters)")
+@click.option("--rank", default=8, show_default=True, type=click.IntRange(1, 64), help="the adapter's LoRA rank")
+def make_model(out_dir: Path, seed: int, adapter_for: Path | None, rank: int) -> None:
+    """Build a tiny Llama model with a locally trained BPE tokenizer into OUT_DIR (no download),
+    or with --adapter-for MODEL a tiny LoRA adapter for it."""
+    if adapter_for is not None:
+        from batch_inference.engines.tiny_model import make_tiny_adapter
+
+        path = make_tiny_adapter(adapter_for, out_dir, rank=rank, seed=seed)
+        click.echo(f"LoRA adapter (rank {rank}) for {adapter_for} written to {path}, PEFT layout")
+        return
     from batch_inference.engines.tiny_model import make_tiny_model
 
     path = make_tiny_model(out_dir, seed=seed)

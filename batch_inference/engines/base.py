@@ -86,6 +86,7 @@ class SamplingParams:
     stop: tuple[str, ...] | None = None
     min_tokens: int = 0
     response_format: ResponseFormat | None = None
+    adapter: str | None = None  # a LoRA adapter the engine serves (EngineConfig.lora); None: the base model
 
     def __post_init__(self) -> None:
         if self.stop is not None and not isinstance(self.stop, tuple):
@@ -299,6 +300,14 @@ def truncate_at_stop(text: str, stop: Sequence[str] | None) -> tuple[str, bool]:
         return text, False
     cut = min((i for s in stop if s and (i := text.find(s)) >= 0), default=-1)
     return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+def adapter_error(adapter: str | None, served: Sequence[str]) -> str | None:
+    """The per-item ``bad_request`` error of a request naming an adapter the engine does not serve."""
+    if adapter is None or adapter in served:
+        return None
+    offer = f"it serves {', '.join(sorted(served))}" if served else "it serves none (engine.vllm.lora)"
+    return ErrorKind.BAD_REQUEST.tag(f"LoRA adapter {adapter!r} is not loaded on this engine: {offer}")
 
 
 def too_long_error(prompt_tokens: int, max_tokens: int, max_model_len: int) -> str | None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 
 class DecodeOverrides(BaseModel):
@@ -20,6 +20,26 @@ class DecodeOverrides(BaseModel):
     max_num_seqs: int | None = Field(None, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)
     block_size: int | None = Field(None, ge=1, description="KV block size: the prefix cache's unit")
+
+
+ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class LoraOptions(BaseModel):
+    """LoRA adapters served on the engine's one base model (``engine.vllm.lora``).
+
+    A request names an adapter (``infer.adapter``, ``judge.adapter``, or a record's own
+    ``adapter`` field among these names) or none: the base model. ``adapters`` maps each
+    name to its folder (PEFT's layout: ``adapter_config.json`` + ``adapter_model.safetensors``;
+    ``batch-inference make-model DIR --adapter-for MODEL`` builds a tiny one).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    adapters: dict[Annotated[str, StringConstraints(pattern=ADAPTER_NAME)], str] = Field(
+        min_length=1, description="adapter name -> adapter folder")
+    max_loras: int = Field(1, ge=1, description="adapters one engine step may mix (vLLM max_loras)")
+    max_lora_rank: int | None = Field(None, ge=1, description="largest adapter rank (default: read from the adapters)")
 
 
 class SimulatedOptions(BaseModel):
@@ -63,6 +83,7 @@ class SimulatedOptions(BaseModel):
         False, description="decode model: vLLM's automatic prefix cache (block-level LRU in the KV the running "
                            "sequences leave free; a prompt's cached leading blocks are not prefilled)"
     )
+    lora: LoraOptions | None = Field(None, description="adapter names it answers for (outputs salted by the name; folders unread)")
 
     @model_validator(mode="after")
     def _known_profile(self) -> SimulatedOptions:
@@ -89,6 +110,7 @@ class VllmOptions(BaseModel):
     # admits them in length-bounded strings ("maxLength"), which strict parsers refuse.
     structured_outputs_backend: Literal["guidance", "auto", "xgrammar", "outlines", "lm-format-enforcer"] = Field(
         "guidance", description="vLLM's structured outputs backend (extra.structured_outputs_config overrides it)")
+    lora: LoraOptions | None = Field(None, description="LoRA adapters on the base model (vLLM LoRARequest per request)")
     extra: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -109,6 +131,14 @@ class TransformersOptions(BaseModel):
     batching: Literal["static", "bucketed", "continuous"] = Field("bucketed", description="see the class docstring")
     bucket_padding: float = Field(1.25, ge=1, description="bucketed: a bucket closes before padded tokens exceed this x real tokens")
     max_batch_tokens: int = Field(1024, ge=16, description="continuous: tokens per forward step (transformers' max_batch_tokens)")
+    lora: LoraOptions | None = Field(None, description="refused: the transformers engine serves the base model only")
+
+    @model_validator(mode="after")
+    def _no_lora(self) -> TransformersOptions:
+        if self.lora is not None:
+            raise ValueError("lora: the transformers engine serves its base model only (no peft in this build); "
+                             "LoRA adapters run on the vllm engine: engine.vllm.lora")
+        return self
 
 
 # Engine kinds whose engines set ``structured_output = True``.
@@ -136,6 +166,18 @@ class EngineConfig(BaseModel):
         """Whether this engine kind constrains decoding to a response format (vLLM's
         structured outputs); known before the engine is built, so a spec can be refused."""
         return self.kind in STRUCTURED_OUTPUT_KINDS
+
+    @property
+    def lora(self) -> LoraOptions | None:
+        """The adapters this engine serves (its kind's ``lora`` options), or None."""
+        if self.kind == "vllm":
+            return self.vllm.lora
+        return self.simulated.lora if self.kind == "simulated" else None
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The adapter names a request on this engine may name."""
+        return tuple(self.lora.adapters) if self.lora is not None else ()
 
     @model_validator(mode="after")
     def _needs_model(self) -> EngineConfig:

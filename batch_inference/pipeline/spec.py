@@ -280,6 +280,24 @@ class PipelineSpec(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_adapters(self) -> PipelineSpec:
+        """Every adapter a phase or a record names is one its engine serves; records may name the infer engine's."""
+        served = self.engine.adapters
+        if unknown := sorted(set(self.infer.adapters) - set(served)):
+            raise ValueError(f"infer.adapters: {unknown} not among {_lora_key('engine', self.engine)}.adapters ({_names(served)})")
+        if not self.infer.adapters and served:
+            self.infer = self.infer.model_copy(update={"adapters": served})
+        for key, adapter, engine_key, engine in (
+                ("infer.adapter", self.infer.adapter, "engine", self.engine),
+                ("judge.adapter", self.judge.adapter, "judge.engine" if self.judge.engine else "engine", self.judge_engine)):
+            if adapter is not None and adapter not in engine.adapters:
+                if not engine.adapters:
+                    raise ValueError(f"{key}: {engine_key} kind {engine.kind!r} serves no LoRA adapters "
+                                     f"({'give it engine.vllm.lora' if engine.kind == 'vllm' else 'LoRA runs on the vllm engine: engine.vllm.lora'})")
+                raise ValueError(f"{key}: {adapter!r} is not one of {_lora_key(engine_key, engine)}.adapters ({_names(engine.adapters)})")
+        return self
+
+    @model_validator(mode="after")
     def _check_judge_pool(self) -> PipelineSpec:
         if self.judge.engine is not None and self.judge.kind != "llm":
             raise ValueError(f"judge.engine: a {self.judge.kind} judge runs no model; only an llm judge takes an engine")
@@ -388,10 +406,10 @@ class PipelineSpec(_Strict):
         ``infer`` and the tail's generation run on the infer pool; ``judge`` on the judge's
         pool when it has one; the tail (``tail``) names both.
         """
-        infer = {"pool": self.pool.name, "model": engine_label(self.engine), "adapter": None}
+        infer = {"pool": self.pool.name, "model": engine_label(self.engine), "adapter": self.infer.adapter}
         judge_pool = self.judge_pool
-        judge = ({"pool": judge_pool.name, "model": engine_label(self.judge_engine), "adapter": None}
-                 if judge_pool is not None else dict(infer))
+        judge = {"pool": judge_pool.name if judge_pool is not None else self.pool.name,
+                 "model": engine_label(self.judge_engine), "adapter": self.judge.adapter}
         if self.judge.kind != "llm":
             judge = {"pool": judge["pool"], "model": None, "adapter": None, "judge": self.judge.kind}
         if phase == "infer":
@@ -399,6 +417,14 @@ class PipelineSpec(_Strict):
         if phase == "judge":
             return judge
         return {**infer, **{f"judge_{k}": v for k, v in judge.items() if k != "judge"}}
+
+
+def _lora_key(engine_key: str, engine: EngineConfig) -> str:
+    return f"{engine_key}.{'simulated' if engine.kind == 'simulated' else 'vllm'}.lora"
+
+
+def _names(names: tuple[str, ...]) -> str:
+    return ", ".join(names) or "none"
 
 
 def engine_label(engine: EngineConfig) -> str:

@@ -139,8 +139,9 @@ class RequestBuilder:
         if overrides is not None:
             updates, base_seed = self._override(overrides, rid)
         fmt = self._response_format(record.get("response_format"), rid) if "response_format" in record else self.response_format
+        adapter = self._adapter(record, rid)
         try:
-            return replace(self.base, **updates, seed=derive_seed(base_seed, str(rid), attempt), response_format=fmt)
+            return replace(self.base, **updates, seed=derive_seed(base_seed, str(rid), attempt), response_format=fmt, adapter=adapter)
         except ValueError as exc:  # e.g. min_tokens > max_tokens
             raise RequestError(ErrorKind.BAD_SAMPLING, rid, f"{self.config.sampling_field}: {exc}") from None
 
@@ -187,6 +188,19 @@ class RequestBuilder:
             raise RequestError(ErrorKind.BAD_SAMPLING, rid, f"{field}.stop has {len(stop)} strings > limits.stop {limits.stop}")
         seed = v.pop("seed", self.base_seed)
         return {k: (tuple(stop) if k == "stop" and stop is not None else v[k]) for k in v}, seed
+
+    def _adapter(self, record: dict[str, Any], rid: Any) -> str | None:
+        """The record's own adapter (null: the base model) among the spec's, else the spec's."""
+        field = self.config.adapter_field
+        if not field or field not in record:
+            return self.config.adapter
+        value = record[field]
+        if value is None:
+            return None
+        if not isinstance(value, str) or value not in self.config.adapters:
+            allowed = ", ".join(self.config.adapters) or "none (the engine has no engine.vllm.lora adapters)"
+            raise RequestError(ErrorKind.BAD_REQUEST, rid, f"{field} {value!r} is not one of the spec's adapters: {allowed}")
+        return value
 
     def _response_format(self, value: Any, rid: Any) -> ResponseFormat | None:
         if value is None:

@@ -115,6 +115,10 @@ class InferConfig(_Wire):
     ``system`` is prepended to chat prompts that have no system turn. A record's
     ``sampling_field`` (default ``sampling``) overrides ``sampling`` per record, within
     ``limits``; its ``response_format`` field overrides ``response_format``.
+
+    ``adapter`` is the LoRA adapter the requests run on (none: the base model); a record's
+    ``adapter_field`` (default ``adapter``) names its own, one of ``adapters`` (the
+    engine's adapters: the spec fills them in) or null for the base model.
     """
 
     template: str | None = Field(None, min_length=1)
@@ -124,6 +128,9 @@ class InferConfig(_Wire):
     sampling_field: str | None = "sampling"
     limits: SamplingLimits = SamplingLimits()
     response_format: ResponseFormatConfig | None = None
+    adapter: str | None = Field(None, description="the LoRA adapter the requests run on (engine.vllm.lora); none: the base model")
+    adapter_field: str | None = Field("adapter", description="the record field naming its own adapter (null: the base model)")
+    adapters: tuple[str, ...] = Field((), description="the adapter names records may name (default: the engine's, set by the spec)")
 
     @model_validator(mode="after")
     def _check(self) -> InferConfig:

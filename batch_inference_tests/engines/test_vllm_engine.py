@@ -48,11 +48,13 @@ class _FakeLLM:
         self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(max_model_len=kwargs["max_model_len"]),
                                           vllm_config=SimpleNamespace(cache_config=SimpleNamespace(block_size=16, enable_prefix_caching=True)))
         self.calls: list[tuple[list, list]] = []
+        self.lora_calls: list = []
 
     def get_tokenizer(self) -> SimpleNamespace:
         return SimpleNamespace(encode=lambda text: [ord(c) for c in text])  # one token per character
 
-    def generate(self, prompts, sampling_params, use_tqdm=True):
+    def generate(self, prompts, sampling_params, use_tqdm=True, lora_request=None):
+        self.lora_calls.append(lora_request)
         if isinstance(_FakeLLM.fail, type):
             raise _FakeLLM.fail("EngineCore encountered an issue")
         if _FakeLLM.fail:
@@ -76,6 +78,8 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setitem(sys.modules, "vllm", module)
     monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
     monkeypatch.setitem(sys.modules, "vllm.v1.engine.exceptions", SimpleNamespace(EngineDeadError=_CoreGone))
+    lora = SimpleNamespace(LoRARequest=lambda name, int_id, path: ("lora", name, int_id, path))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", lora)
     monkeypatch.setattr(_FakeLLM, "fail", False)
     monkeypatch.setattr(_FakeLLM, "made", [])
     return module
@@ -135,3 +139,24 @@ def test_response_format_reaches_vllm_as_structured_outputs(fake_vllm, monkeypat
     assert engine.structured_output
     out = engine.generate([ChatPrompt((("user", "hi"),))], SamplingParams(max_tokens=2))  # the fake tokenizer has no template
     assert out[0].error.startswith("chat_template_error: the model's tokenizer has no chat template")
+
+
+def test_lora_adapters_reach_vllm_per_request(fake_vllm, tiny_adapters) -> None:
+    """enable_lora with the adapters' largest rank; each request carries its own LoRARequest
+    (None: the base model); an adapter the engine does not serve fails alone."""
+    from batch_inference.engines import build_engine
+
+    paths = {name: str(path) for name, path in tiny_adapters.items()}
+    engine = build_engine({"kind": "vllm", "model": "/m", "max_model_len": 64,
+                           "vllm": {"streaming": False, "lora": {"adapters": paths, "max_loras": 2}}})
+    llm = engine._llm
+    assert (llm.kwargs["enable_lora"], llm.kwargs["max_loras"], llm.kwargs["max_lora_rank"]) == (True, 2, 8)
+    out = engine.generate(["abc", "de", "fg", "hi"], [SamplingParams(max_tokens=2, adapter=a) for a in ("a2", None, "nope", "a1")])
+    assert out[2].error.startswith("bad_request: LoRA adapter 'nope' is not loaded on this engine: it serves a1, a2")
+    (requests,) = llm.lora_calls
+    assert requests == [("lora", "a2", 2, str(tiny_adapters["a2"].resolve())), None, ("lora", "a1", 1, str(tiny_adapters["a1"].resolve()))]
+    assert len(llm.calls[0][0]) == 3  # the unknown adapter's request never reached vLLM
+    plain = build_engine({"kind": "vllm", "model": "/m", "max_model_len": 64, "vllm": {"streaming": False}})
+    assert "enable_lora" not in plain._llm.kwargs
+    assert plain.generate(["abc"], SamplingParams(max_tokens=2, adapter="a1"))[0].error.startswith(
+        "bad_request: LoRA adapter 'a1' is not loaded on this engine: it serves none")

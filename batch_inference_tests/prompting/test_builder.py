@@ -128,3 +128,19 @@ def test_a_response_format_is_validated_once_per_process_not_per_record(monkeypa
         with pytest.raises(RequestError, match=f"bad_request: record '{rid}': response_format"):
             b.build({"id": rid, "q": "x", "response_format": {"type": "yaml"}}, 0)
     assert len(validated) == 3
+
+
+def test_a_record_names_its_adapter_among_the_specs() -> None:
+    from batch_inference.prompting import RequestBuilder, RequestError
+
+    builder = RequestBuilder(InferConfig(template="{q}", adapter="a1", adapters=("a1", "a2")))
+    assert builder.build({"id": "x", "q": "hi"}, 0).params.adapter == "a1"  # the phase's adapter
+    assert builder.build({"id": "x", "q": "hi", "adapter": "a2"}, 0).params.adapter == "a2"
+    assert builder.build({"id": "x", "q": "hi", "adapter": None}, 0).params.adapter is None  # the base model
+    with pytest.raises(RequestError, match=r"bad_request: record 'x'.*adapter 'a3' is not one of the spec's adapters: a1, a2"):
+        builder.build({"id": "x", "q": "hi", "adapter": "a3"}, 0)
+    bare = RequestBuilder(InferConfig(template="{q}"))
+    with pytest.raises(RequestError, match="not one of the spec's adapters: none"):
+        bare.build({"id": "x", "q": "hi", "adapter": "a1"}, 0)
+    ignored = RequestBuilder(InferConfig(template="{q}", adapter_field=None))
+    assert ignored.build({"id": "x", "q": "hi", "adapter": "a1"}, 0).params.adapter is None
