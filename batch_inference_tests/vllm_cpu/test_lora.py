@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 from batch_inference.pipeline import PipelineSpec, run_pipeline  # noqa: E402
 from batch_inference.storage import JsonlDir  # noqa: E402
 
-pytestmark = pytest.mark.vllm_cpu
+pytestmark = [pytest.mark.vllm_cpu, pytest.mark.timeout(900)]  # two engine loads on a shared CPU
 
 PROMPTS = ["The quick brown fox", "Question: what is the capital of France?", "Summarise the article in one",
            "Large language models generate", "def add(a, b):", "Translate the following sentence"]
@@ -44,8 +44,10 @@ async def test_an_adapter_infer_phase_and_a_base_model_judge_in_one_run(tmp_path
                    "vllm": {**VLLM, "lora": lora}},
         "infer": {"template": "{prompt}", "adapter": "a1", "sampling": {"max_tokens": 12, "temperature": 0.0}},
         "judge": {"kind": "llm", "template": "{prompt} {result} Reply APPROVED or REJECTED:", "max_tokens": 4},
-        "strategy": "rounds", "max_rounds": 1, "shard_records": 3, "chunk_size": 3,
-        "pool": {"launcher": "inprocess", "concurrency": 2},
+        # one request in the engine at a time, as in the direct calls below: random weights leave the
+        # logits nearly tied, so a batch of another shape could flip a greedy token on CPU
+        "strategy": "rounds", "max_rounds": 1, "shard_records": 3, "chunk_size": 1,
+        "pool": {"launcher": "inprocess", "concurrency": 1},
     })
     summary = await run_pipeline(spec)
     assert summary.conservation["ok"] and summary.failed == 0
@@ -65,8 +67,9 @@ async def test_an_adapter_infer_phase_and_a_base_model_judge_in_one_run(tmp_path
     requests = {name: LoRARequest(name, i, str(path)) for i, (name, path) in enumerate(tiny_adapters.items(), start=1)}
     adapters = ["a1" if c == "-" else c for c in CHOICES]
     params = SamplingParams(max_tokens=12, temperature=0.0)
-    direct = llm.generate(PROMPTS, params, lora_request=[requests.get(a) if a else None for a in adapters], use_tqdm=False)
-    base = llm.generate(PROMPTS, params, use_tqdm=False)
+    direct = [llm.generate([p], params, lora_request=requests.get(a) if a else None, use_tqdm=False)[0]
+              for p, a in zip(PROMPTS, adapters)]
+    base = [llm.generate([p], params, use_tqdm=False)[0] for p in PROMPTS]
     tokenizer = llm.get_tokenizer()
     for i, out in enumerate(direct):
         # the streaming engine decodes a request's ids once, at its end (random weights: partial
