@@ -83,8 +83,9 @@ def plan(spec_path: Path, gpus: int | None, price: float | None, profile_path: P
     console = Console(width=None if Console().is_terminal else 160)
     table = Table(title=f"plan for {spec.run}: {p.records:,} records on {p.replicas} replica(s) x {p.concurrency}")
     banded = any(s.wall_band_s for s in p.strategies)
+    pooled = any(s.pools for s in p.strategies)  # a judge with its own pool: each pool's GPU-hours
     cols = ("strategy", "tokens in", "tokens out", "engine", "wall", *(("wall 95% band",) if banded else ()),
-            "waves", "GPU-h", "cost", "approved", "unfinished")
+            "waves", "GPU-h", *(("GPU-h infer / judge",) if pooled else ()), "cost", "approved", "unfinished")
     for col in cols:
         table.add_column(col, justify="left" if col == "strategy" else "right")
     for s in p.strategies:
@@ -92,7 +93,10 @@ def plan(spec_path: Path, gpus: int | None, price: float | None, profile_path: P
         table.add_row(
             s.strategy + mark, f"{s.tokens_in:,.0f}", f"{s.tokens_out:,.0f}", duration(s.engine_s), duration(s.wall_s),
             *((("-" if s.wall_band_s is None else f"{duration(s.wall_band_s[0])} - {duration(s.wall_band_s[1])}"),) if banded else ()),
-            f"{s.waves:.1f}", f"{s.gpu_hours:,.1f}", "-" if s.cost is None else f"{s.cost:,.2f}", f"{s.approved:,}", f"{s.unfinished:,}",
+            f"{s.waves:.1f}", f"{s.gpu_hours:,.1f}",
+            *((" / ".join(f"{s.pools[k]['gpu_hours']:,.1f} ({s.pools[k]['busy_share']:.0%} busy)" for k in ("infer", "judge")),)
+              if pooled else ()),
+            "-" if s.cost is None else f"{s.cost:,.2f}", f"{s.approved:,}", f"{s.unfinished:,}",
         )
     console.print(table)
     best = min(p.strategies, key=lambda s: s.wall_s)

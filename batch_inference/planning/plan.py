@@ -18,7 +18,7 @@ from typing import Any
 
 from batch_inference.engines.decode_model import get_profile
 from batch_inference.pipeline.report import duration
-from batch_inference.pipeline.spec import PipelineSpec
+from batch_inference.pipeline.spec import PipelineSpec, engine_label
 from batch_inference.planning.cluster import Cluster, Overheads
 from batch_inference.planning.profiling import EngineProfile
 from batch_inference.planning.rates import EngineRates, Workload, engine_rates
@@ -46,12 +46,20 @@ class StrategyPlan:
     phases: list[dict[str, Any]]
     # (low, high) wall over the approval's 95% interval when it was measured on a sample
     wall_band_s: tuple[float, float] | None = None
+    # a judge with its own pool: each pool priced apart, {"infer"|"judge": {replicas, gpu_hours,
+    # engine_hours, busy_share, cost}}; both are held for the whole run (persistent pools)
+    pools: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def of(cls, res: SimResult, w: Workload, price: float | None, judge_tokens: float, replicas: int) -> StrategyPlan:
         attempts = res.attempts
-        return cls(
-            strategy=res.strategy, wall_s=res.wall_s, engine_s=res.engine_s / max(1, replicas),
+        pools = {name: {"replicas": int(p["replicas"]), "gpu_hours": p["gpu_s"] / 3600.0, "engine_hours": p["engine_s"] / 3600.0,
+                        "busy_share": p["engine_s"] / p["gpu_s"] if p["gpu_s"] else 0.0,
+                        "cost": p["gpu_s"] / 3600.0 * price if price is not None else None}
+                 for name, p in res.pools.items()}
+        return cls(pools=pools,
+            strategy=res.strategy, wall_s=res.wall_s,
+            engine_s=res.engine_s / max(1, sum(p["replicas"] for p in pools.values()) if pools else replicas),
             gpu_hours=res.gpu_hours(), cost=res.gpu_hours() * price if price is not None else None, waves=res.waves,
             approved=res.approved, unfinished=res.unfinished + res.quarantined,
             tokens_in=attempts * (w.prompt_tokens + judge_tokens), tokens_out=res.tokens_out + attempts * w.judge_output_tokens,
@@ -90,6 +98,9 @@ class RunPlan:
         }
         if s.cost is not None:
             out["plan.cost"] = round(s.cost, 2)
+        for name, pool in s.pools.items():
+            out[f"plan.pool.{name}.gpu_hours"] = round(pool["gpu_hours"], 3)
+            out[f"plan.pool.{name}.busy_share"] = round(pool["busy_share"], 3)
         if s.wall_band_s is not None:
             out["plan.wall_s.low"], out["plan.wall_s.high"] = (round(x, 1) for x in s.wall_band_s)
         for p in s.phases:
@@ -170,6 +181,38 @@ def cache_block_size(spec: PipelineSpec, gpu_profile: str | None) -> int | None:
     return None
 
 
+def judge_placement(spec: PipelineSpec, w: Workload, rates: EngineRates, profile: EngineProfile | None,
+                    gpu_profile: str | None, gpus: int | None, notes: list[str]) -> tuple[Cluster, EngineRates] | None:
+    """A judge with its own model: its pool's cluster and its engine's rates (None: it shares the infer pool).
+
+    A measured profile ran the spec's own pipeline, its judge on the judge's pool: its
+    judge figures are that pool's. Otherwise the judge engine is priced as the infer engine
+    is: the simulated engine's linear cost, or a calibrated decode-step profile.
+    """
+    pool = spec.judge_pool
+    if pool is None:
+        return None
+    engine = spec.judge_engine
+    sim_opts = engine.simulated if engine.kind == "simulated" else None
+    if profile is not None:
+        judge_rates, how = rates, f"measured by the profile ({profile.source}) on the judge's pool"
+    elif sim_opts is not None and sim_opts.cost_model == "linear" and gpu_profile is None:
+        judge_rates, how = linear_rates(spec.model_copy(update={"engine": engine, "pool": pool}), w), "the judge engine's linear cost"
+    else:
+        name = gpu_profile or (sim_opts.profile if sim_opts is not None and sim_opts.cost_model == "decode" else DEFAULT_GPU_PROFILE)
+        judge_rates, how = engine_rates(get_profile(name), w, sample=min(20_000, max(2_000, w.records))), f"decode-step profile {name}"
+    replicas = gpus or pool.replicas
+    cluster = (Cluster(replicas=1, concurrency=pool.concurrency * pool.replicas) if pool.launcher == "inprocess" and gpus is None
+               else Cluster(replicas=replicas, concurrency=pool.concurrency))
+    notes.append(f"judge: its own model {engine_label(engine)} on pool {pool.name} ({cluster.replicas} replica(s) x "
+                 f"{cluster.concurrency} slots): {judge_rates.judge_s * 1000:.3f} ms per judged record ({how}); each phase "
+                 "runs on its own pool and the tail's generation and judging take turns (each pool idles while the other "
+                 "works); each pool is held for the whole run "
+                 "and priced apart" + (" (--gpus sizes both pools)" if gpus else "")
+                 + "; the tail's judge waves' storage round trips (a shard per wave) are not priced")
+    return cluster, judge_rates
+
+
 def local_overheads(spec: PipelineSpec) -> Overheads:
     """Latencies of the launcher the spec names: nothing to launch in process or locally."""
     if spec.pool.launcher == "k8s":
@@ -231,8 +274,8 @@ def make_plan(
     elif profile is not None and profile.approval is not None:
         a, a_how = profile.approval, "measured by the profile"
         a_later = profile.retry_approval
-    elif sim_opts is not None and spec.judge.kind == "llm":
-        a, a_how = sim_opts.approval_rate, "the simulated judge's approval_rate"
+    elif spec.judge_engine.kind == "simulated" and spec.judge.kind == "llm":
+        a, a_how = spec.judge_engine.simulated.approval_rate, "the simulated judge's approval_rate"
     else:
         a, a_how = 0.5, "assumed (pass --approval or run `batch-inference profile`)"
     if a_later is None:
@@ -285,8 +328,11 @@ def make_plan(
                  f"phase launch {duration(o.phase_launch_s)}, round gap {duration(o.round_gap_s)}, "
                  f"recompaction {o.recompact_records_per_s:,.0f} rec/s, "
                  f"resharding {o.reshard_records_per_s:,.0f} rec/s")
+    judged_on = judge_placement(spec, w, rates, profile, gpu_profile, gpus, notes)
+    judge_cluster, judge_rates = judged_on if judged_on is not None else (None, None)
     if gpu_hour_price is not None:
-        notes.append(f"cost: GPU-hours (replicas x wall from the first phase) x {gpu_hour_price}/GPU-hour")
+        notes.append(f"cost: GPU-hours (replicas x wall from the first phase{', each pool' if judged_on else ''}) x "
+                     f"{gpu_hour_price}/GPU-hour")
     bounds = approval_bounds(w, profile) if approval is None else None
     if bounds is not None:
         notes.append(f"band: the wall with approval at the ends of its 95% interval over the profile's "
@@ -294,10 +340,11 @@ def make_plan(
     plans = []
     for strategy in strategies:
         s = spec.model_copy(update={"strategy": strategy})
-        res = simulate(s, w, rates, cluster=cluster, overheads=o)
+        res = simulate(s, w, rates, cluster=cluster, overheads=o, judge_cluster=judge_cluster, judge_rates=judge_rates)
         plan = StrategyPlan.of(res, w, gpu_hour_price, judge_tokens, cluster.replicas)
         if bounds is not None:
-            walls = sorted(simulate(s, b, rates, cluster=cluster, overheads=o).wall_s for b in bounds)
+            walls = sorted(simulate(s, b, rates, cluster=cluster, overheads=o, judge_cluster=judge_cluster,
+                                    judge_rates=judge_rates).wall_s for b in bounds)
             plan.wall_band_s = (min(walls[0], res.wall_s), max(walls[-1], res.wall_s))
         plans.append(plan)
     saving: dict[str, Any] | None = None
@@ -306,7 +353,8 @@ def make_plan(
                                   "family": round(prefix.family, 2), "sample": prefix.sample, "block_size": prefix.block_size}
         if uncached is not None:
             chosen = next(p for p in plans if p.strategy == spec.strategy) if spec.strategy in strategies else plans[0]
-            res = simulate(spec.model_copy(update={"strategy": chosen.strategy}), w, uncached, cluster=cluster, overheads=o)
+            res = simulate(spec.model_copy(update={"strategy": chosen.strategy}), w, uncached, cluster=cluster, overheads=o,
+                           judge_cluster=judge_cluster, judge_rates=judge_rates)
             without = StrategyPlan.of(res, w, gpu_hour_price, judge_tokens, cluster.replicas)
             saving.update(hit_rate=round(rates.prefix_hit_rate, 4), strategy=chosen.strategy,
                           gpu_hours_without=round(without.gpu_hours, 3), gpu_hours_saved=round(without.gpu_hours - chosen.gpu_hours, 3),

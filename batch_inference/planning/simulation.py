@@ -56,7 +56,7 @@ class SimResult:
     strategy: str
     wall_s: float
     engine_s: float  # engine-seconds of work (all replicas)
-    gpu_s: float  # replicas x wall: what is paid for
+    gpu_s: float  # replicas x wall: what is paid for (both pools when the judge has its own)
     approved: int
     unfinished: int
     quarantined: int
@@ -68,6 +68,9 @@ class SimResult:
     engine_steps: float
     tokens_out: float
     attempts: float = 0.0  # inference attempts (records inferred, each time)
+    # per pool when the judge has its own: {"infer": {...}, "judge": {...}} with each pool's
+    # replicas, gpu_s (replicas x wall from the first phase) and engine_s
+    pools: dict[str, dict[str, float]] = field(default_factory=dict)
     rounds: list[RoundRecord] = field(default_factory=list)
     decisions: list[Decision] = field(default_factory=list)
 
@@ -96,21 +99,32 @@ def simulate(
     cluster: Cluster | None = None,
     overheads: Overheads | None = None,
     phases: Literal["all", "one_round"] = "all",
+    judge_cluster: Cluster | None = None,
+    judge_rates: EngineRates | None = None,
 ) -> SimResult:
     """Simulate ``spec`` (strategy, max_rounds/attempts, crossover, shard_records) at scale.
 
     ``phases="one_round"`` stops after round 0's infer and judge (the capacity math).
+    ``judge_cluster`` (a judge with its own model and pool): the judge phases run there
+    at ``judge_rates.judge_s``, and a tail task does its generation on the infer pool and
+    its judge waves on the judge pool one after the other: a retry task alternates its
+    waves, and the pool's tasks keep in step, so each pool idles while the other works
+    (bench/reports/judge_model.md measures it).
     """
     cluster = cluster or Cluster(replicas=spec.pool.replicas, concurrency=spec.pool.concurrency)
     overheads = overheads or Overheads(retries=spec.pool.retries)
-    return run_virtual(lambda: _simulate(spec, workload, rates, cluster, overheads, phases))
+    return run_virtual(lambda: _simulate(spec, workload, rates, cluster, overheads, phases, judge_cluster, judge_rates or rates))
 
 
 async def _simulate(spec: PipelineSpec, w: Workload, rates: EngineRates, cluster: Cluster, o: Overheads,
-                    phases: str) -> SimResult:
+                    phases: str, judge_cluster: Cluster | None = None, judge_rates: EngineRates | None = None) -> SimResult:
     loop = asyncio.get_running_loop()
     sim = ClusterSim(cluster, o, loop)
     sim.start()
+    judge_sim = ClusterSim(judge_cluster, o, loop) if judge_cluster is not None else sim
+    if judge_sim is not sim:
+        judge_sim.start()
+    jr = judge_rates or rates
     rng = random.Random(cluster.seed + 1)
     rounds: list[RoundRecord] = []
     decisions: list[Decision] = []
@@ -123,19 +137,27 @@ async def _simulate(spec: PipelineSpec, w: Workload, rates: EngineRates, cluster
         rounds.append(RoundRecord(name, records, shards, loop.time() - t0, 0.0, loop.time() - t0))
 
     async def phase(r: int, name: Literal["infer", "judge", "tail"], shards: list[int], per_record_s: float,
-                    latency_s: float, *, sample_level: bool = False, attempts_per_record: float = 1.0) -> PhaseResult:
+                    latency_s: float, *, sample_level: bool = False, attempts_per_record: float = 1.0,
+                    judge_per_record_s: float = 0.0) -> PhaseResult:
+        """``judge_per_record_s``: a tail's judge waves on the judge's own pool (after its generation)."""
         nonlocal quarantined
+        pool = judge_sim if name == "judge" else sim
         reads = o.progress_read_s * len(shards) if name == "judge" else 0.0  # the infer phase's progress records
         await asyncio.sleep(o.phase_launch_s + o.list_page_s * math.ceil(len(shards) / 1000) + reads)
         t0 = loop.time()
-        busy0, redone0 = sim.engine_busy_s(), sim.redone_s
+        busy0, redone0 = pool.engine_busy_s(), pool.redone_s
         longest = 0.0
         done_records = 0
         lost: list[dict[str, Any]] = []
-        retries0 = sim.retries
+        retries0 = pool.retries
 
         async def one(n: int) -> tuple[int, float]:
-            return n, await sim.run_task(n * per_record_s * attempts_per_record, latency_s=latency_s, sample_level=sample_level)
+            work = pool.run_task(n * per_record_s * attempts_per_record, latency_s=latency_s, sample_level=sample_level)
+            if not judge_per_record_s:
+                return n, await work
+            infer_wall = await work
+            waves = await judge_sim.run_task(n * judge_per_record_s * attempts_per_record, latency_s=0.0, sample_level=sample_level)
+            return n, infer_wall + waves
 
         def ok(res: tuple[int, float]) -> None:
             nonlocal longest, done_records
@@ -147,21 +169,21 @@ async def _simulate(spec: PipelineSpec, w: Workload, rates: EngineRates, cluster
                 raise exc
             lost.append({"shard": f"sim://{name}", "phase": name, "records": n, "error": str(exc), "round": r})
 
-        await dispatch_bounded(shards, one, ok, failed, limit=sim.limit)
+        await dispatch_bounded(shards, one, ok, failed, limit=pool.limit)
         wall = loop.time() - t0
-        engine = sim.engine_busy_s() - busy0
+        engine = pool.engine_busy_s() - busy0
         quarantined += sum(q["records"] for q in lost)
         if name != "tail":
             attempts[name] += done_records
         summary = PhaseSummary(
             round=r, phase=name, input_url="sim://", output_url="sim://", shards=len(shards), shards_run=len(shards),
             records_in=done_records, counts={}, tokens_in=0, tokens_out=0, engine_busy_s=engine, wall_s=wall,
-            drain_s=0.0, avg_fill=0.0, cached_tasks=0, task_retries=sim.retries - retries0,
-            longest_task_s=longest, quarantined=lost, workers=cluster.replicas,
+            drain_s=0.0, avg_fill=0.0, cached_tasks=0, task_retries=pool.retries - retries0,
+            longest_task_s=longest, quarantined=lost, workers=pool.cluster.replicas,
         )
         rounds.append(RoundRecord(f"round {r} {name}" if name != "tail" else "tail", done_records, len(shards),
                                   wall + o.phase_launch_s, engine, o.phase_launch_s))
-        return PhaseResult(summary, engine, sim.redone_s - redone0, sum(q["records"] for q in lost))
+        return PhaseResult(summary, engine, pool.redone_s - redone0, sum(q["records"] for q in lost))
 
     def split(records: int, p: float) -> int:
         # a binomial draw, normal-approximated at scale (exact below 1,000)
@@ -187,7 +209,7 @@ async def _simulate(spec: PipelineSpec, w: Workload, rates: EngineRates, cluster
         judged_records = inf.summary.records_in
         if inf.quarantined_records:
             judged = _shards(judged_records, shard_n)
-        jud = await phase(r, "judge", judged, rates.judge_s, rates.judge_latency_s)
+        jud = await phase(r, "judge", judged, jr.judge_s, jr.judge_latency_s)
         approved = split(jud.summary.records_in, w.approval if r == 0 else w.later_approval)
         rejected = jud.summary.records_in - approved
         approved_total += approved
@@ -215,8 +237,13 @@ async def _simulate(spec: PipelineSpec, w: Workload, rates: EngineRates, cluster
         k = spec.max_attempts - tail_from
         e, p_ok = w.attempts(k, first=tail_from == 0)
         records = sum(pending)
-        tail = await phase(tail_from, "tail", pending, rates.per_attempt_s, k * (rates.infer_latency_s + rates.judge_latency_s) / 2,
-                           sample_level=True, attempts_per_record=e)
+        latency = k * (rates.infer_latency_s + jr.judge_latency_s) / 2
+        if judge_sim is sim:
+            tail = await phase(tail_from, "tail", pending, rates.per_attempt_s, latency, sample_level=True, attempts_per_record=e)
+        else:  # an attempt's in-place overhead (per_attempt_s over infer + judge) on each pool's own part
+            f = rates.per_attempt_s / (rates.infer_s + rates.judge_s) if rates.infer_s + rates.judge_s > 0 else 1.0
+            tail = await phase(tail_from, "tail", pending, f * rates.infer_s, latency, sample_level=True,
+                               attempts_per_record=e, judge_per_record_s=f * jr.judge_s)
         done = tail.summary.records_in
         ok = split(done, p_ok) if k > 0 else 0
         approved_total += ok
@@ -227,9 +254,19 @@ async def _simulate(spec: PipelineSpec, w: Workload, rates: EngineRates, cluster
     rounds.append(RoundRecord("results + finalize", approved_total, 0, o.phase_launch_s, 0.0, o.phase_launch_s))
     wall = loop.time() - t_start
     await sim.stop()
+    held = loop.time() - t_gpu
     engine = sim.engine_busy_s()
+    pools: dict[str, dict[str, float]] = {}
+    gpu_s = held * cluster.replicas
+    if judge_sim is not sim:
+        await judge_sim.stop()
+        judge_engine = judge_sim.engine_busy_s()
+        pools = {"infer": {"replicas": cluster.replicas, "gpu_s": gpu_s, "engine_s": engine},
+                 "judge": {"replicas": judge_sim.cluster.replicas, "gpu_s": held * judge_sim.cluster.replicas, "engine_s": judge_engine}}
+        gpu_s += pools["judge"]["gpu_s"]
+        engine += judge_engine
     return SimResult(
-        strategy=spec.strategy, wall_s=wall, engine_s=engine, gpu_s=(loop.time() - t_gpu) * cluster.replicas,
+        strategy=spec.strategy, wall_s=wall, engine_s=engine, gpu_s=gpu_s, pools=pools,
         approved=approved_total, unfinished=unfinished, quarantined=quarantined, waves=waves,
         redone_s=sim.redone_s, preemptions=sim.preemptions, retries=sim.retries,
         model_calls=attempts["infer"] * rates.calls_per_record, engine_steps=attempts["infer"] * rates.steps_per_record,
