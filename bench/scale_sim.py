@@ -9,6 +9,7 @@ Kubernetes latencies and spot preemption. Minutes on this machine.
 
     python bench/scale_sim.py                  # writes bench/reports/scale_sim.md and docs/scale-*.png
     python bench/scale_sim.py --records 10000000 --quick
+    python bench/scale_sim.py --only prefix    # the prefix-heavy section alone, put in the report in place
 """
 
 from __future__ import annotations
@@ -224,6 +225,92 @@ def preemption_section(lines: list[str], w: Workload, rates: EngineRates, levels
     return rows
 
 
+PREFIX_HEADING = "## 5. Prefix-heavy workloads: the engine's prefix cache, order and placement"
+
+
+def prefix_section(lines: list[str], records: int, sample: int = 20_000) -> list[dict[str, Any]]:
+    """One pass over a prefix-heavy input, GPU-hours with and without the prefix cache, and in
+    input order against the prefix-aware layout (a family's records adjacent, on one worker)."""
+    profile = PROFILES["h200-llama-8b"]
+    shapes = {
+        "documents x questions": Workload(records=records, prompt_tokens=1_540, prefix_share=1_500 / 1_540, prefix_family=8,
+                                          judge_prefix=True),
+        "few-shot block per task type": Workload(records=records, prompt_tokens=1_200, prefix_share=1_000 / 1_200,
+                                                 prefix_family=records / 20, judge_prefix=True),
+    }
+    settings = [("no prefix cache", "grouped", False), ("prefix cache, input order", "interleaved", True),
+                ("prefix cache + prefix-aware layout", "grouped", True)]
+    spec = spec_for("rounds")
+    rows = []
+    for shape, w in shapes.items():
+        for name, layout, cache in settings:
+            wl = dataclasses.replace(w, prefix_layout=layout)
+            rates = engine_rates(profile, wl, sample=sample, prefix_cache=cache)
+            res = simulate(spec, wl, rates, phases="one_round")
+            rows.append({"shape": shape, "setting": name, "hit": rates.prefix_hit_rate, "judge_hit": rates.judge_prefix_hit_rate,
+                         "infer_ms": rates.infer_s * 1000, "judge_ms": rates.judge_s * 1000, "wall": res.wall_s,
+                         "gpu_h": res.gpu_hours(), "ideal": w.prefix_share * (1 - 1 / w.prefix_family)})
+    docs, few = shapes["documents x questions"], shapes["few-shot block per task type"]
+    lines += [
+        PREFIX_HEADING,
+        "",
+        f"`python bench/scale_sim.py --records {records} --only prefix`. One pass (round 0: infer then judge) over {records:,} "
+        "records on 32 simulated H200s x 10 slots, shards of 20,000, the `h200-llama-8b` profile with vLLM's automatic "
+        "prefix cache in the decode model (`engines/decode_model.PrefixCache`: 16-token blocks keyed by chained hashes, "
+        "pinned while their sequences run, least recently used first out of the KV cache the running sequences leave "
+        f"free), each engine's cost measured on a {sample:,}-record sample of the workload "
+        "(`planning.rates.engine_rates`, `Workload.prefix_*`). Two shapes:",
+        "",
+        f"- **documents x questions**: each document ({docs.prefix_share * docs.prompt_tokens:,.0f} tokens) asked "
+        f"{docs.prefix_family:.0f} questions (~{(1 - docs.prefix_share) * docs.prompt_tokens:.0f} "
+        f"tokens each): {records / docs.prefix_family:,.0f} distinct prefixes;",
+        f"- **few-shot block per task type**: 20 task types, each a {few.prefix_share * few.prompt_tokens:,.0f}-token "
+        f"few-shot block before a ~{(1 - few.prefix_share) * few.prompt_tokens:.0f}-token record.",
+        "",
+        f"Outputs geometric, mean {docs.output_tokens:.0f} capped at {docs.max_tokens}; the judge's prompt leads with the "
+        "record's prompt (`{prompt} -> {result}`), so its prefix is cached for the judge too. \"Input order\" scatters a "
+        "family's records through the whole input (a record's family drawn at random among them all); the layout puts "
+        "them next to each other in one shard (and affinity sends a family that spills into the next shard to the same "
+        "worker). The ideal hit rate is each distinct prefix computed once: share x (1 - 1 / records per prefix).",
+        "",
+        "| workload | engine, order | infer hit rate (ideal) | judge hit rate | ms per inferred record | ms per judged record | wall h | GPU-h |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['setting']} | {r['hit']:.1%} ({r['ideal']:.1%}) | {r['judge_hit']:.1%} | "
+                     f"{r['infer_ms']:.2f} | {r['judge_ms']:.2f} | {hours(r['wall'])} | {r['gpu_h']:,.0f} |")
+    by = {(r["shape"], r["setting"]): r for r in rows}
+    d_none, d_order, d_layout = (by[("documents x questions", n)] for n, _, _ in settings)
+    f_none, f_order, f_layout = (by[("few-shot block per task type", n)] for n, _, _ in settings)
+    lines += [
+        "",
+        f"Documents x questions: vLLM's cache alone saves {1 - d_order['gpu_h'] / d_none['gpu_h']:.0%} of the GPU-hours "
+        f"in input order ({d_none['gpu_h']:,.0f} -> {d_order['gpu_h']:,.0f}): a document's next question arrives long after "
+        f"its blocks were evicted. With the prefix-aware layout the same cache saves "
+        f"{1 - d_layout['gpu_h'] / d_none['gpu_h']:.0%} ({d_layout['gpu_h']:,.0f} GPU-h, {d_order['gpu_h'] / d_layout['gpu_h']:.2f}x "
+        f"fewer than input order, {d_order['wall'] / d_layout['wall']:.2f}x shorter wall). Few-shot blocks per task type: "
+        f"20 prefixes fit the cache in any order, so input order already gets {f_order['hit']:.0%} "
+        f"({f_none['gpu_h']:,.0f} -> {f_order['gpu_h']:,.0f} GPU-h) and the layout adds "
+        f"{1 - f_layout['gpu_h'] / f_order['gpu_h']:.0%}. Decode dominates what is left: the cache removes prefill, "
+        "not the output tokens. Exact repeats (`dedup`) would come on top and are not in these figures.",
+        "",
+    ]
+    return rows
+
+
+def replace_section(report: Path, heading: str, section: list[str]) -> None:
+    """Put ``section`` in the report in place of its earlier version (or before the plots)."""
+    old = report.read_text().splitlines() if report.exists() else []
+    start = next((i for i, line in enumerate(old) if line == heading), None)
+    if start is not None:
+        end = next((i for i in range(start + 1, len(old)) if old[i].startswith("## ") or old[i].startswith("![")), len(old))
+        new = old[:start] + section + old[end:]
+    else:
+        at = next((i for i, line in enumerate(old) if line.startswith("![")), len(old))
+        new = old[:at] + section + old[at:]
+    report.write_text("\n".join(new) + "\n")
+
+
 def plots(sweep: list[dict[str, Any]], strategies: list[dict[str, Any]], preempt: list[dict[str, Any]]) -> list[Path]:
     import matplotlib
 
@@ -286,8 +373,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer shard sizes and approval rates")
     ap.add_argument("--report", type=Path, default=REPORT)
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--only", choices=["prefix"], help="run one section and put it in the existing report in place")
     args = ap.parse_args()
     t0 = time.perf_counter()
+    if args.only == "prefix":
+        section: list[str] = []
+        prefix_section(section, args.records)
+        replace_section(args.report, PREFIX_HEADING, section)
+        print("\n".join(section))
+        print(f"took {time.perf_counter() - t0:.0f} s")
+        return
     w = Workload(records=args.records)
     profile = PROFILES["h200-llama-8b"]
     rates = engine_rates(profile, w)
@@ -322,6 +417,7 @@ def main() -> None:
     strategies = strategies_section(lines, w, rates, [0.9, 0.2] if args.quick else [0.9, 0.5, 0.2])
     defaults_section(lines, w, rates)
     preempt = preemption_section(lines, w, rates, [0.0, 0.05] if args.quick else [0.0, 0.01, 0.05])
+    prefix_section(lines, args.records, sample=5_000 if args.quick else 20_000)
     if not args.no_plots:
         for p in plots(sweep, strategies, preempt):
             lines.append(f"![{p.stem}](../../docs/{p.name})")

@@ -48,6 +48,9 @@ class Workload:
     prefix_share: float = 0.0
     prefix_family: float = 1.0
     prefix_layout: Literal["grouped", "interleaved"] = "grouped"
+    # the judge prompt leads with the record's prompt (a template "{prompt} ..."): its family
+    # prefix is cached for the judge phase too
+    judge_prefix: bool = False
 
     @property
     def later_approval(self) -> float:
@@ -81,6 +84,7 @@ class EngineRates:
     profile: str
     tail_attempt_s: float = 0.0  # one in-place record-attempt when measured (else infer + judge)
     prefix_hit_rate: float = 0.0  # prompt tokens of the inferred records the engine's prefix cache supplied
+    judge_prefix_hit_rate: float = 0.0  # the same for the judged records
 
     @property
     def per_attempt_s(self) -> float:
@@ -112,19 +116,25 @@ def engine_rates(
     if w.prefix_share > 0:
         shaped = prefix_requests(infer, w, profile.block_size)
         infer = [(p, o) for p, o, _ in shaped]
-    judge = [(max(1, round(w.judge_prompt_tokens) if w.judge_prompt_tokens is not None else p + o + w.judge_extra_tokens),
-              w.judge_output_tokens) for p, o in infer]
+    judge: list[Any] = [(max(1, round(w.judge_prompt_tokens) if w.judge_prompt_tokens is not None else p + o + w.judge_extra_tokens),
+                         w.judge_output_tokens) for p, o in infer]
     cache = PrefixCache(profile.block_size) if w.prefix_share > 0 and prefix_cache else None
+    judge_cache = None
+    if cache is not None and w.judge_prefix:
+        judge_cache = PrefixCache(profile.block_size)
+        judge = [(jp, jo, judge_keys(keys, jp, profile.block_size, i)) for i, ((jp, jo), (_, _, keys)) in enumerate(zip(judge, shaped))]
     budget = token_budget_batches(infer, target_tokens=target_batch_tokens, max_tokens=w.max_tokens, max_batch_size=max_batch_size)
     if scheduling == "continuous":
         ri = run_continuous(profile, shaped, max_in_flight=2 * profile.max_num_seqs, cache=cache)
-        rj = run_continuous(profile, judge, max_in_flight=2 * profile.max_num_seqs)
+        rj = run_continuous(profile, judge, max_in_flight=2 * profile.max_num_seqs, cache=judge_cache)
         steps = ri.steps / sample
     else:
         starts = [0, *itertools.accumulate(len(b) for b in budget)]
         ri = run_blocking(profile, [shaped[starts[k]:starts[k + 1]] for k in range(len(budget))], cache=cache)
-        rj = run_blocking(profile, token_budget_batches(judge, target_tokens=target_batch_tokens,
-                                                        max_tokens=w.judge_output_tokens, max_batch_size=max_batch_size))
+        jbudget = token_budget_batches([r[:2] for r in judge], target_tokens=target_batch_tokens,
+                                       max_tokens=w.judge_output_tokens, max_batch_size=max_batch_size)
+        jstarts = [0, *itertools.accumulate(len(b) for b in jbudget)]
+        rj = run_blocking(profile, [judge[jstarts[k]:jstarts[k + 1]] for k in range(len(jbudget))], cache=judge_cache)
         steps = len(budget) / sample
     step_i = ri.seconds / max(1, ri.steps)
     step_j = rj.seconds / max(1, rj.steps)
@@ -135,25 +145,34 @@ def engine_rates(
         infer_tokens_out=mean_out, steps_per_record=steps, calls_per_record=len(budget) / sample,
         scheduling=scheduling, profile=profile.name,
         prefix_hit_rate=ri.cached_tokens / max(1, sum(p for p, _ in infer)),
+        judge_prefix_hit_rate=rj.cached_tokens / max(1, sum(r[0] for r in judge)),
     )
+
+
+def judge_keys(record_keys: list[bytes], judge_tokens: int, block_size: int, index: int) -> list[bytes]:
+    """A judge prompt that leads with its record's prompt: the record's blocks, then its own."""
+    n = cacheable_blocks(judge_tokens, block_size)
+    keys = list(record_keys[:n])
+    return keys + [f"j{index}:{j}".encode() for j in range(n - len(keys))]
 
 
 def prefix_requests(requests: list[tuple[int, int]], w: Workload, block_size: int) -> list[tuple[int, int, list[bytes]]]:
     """The requests shaped by the workload's prefix structure, with the prefix cache's block keys.
 
-    Family ``f`` has one shared prefix (its length drawn once per family, mean
-    ``prefix_share x prompt_tokens``); a record's prompt is that prefix followed by
-    ``1 - prefix_share`` of its own drawn length, so the mean prompt stays ``prompt_tokens``.
+    Every family's shared prefix is ``prefix_share x prompt_tokens`` long (one length, so a
+    sample that sees a single large family is still representative); a record's prompt is
+    its family's prefix followed by ``1 - prefix_share`` of its own drawn length, so the mean
+    prompt stays ``prompt_tokens``.
     Its cacheable blocks inside the family prefix have the family's keys, the rest its own.
     ``grouped``: records ``i // family`` form a family, one after another; ``interleaved``:
     each record's family is drawn at random among the whole input's ``records / family``
     families (so at scale a family member rarely meets another while its blocks are cached).
     """
     families = max(1, round(w.records / max(1.0, w.prefix_family)))
+    shared = max(1, round(w.prefix_share * w.prompt_tokens))
     out = []
     for i, (p, o) in enumerate(requests):
         f = int(i // max(1.0, w.prefix_family)) if w.prefix_layout == "grouped" else record_rng("family", i).randrange(families)
-        shared = draw_output_tokens(record_rng("plan", "family", f), "geometric", w.prefix_share * w.prompt_tokens, max_tokens=1 << 20)
         prompt = shared + max(1, round(p * (1 - w.prefix_share)))
         n = cacheable_blocks(prompt, block_size)
         own = min(n, shared // block_size)

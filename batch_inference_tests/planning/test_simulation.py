@@ -113,3 +113,21 @@ def test_engine_rates_come_from_the_decode_model() -> None:
     assert old.infer_s > 3 * cont.infer_s  # 12,800-token barrier batches vs a full continuous engine
     assert cont.judge_s < cont.infer_s  # a judge decodes a few tokens
     assert dataclasses.replace(cont, infer_s=1.0).per_attempt_s == 1.0 + cont.judge_s
+
+
+def test_the_engine_rates_of_a_prefix_heavy_workload_follow_its_cache_and_order() -> None:
+    """Documents x questions through the decode model's prefix cache: the layout's order gets
+    close to the ideal hit rate; input order at scale gets nothing; no cache, every token."""
+    from batch_inference.engines.decode_model import get_profile
+    from batch_inference.planning.rates import Workload, engine_rates
+
+    profile = get_profile("h200-llama-8b")
+    w = Workload(records=100_000_000, prompt_tokens=1_540, prefix_share=1_500 / 1_540, prefix_family=8, judge_prefix=True)
+    none = engine_rates(profile, w, sample=2_000, prefix_cache=False)
+    grouped = engine_rates(profile, w, sample=2_000)
+    scattered = engine_rates(profile, dataclasses.replace(w, prefix_layout="interleaved"), sample=2_000)
+    ideal = w.prefix_share * (1 - 1 / w.prefix_family)
+    assert none.prefix_hit_rate == 0 and ideal - 0.02 < grouped.prefix_hit_rate <= ideal
+    assert scattered.prefix_hit_rate < 0.02 and grouped.judge_prefix_hit_rate > 0.5
+    assert grouped.infer_s < 0.7 * none.infer_s and grouped.judge_s < 0.5 * none.judge_s
+    assert abs(scattered.infer_s / none.infer_s - 1) < 0.03
