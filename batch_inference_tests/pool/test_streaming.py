@@ -104,10 +104,19 @@ async def test_gate_bounds_in_flight_and_each_completion_resolves_alone(toy: Toy
         assert stats.busy_time_s > 0 and stats.utilization <= 1
 
 
+async def until(predicate, timeout_s: float = 10.0) -> None:
+    """Wait until ``predicate()`` holds (a loaded machine takes longer to get there), at most ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        assert loop.time() < deadline, f"not reached within {timeout_s} s"
+        await asyncio.sleep(0.005)
+
+
 async def test_submit_suspends_while_full_which_is_the_backpressure(toy: ToyStream) -> None:
     async with EngineHost(SIM) as host:
         producer = asyncio.create_task(host.submit([GenRequest(f"p{i}", SamplingParams(max_tokens=50), 0) for i in range(12)]))
-        await asyncio.sleep(0.02)
+        await until(lambda: len(toy.active) == 4)
         assert not producer.done() and len(toy.active) == 4  # 8 requests wait in the producer, not in the engine
         futures = await producer
         assert host.gate.submitted == 12 and len(toy.active) <= 4  # type: ignore[union-attr]
@@ -120,8 +129,7 @@ async def test_cancelled_task_cancels_its_requests_in_the_engine(toy: ToyStream,
     async with EngineHost(SIM) as host:
         runtime = WorkerRuntime(host, concurrency=1)
         task = asyncio.create_task(runtime.run(infer_spec("t", tmp_path / "in.jsonl", tmp_path / "out.jsonl", infer=infer)))
-        await asyncio.sleep(0.05)
-        assert len(toy.active) == 4
+        await until(lambda: len(toy.active) == 4)  # the task reads, encodes (off the loop) and submits first
         assert await runtime.drain(grace_s=0) == ["t"]
         with pytest.raises(Exception):
             await task
