@@ -30,9 +30,10 @@ test: test-unit test-infra test-vllm
 # anywhere: batch_inference_tests/fixtures/tiers.py marks a test `fast` at collection unless a
 # marker (slow, process, infra, vllm_cpu, gpu) or a fixture (servers, pools, the tiny model,
 # whole Dagster runs) says otherwise, and fails a fast test that starts a process or listens
-# on a port (in every run) or uses over 5 s of CPU (here).
+# on a port (in every run) or uses over 5 s of CPU (here). One pytest-xdist worker per core:
+# the tier is spread thin over ~500 tests, so it scales with cores (2 cores: ~40 s).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m fast -p no:cacheprovider batch_inference_tests
+	$(PY) -m pytest -q -m fast -p no:cacheprovider -n auto batch_inference_tests
 
 # Everything but the real-server and vLLM-CPU tests (~4-6 min on 2 cores).
 test-unit: $(STAMP) browser
