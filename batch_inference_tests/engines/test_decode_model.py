@@ -11,7 +11,9 @@ from pydantic import ValidationError
 
 from batch_inference.engines import EngineConfig, EngineDeadError, SamplingParams, SimulatedOptions, build_engine, is_streaming
 from batch_inference.engines.base import Engine
-from batch_inference.engines.decode_model import PROFILES, DecodeProfile, DecodeScheduler, draw_output_tokens, record_rng
+from batch_inference.engines.decode_model import DecodeScheduler
+from batch_inference.engines.lengths import draw_output_tokens, record_rng
+from batch_inference.engines.profiles import PROFILES, DecodeProfile
 from batch_inference.engines.simulated import DecodeBatchEngine, DecodeStreamingEngine, LinearSimulatedEngine
 
 PROFILE = DecodeProfile(
@@ -119,7 +121,7 @@ def test_barrier_batches_are_slower_than_continuous_batching_with_variable_lengt
 
 
 def test_calibrated_tiny_profile_reproduces_the_measured_vllm_cpu_figures() -> None:
-    """The fit in decode_model.PROFILES, re-derived: 14,439 / 5,284 / 10,350-10,770 tok/s."""
+    """The fit in profiles.PROFILES, re-derived: 14,439 / 5,284 / 10,350-10,770 tok/s."""
     profile = PROFILES["vllm-cpu-tiny"]
     out256 = [draw_output_tokens(record_rng("cal", i), "geometric", 134, max_tokens=256) for i in range(3000)]
     assert sum(out256) / continuous_time(profile, out256) == pytest.approx(14_439, rel=0.03)

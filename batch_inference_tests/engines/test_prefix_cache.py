@@ -9,7 +9,9 @@ import pytest
 
 from batch_inference.engines import SamplingParams, build_engine
 from batch_inference.engines.blocks import DistinctBlocks, block_keys, cacheable_blocks, chain_hashes, ids_signature
-from batch_inference.engines.decode_model import PrefixCache, DecodeScheduler, get_profile, run_continuous
+from batch_inference.engines.decode_model import DecodeScheduler, run_continuous
+from batch_inference.engines.prefix_cache import PrefixCache
+from batch_inference.engines.profiles import get_profile
 from batch_inference.engines.simulated import simulated_encode
 
 

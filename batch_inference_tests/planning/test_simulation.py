@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from batch_inference.engines.decode_model import PROFILES
+from batch_inference.engines.profiles import PROFILES
 from batch_inference.pipeline import PipelineSpec
 from batch_inference.planning.clock import VirtualClockLoop, run_virtual
 from batch_inference.planning.cluster import Cluster, Overheads
@@ -118,7 +118,7 @@ def test_engine_rates_come_from_the_decode_model() -> None:
 def test_the_engine_rates_of_a_prefix_heavy_workload_follow_its_cache_and_order() -> None:
     """Documents x questions through the decode model's prefix cache: the layout's order gets
     close to the ideal hit rate; input order at scale gets nothing; no cache, every token."""
-    from batch_inference.engines.decode_model import get_profile
+    from batch_inference.engines.profiles import get_profile
     from batch_inference.planning.rates import Workload, engine_rates
 
     profile = get_profile("h200-llama-8b")
