@@ -10,12 +10,10 @@ from pathlib import Path
 
 import dagster as dg
 import orjson
-import yaml
 
 from batch_inference.defs.driver import drive
 from batch_inference.defs.recovery import ATTEMPT_TAG, WORKER_TAG
-from batch_inference.pipeline import PipelineSpec
-from batch_inference_tests.faults.helpers import assert_conserved, progress_files, sigkill_after_progress, spec_data, write_input
+from batch_inference_tests.faults.helpers import RULE_JUDGE, assert_conserved, progress_files, sigkill_after_progress, spot_kill_run
 
 DRIVER = """
 import sys
@@ -39,23 +37,13 @@ def sigkill_a_round_run_and_recover(tmp_path: Path, home: Path) -> None:
     from batch_inference.defs.pool.resources import PoolResource
     from batch_inference.defs.storage.resources import StorageResource
 
-    ids = write_input(tmp_path / "input.jsonl", 400)
-    data = spec_data(
-        tmp_path, run="spot", shard_records=50, chunk_size=25,
-        engine={"kind": "simulated", "simulated": {"approval_rate": 0.6, "latency_a_s": 0.03, "latency_b_s": 0.0}},
-        judge={"kind": "rule", "callable": "regex", "kwargs": {"pattern": "^APPROVED"}},
-        pool={"launcher": "inprocess", "concurrency": 2, "retries": 1, "batcher": {"batch_timeout_s": 0.002}},
-    )
-    spec_path = tmp_path / "spec.yaml"
-    spec_path.write_text(yaml.safe_dump(data))
-    spec = PipelineSpec.load(spec_path)
-    root = Path(spec.output) / spec.run
-    progress = root / "ledger" / "progress" / "round-00-infer"
+    kill = spot_kill_run(tmp_path, run="spot", judge=RULE_JUDGE)
+    spec, root, progress = kill.spec, kill.root, kill.progress
 
     # mid-round: 2 of round 0's 8 infer shards done
-    pid, killed_at = sigkill_after_progress([sys.executable, "-c", DRIVER, str(home), str(spec_path)], progress, 2, timeout_s=60)
+    pid, killed_at = sigkill_after_progress([sys.executable, "-c", DRIVER, str(home), str(kill.spec_path)], progress, 2, timeout_s=60)
     done_before = progress_files(progress, "*.json")
-    assert 2 <= len(done_before) < 8, "killed mid-round"
+    assert 2 <= len(done_before) < kill.shards, "killed mid-round"
 
     instance = dg.DagsterInstance.from_config(str(home))
     (killed,) = [r for r in instance.get_runs() if r.job_name == "round_job"]
@@ -81,7 +69,7 @@ def sigkill_a_round_run_and_recover(tmp_path: Path, home: Path) -> None:
     assert {k: after[k] for k in done_before} == done_before, "finished shards were recomputed"
     run = orjson.loads((root / "ledger" / "run.json").read_bytes())
     assert run["conservation"]["ok"]
-    assert_conserved(spec, ids)
+    assert_conserved(spec, kill.ids)
     assert drive(defs, instance).launched == []  # nothing more to recover: no loop
     print(f"RECOVERY dagster round run SIGKILL: the sensor failed the dead run, retried r00 and finished the run "
           f"{recover_s:.1f}s after the kill (ticks: {result.ticks})")

@@ -9,10 +9,12 @@ is in exactly one terminal state and that results hold no id twice.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
+import yaml
 from batch_inference.pipeline import PipelineSpec, RunLayout
 from batch_inference.storage import JsonlDir, JsonlFile
 
@@ -59,6 +61,41 @@ def spec_data(tmp_path: Path, *, input: str | None = None, records: int = 400, *
 
 def make_spec(tmp_path: Path, **overrides: Any) -> PipelineSpec:
     return PipelineSpec.parse(spec_data(tmp_path, **overrides))
+
+
+RULE_JUDGE: dict[str, Any] = {"kind": "rule", "callable": "regex", "kwargs": {"pattern": "^APPROVED"}}
+
+
+@dataclass(frozen=True)
+class SpotKill:
+    """A run written to be SIGKILLed mid-round: its input ids, its spec (written at
+    ``spec_path``), its output root and round 0's infer progress folder."""
+
+    ids: list[str]
+    spec_path: Path
+    spec: PipelineSpec
+    root: Path
+    progress: Path
+    shards: int  # round 0's infer shards
+
+
+def spot_kill_run(tmp_path: Path, *, run: str = "faults", **overrides: Any) -> SpotKill:
+    """400 records in 8 shards of 50, two in flight, on a simulated engine that takes 30 ms a
+    call: slow enough that a kill after the first few progress records lands mid-round, with
+    shards still in flight. ``overrides`` go to ``spec_data`` (e.g. ``judge=RULE_JUDGE``)."""
+    records, shard_records = 400, 50
+    ids = write_input(tmp_path / "input.jsonl", records)
+    data = spec_data(
+        tmp_path, run=run, shard_records=shard_records, chunk_size=25,
+        engine={"kind": "simulated", "simulated": {"approval_rate": 0.6, "latency_a_s": 0.03, "latency_b_s": 0.0}},
+        pool={"concurrency": 2, "retries": 1, "batcher": {"batch_timeout_s": 0.002}},
+        **overrides,
+    )
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(data))
+    spec = PipelineSpec.load(spec_path)
+    root = Path(spec.output) / spec.run
+    return SpotKill(ids, spec_path, spec, root, root / "ledger" / "progress" / "round-00-infer", records // shard_records)
 
 
 def terminal_states(spec: PipelineSpec) -> dict[str, list[str]]:

@@ -14,34 +14,22 @@ from pathlib import Path
 
 import orjson
 import pytest
-import yaml
 
-from batch_inference.pipeline import PipelineSpec
-from batch_inference_tests.faults.helpers import assert_conserved, progress_files, sigkill_after_progress, spec_data, write_input
+from batch_inference_tests.faults.helpers import RULE_JUDGE, assert_conserved, progress_files, sigkill_after_progress, spot_kill_run
 
 CLI = [sys.executable, "-m", "batch_inference.cli.main"]
 
 
-
 @pytest.mark.slow
 def test_driver_sigkilled_mid_round_resumes_without_recompute(tmp_path: Path) -> None:
-    ids = write_input(tmp_path / "input.jsonl", 400)
-    data = spec_data(
-        tmp_path, shard_records=50, chunk_size=25,
-        engine={"kind": "simulated", "simulated": {"approval_rate": 0.6, "latency_a_s": 0.03, "latency_b_s": 0.0}},
-        pool={"concurrency": 2, "retries": 1, "batcher": {"batch_timeout_s": 0.002}},
-    )
-    spec_path = tmp_path / "spec.yaml"
-    spec_path.write_text(yaml.safe_dump(data))
-    spec = PipelineSpec.load(spec_path)
-    root = Path(spec.output) / spec.run
-    progress = root / "ledger" / "progress" / "round-00-infer"
+    kill = spot_kill_run(tmp_path)
+    spec, spec_path, root, progress = kill.spec, kill.spec_path, kill.root, kill.progress
     inferred = root / "round-00" / "inferred"
 
     sigkill_after_progress([*CLI, "run", str(spec_path)], progress, 3, timeout_s=60)  # some of round 0's 8 infer shards done
     done_before = progress_files(progress)
     outputs_before = {k: v for k, v in progress_files(inferred).items()}
-    assert 3 <= len(done_before) < 8, "killed mid-round"
+    assert 3 <= len(done_before) < kill.shards, "killed mid-round"
     assert not (root / "ledger" / "round-00-infer.json").exists()
     # nothing half-written is visible: every visible inferred shard is complete and readable
     for name in outputs_before:
@@ -59,12 +47,12 @@ def test_driver_sigkilled_mid_round_resumes_without_recompute(tmp_path: Path) ->
     for name in (n.replace(".json", ".jsonl.zst") for n in done_before):
         assert outputs_after[name] == outputs_before[name], f"{name} was recomputed"
     infer = orjson.loads((root / "ledger" / "round-00-infer.json").read_bytes())
-    assert infer["shards_run"] == 8 - len(done_before)
+    assert infer["shards_run"] == kill.shards - len(done_before)
 
-    counts = assert_conserved(spec, ids)
+    counts = assert_conserved(spec, kill.ids)
     run = orjson.loads((root / "ledger" / "run.json").read_bytes())
     assert run["conservation"]["ok"] and counts["approved"] == run["approved"]
-    print(f"RECOVERY driver SIGKILL: re-run finished the remaining {8 - len(done_before)}/8 shards of round 0 and the rest in {recover_s:.1f}s")
+    print(f"RECOVERY driver SIGKILL: re-run finished the remaining {kill.shards - len(done_before)}/{kill.shards} shards of round 0 and the rest in {recover_s:.1f}s")
 
 
 DAGSTER_DRIVER = """
@@ -93,24 +81,14 @@ def test_dagster_run_sigkilled_mid_round_reexecutes_without_recompute(tmp_path: 
     from batch_inference.defs.pool.resources import PoolResource
     from batch_inference.defs.storage.resources import StorageResource
 
-    ids = write_input(tmp_path / "input.jsonl", 400)
-    data = spec_data(
-        tmp_path, run="dagster-kill", shard_records=50, chunk_size=25,
-        engine={"kind": "simulated", "simulated": {"approval_rate": 0.6, "latency_a_s": 0.03, "latency_b_s": 0.0}},
-        judge={"kind": "rule", "callable": "regex", "kwargs": {"pattern": "^APPROVED"}},
-        pool={"launcher": "inprocess", "concurrency": 2, "retries": 1, "batcher": {"batch_timeout_s": 0.002}},
-    )
-    spec_path = tmp_path / "spec.yaml"
-    spec_path.write_text(yaml.safe_dump(data))
-    spec = PipelineSpec.load(spec_path)
-    root = Path(spec.output) / spec.run
-    progress = root / "ledger" / "progress" / "round-00-infer"
+    kill = spot_kill_run(tmp_path, run="dagster-kill", judge=RULE_JUDGE)
+    spec, spec_path, root, progress = kill.spec, kill.spec_path, kill.root, kill.progress
     home = tmp_path / "dagster-home"
     home.mkdir()
 
     sigkill_after_progress([sys.executable, "-c", DAGSTER_DRIVER, str(home), str(spec_path)], progress, 2, timeout_s=120)
     done_before = progress_files(progress)
-    assert 2 <= len(done_before) < 8
+    assert 2 <= len(done_before) < kill.shards
 
     instance = dg.DagsterInstance.local_temp(tempdir=str(home))
     (killed,) = [r for r in instance.get_runs() if r.job_name == "round_job"]
@@ -130,5 +108,5 @@ def test_dagster_run_sigkilled_mid_round_reexecutes_without_recompute(tmp_path: 
     assert {k: after[k] for k in done_before} == done_before, "finished shards were recomputed"
     run = orjson.loads((root / "ledger" / "run.json").read_bytes())
     assert run["conservation"]["ok"]
-    assert_conserved(spec, ids)
+    assert_conserved(spec, kill.ids)
     print(f"RECOVERY dagster run SIGKILL: re-execution + the rest of the run took {recover_s:.1f}s")
