@@ -33,6 +33,8 @@ import click
               help="A worker of the judge's own pool (repeatable): where retry tasks judge when the judge has its own model.")
 @click.option("--judge-token-file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="The judge pool's bearer token file; else $BATCH_INFERENCE_JUDGE_TOKEN.")
+@click.option("--judge-concurrency", type=int, default=10, show_default=True,
+              help="Judge tasks in flight per --judge-endpoint (a Service in front of the judge pool: its replicas x concurrency).")
 @click.option("--target-batch-tokens", type=int, default=12_800, show_default=True)
 @click.option("--max-batch-size", type=int, default=256, show_default=True)
 @click.option("--batch-timeout-s", type=float, default=0.05, show_default=True)
@@ -41,7 +43,7 @@ import click
 def worker(engine_config: str, host: str, port: int, concurrency: int, storage_roots: tuple[str, ...],
            storage_options: str | None, token_file: str | None, idle_ttl_s: float | None, grace_s: float,
            ready_file: str | None, rule_modules: tuple[str, ...], checkpoint_interval_s: float,
-           judge_endpoints: tuple[str, ...], judge_token_file: str | None, target_batch_tokens: int, max_batch_size: int,
+           judge_endpoints: tuple[str, ...], judge_token_file: str | None, judge_concurrency: int, target_batch_tokens: int, max_batch_size: int,
            batch_timeout_s: float, prefetch_batches: int, max_queue_size: int) -> None:
     """Run one persistent worker: the engine loads once and serves shard tasks over HTTP."""
     import os
@@ -53,7 +55,7 @@ def worker(engine_config: str, host: str, port: int, concurrency: int, storage_r
         host=host, port=port, concurrency=concurrency, storage_roots=list(storage_roots) or [os.getcwd()],
         token=read_token(token_file), idle_ttl_s=idle_ttl_s, grace_s=grace_s, ready_file=ready_file,
         checkpoint_interval_s=checkpoint_interval_s, rule_modules=list(rule_modules),
-        judge_endpoints=list(judge_endpoints),
+        judge_endpoints=list(judge_endpoints), judge_concurrency=judge_concurrency,
         judge_token=read_token(judge_token_file) if judge_token_file else os.environ.get(JUDGE_TOKEN_ENV) or None,
     )
     try:
@@ -149,15 +151,32 @@ def pool_down(name: str, state_dir: str | None) -> None:
 @click.option("--gpus", default=1, show_default=True, type=int, help="nvidia.com/gpu per worker (0: CPU).")
 @click.option("--storage-root", "storage_roots", multiple=True, required=True, help="Repeatable, e.g. s3://bucket/runs.")
 @click.option("--storage-secret", default=None, help="Secret with storage credentials (envFrom), e.g. AWS_* keys.")
+@click.option("--judge-engine-config", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="The judge's own model: also render its pool, <name>-judge, and wire these workers to it.")
+@click.option("--judge-replicas", default=None, type=int, help="The judge pool's replicas (default: --replicas).")
+@click.option("--judge-concurrency", default=None, type=int, help="The judge pool's task slots per worker (default: --concurrency).")
+@click.option("--judge-gpus", default=None, type=int, help="nvidia.com/gpu per judge worker (default: --gpus).")
 def pool_k8s_manifests(engine_config: str, image: str, name: str, namespace: str, replicas: int, concurrency: int,
-                       gpus: int, storage_roots: tuple[str, ...], storage_secret: str | None) -> None:
-    """Print the Kubernetes manifests (Secret, ConfigMap, Deployment, Service) for a worker pool."""
+                       gpus: int, storage_roots: tuple[str, ...], storage_secret: str | None, judge_engine_config: str | None,
+                       judge_replicas: int | None, judge_concurrency: int | None, judge_gpus: int | None) -> None:
+    """Print the Kubernetes manifests (Secret, ConfigMap, Deployment, Service) for a worker pool.
+
+    With ``--judge-engine-config``: the judge pool's first (named ``<name>-judge``, as the
+    pipeline spec's ``judge.pool.k8s_name`` defaults), then the infer pool, whose workers
+    judge their in-place tail there."""
+    from typing import Any
+
     from batch_inference.pool.launchers.k8s import K8sLauncher, render_yaml
     from batch_inference.pool.worker import load_config_file
 
-    launcher = K8sLauncher(load_config_file(engine_config), image=image, name=name, namespace=namespace, replicas=replicas,
-                           concurrency=concurrency, gpus=gpus, storage_roots=list(storage_roots), storage_secret=storage_secret)
-    click.echo(render_yaml(launcher), nl=False)
+    common: dict[str, Any] = {"image": image, "namespace": namespace, "storage_roots": list(storage_roots), "storage_secret": storage_secret}
+    judge = None if judge_engine_config is None else K8sLauncher(
+        load_config_file(judge_engine_config), name=f"{name}-judge", replicas=replicas if judge_replicas is None else judge_replicas,
+        concurrency=concurrency if judge_concurrency is None else judge_concurrency,
+        gpus=gpus if judge_gpus is None else judge_gpus, **common)
+    launcher = K8sLauncher(load_config_file(engine_config), name=name, replicas=replicas, concurrency=concurrency, gpus=gpus,
+                           judge=judge, **common)
+    click.echo(render_yaml(*([judge] if judge is not None else []), launcher), nl=False)
 
 
 if __name__ == "__main__":  # the local launcher spawns workers this way (cheap imports)

@@ -74,6 +74,10 @@ class WorkerSettings(BaseModel):
     judge_endpoints: list[str] = Field(default_factory=list)
     judge_token: str | None = Field(None, repr=False)
     judge_timeout_s: float = Field(3600.0, gt=0)
+    # Judge tasks in flight per judge endpoint: a worker's own slots for a local pool's
+    # workers; a Kubernetes Service stands for every judge worker, so there it is the
+    # judge pool's replicas x concurrency.
+    judge_concurrency: int = Field(10, ge=1)
     # The engine thread and the event loop share the GIL: with CPython's default 5 ms
     # switch interval a finished batch can wait that long behind the loop's JSON work
     # before the next one is dispatched. The worker owns its process, so it shortens it.
@@ -221,7 +225,8 @@ async def serve(
     if settings.judge_endpoints:
         from batch_inference.pool.client import PoolClient
 
-        judge_pool = PoolClient(settings.judge_endpoints, token=settings.judge_token, timeout_s=settings.judge_timeout_s)
+        judge_pool = PoolClient(settings.judge_endpoints, concurrency=settings.judge_concurrency, token=settings.judge_token,
+                                timeout_s=settings.judge_timeout_s)
     runtime = WorkerRuntime(host, concurrency=settings.concurrency, storage_profiles=storage_profiles,
                             checkpoint_interval_s=settings.checkpoint_interval_s, judge_runner=judge_pool)
     runner = web.AppRunner(create_app(runtime, settings, config_id=config_id), access_log=None,

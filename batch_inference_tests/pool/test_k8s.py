@@ -63,11 +63,90 @@ def test_deployment_requests_gpus_probes_health_and_mounts_the_token(tmp_path: P
     assert ctx.params["concurrency"] == 10 and ctx.params["port"] == 8700
 
 
+def _judged(**kw: Any) -> tuple[K8sLauncher, K8sLauncher]:
+    """The example pair of deploy/k8s/with-judge/worker.yaml: a judge pool on its own model, and the infer pool reaching it."""
+    kw.setdefault("storage_roots", ["s3://batch-inference/runs"])
+    kw.setdefault("storage_secret", "batch-inference-storage")
+    judge = K8sLauncher(json.loads((DEPLOY.parent / "judge-engine.json").read_text()), image="ghcr.io/example/batch-inference:0.1.0",
+                        name="batch-inference-worker-judge", **kw)
+    return judge, _launcher(judge=judge, **kw)
+
+
 def test_checked_in_manifests_match_the_renderer() -> None:
     launcher = _launcher(storage_roots=["s3://batch-inference/runs"], storage_secret="batch-inference-storage")
     assert (DEPLOY / "worker.yaml").read_text() == render_yaml(launcher)
-    for obj in yaml.safe_load_all((DEPLOY / "worker.yaml").read_text()):
-        assert _roundtrip(obj)[1] == obj
+    assert (DEPLOY / "with-judge" / "worker.yaml").read_text() == render_yaml(*_judged())
+    for name in ("worker.yaml", "with-judge/worker.yaml"):
+        for obj in yaml.safe_load_all((DEPLOY / name).read_text()):
+            assert _roundtrip(obj)[1] == obj
+
+
+def _worker_params(container: Any, tmp_path: Path) -> dict[str, Any]:
+    """The container's args parsed as a `batch-inference worker` command line (mounted files stubbed)."""
+    args = list(container.args[1:])
+    for flag in ("--engine-config", "--token-file", "--judge-token-file"):
+        if flag in args:
+            stub = tmp_path / flag.strip("-")
+            stub.write_text("x")
+            args[args.index(flag) + 1] = str(stub)
+    return worker.make_context("worker", args).params
+
+
+def test_infer_workers_reach_the_judge_pool_at_its_service_with_its_token(tmp_path: Path) -> None:
+    judge, infer = _judged(replicas=3, concurrency=6)
+    objs = [o for launcher in (judge, infer) for o in launcher.render(token="t0k")]
+    by = {(o["kind"], o["metadata"]["name"]): o for o in objs}
+    judge_service = by[("Service", "batch-inference-worker-judge")]
+    dep, _ = _roundtrip(by[("Deployment", "batch-inference-worker")])
+    pod = dep.spec.template.spec
+    (c,) = pod.containers
+    params = _worker_params(c, tmp_path)
+    # the judge pool's Service (the names of its manifest), and one address for all its workers
+    name, ns, port = judge_service["metadata"]["name"], judge_service["metadata"]["namespace"], judge_service["spec"]["ports"][0]["port"]
+    assert params["judge_endpoints"] == (f"http://{name}.{ns}.svc.cluster.local:{port}",) == tuple(infer.judge_endpoints())
+    assert params["judge_concurrency"] == 3 * 6
+    # its token: the judge pool's own Secret, mounted where --judge-token-file reads it
+    volume = next(v for v in pod.volumes if v.secret and v.secret.secret_name == "batch-inference-worker-judge-token")
+    mount = next(m for m in c.volume_mounts if m.name == volume.name)
+    assert c.args[c.args.index("--judge-token-file") + 1] == f"{mount.mount_path}/token"
+    assert ("Secret", "batch-inference-worker-judge-token") in by
+    # the judge workers themselves judge no tail: no judge of their own
+    (jc,) = _roundtrip(by[("Deployment", "batch-inference-worker-judge")])[0].spec.template.spec.containers
+    assert "--judge-endpoint" not in jc.args and _worker_params(jc, tmp_path)["judge_endpoints"] == ()
+    assert json.loads(by[("ConfigMap", "batch-inference-worker-judge-config")]["data"]["engine.json"])["model"] != json.loads(
+        by[("ConfigMap", "batch-inference-worker-config")]["data"]["engine.json"])["model"]
+    # the pool without a judge renders no judge flags (worker.yaml stays as it was)
+    assert "--judge-endpoint" not in _launcher().render()[2]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_a_judge_pool_needs_its_own_name_in_the_same_namespace() -> None:
+    with pytest.raises(ValueError, match="in namespace default, not other"):
+        _launcher(namespace="other", judge=_launcher(name="j"))
+    with pytest.raises(ValueError, match="its own name"):
+        _launcher(judge=_launcher())
+
+
+def test_the_manifests_command_renders_the_pair_under_the_spec_s_default_names(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from batch_inference.cli.pool_cmds import pool
+    from batch_inference.pipeline import PipelineSpec
+
+    out = CliRunner().invoke(pool, ["k8s-manifests", "--engine-config", str(DEPLOY.parent / "engine.json"),
+                                    "--judge-engine-config", str(DEPLOY.parent / "judge-engine.json"),
+                                    "--image", "ghcr.io/example/batch-inference:0.1.0", "--storage-root", "s3://batch-inference/runs",
+                                    "--storage-secret", "batch-inference-storage"])
+    assert out.exit_code == 0, out.output
+    assert out.output == (DEPLOY / "with-judge" / "worker.yaml").read_text()
+    # a spec on these pools (pool.launcher k8s, judge.engine) discovers them by these names
+    spec = PipelineSpec.parse({
+        "run": "r", "input": str(tmp_path / "in.jsonl"), "output": str(tmp_path / "runs"),
+        "engine": {"kind": "simulated"},  # the names do not depend on the models (whose paths a spec checks)
+        "judge": {"kind": "llm", "template": "Judge: {result}", "engine": {"kind": "simulated", "seed": 1}},
+        "infer": {"template": "Answer: {prompt}"}, "strategy": "in_place", "pool": {"launcher": "k8s", "token_env": "POOL_TOKEN"},
+    })
+    names = {o["metadata"]["name"] for o in yaml.safe_load_all(out.output) if o["kind"] == "Deployment"}
+    assert spec.judge_pool is not None and names == {spec.pool.k8s_name, spec.judge_pool.k8s_name}
 
 
 class FakeCluster:

@@ -9,6 +9,13 @@ worker, so the client's least-loaded choice and retry-elsewhere work) or the Ser
 Workers bind 0.0.0.0 inside the pod, so they require the bearer token, which lives in a
 Secret mounted as a file. Storage credentials come from the pod's own environment (an
 optional Secret via ``envFrom``), never from a task.
+
+A judge with a model of its own runs on a second pool (a launcher of its own, named
+``<infer name>-judge`` by the pipeline spec). An infer pool built with ``judge=`` that
+launcher renders its workers with ``--judge-endpoint`` at the judge pool's Service (pod
+IPs change; the Service name does not), the judge pool's token Secret mounted beside its
+own, and ``--judge-concurrency`` at the judge pool's replicas x concurrency, since that
+one address stands for every judge worker.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from batch_inference.pool.engine_host import BatcherOptions
 log = logging.getLogger(__name__)
 
 TOKEN_MOUNT = "/var/run/secrets/batch-inference"
+JUDGE_TOKEN_MOUNT = "/var/run/secrets/batch-inference-judge"
 CONFIG_MOUNT = "/etc/batch-inference"
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 
@@ -54,6 +62,7 @@ class K8sLauncher:
         grace_s: float = 60.0,
         idle_ttl_s: float | None = 600.0,
         scaledown_ttl_s: float | None = None,
+        judge: K8sLauncher | None = None,
         apps_api: Any = None,
         core_api: Any = None,
     ) -> None:
@@ -78,6 +87,13 @@ class K8sLauncher:
         self.grace_s = grace_s
         self.idle_ttl_s = idle_ttl_s
         self.scaledown_ttl_s = scaledown_ttl_s
+        # the judge's own pool, where these workers' retry tasks judge (its Service and token Secret)
+        self.judge = judge
+        if judge is not None and judge.namespace != namespace:
+            raise ValueError(f"judge pool {judge.name}: in namespace {judge.namespace}, not {namespace} "
+                             "(the workers mount its token Secret, which only a pod of its namespace can)")
+        if judge is not None and judge.name == name:
+            raise ValueError(f"judge pool {judge.name}: the judge needs a pool of its own name (e.g. {name}-judge)")
         self._apps = apps_api
         self._core = core_api
         self._endpoints_seen = False
@@ -102,6 +118,18 @@ class K8sLauncher:
                 "--prefetch-batches", str(b.prefetch_batches), "--max-queue-size", str(b.max_queue_size)]
         for root in self.storage_roots:
             args += ["--storage-root", root]
+        volume_mounts = [{"name": "token", "mountPath": TOKEN_MOUNT, "readOnly": True},
+                         {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}]
+        volumes: list[dict[str, Any]] = [
+            {"name": "token", "secret": {"secretName": f"{self.name}-token", "defaultMode": 0o440}},
+            {"name": "config", "configMap": {"name": f"{self.name}-config"}}]
+        if (judge := self.judge) is not None:
+            for endpoint in self.judge_endpoints():
+                args += ["--judge-endpoint", endpoint]
+            args += ["--judge-token-file", f"{JUDGE_TOKEN_MOUNT}/token",
+                     "--judge-concurrency", str(judge.replicas * judge.concurrency)]
+            volume_mounts.append({"name": "judge-token", "mountPath": JUDGE_TOKEN_MOUNT, "readOnly": True})
+            volumes.append({"name": "judge-token", "secret": {"secretName": f"{judge.name}-token", "defaultMode": 0o440}})
         resources: dict[str, Any] = {"requests": {"cpu": self.cpu, "memory": self.memory},
                                      "limits": {"memory": self.memory}}
         if self.gpus:
@@ -118,8 +146,7 @@ class K8sLauncher:
             # model loading can take minutes: the startup probe holds liveness off until then
             "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 90},
             "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 20, "failureThreshold": 6},
-            "volumeMounts": [{"name": "token", "mountPath": TOKEN_MOUNT, "readOnly": True},
-                             {"name": "config", "mountPath": CONFIG_MOUNT, "readOnly": True}],
+            "volumeMounts": volume_mounts,
             "securityContext": {"allowPrivilegeEscalation": False},
         }
         if self.storage_secret:
@@ -129,8 +156,7 @@ class K8sLauncher:
             "terminationGracePeriodSeconds": int(self.grace_s) + 15,
             # fsGroup makes the mounted token readable by the non-root worker (mode 0440)
             "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 1000},
-            "volumes": [{"name": "token", "secret": {"secretName": f"{self.name}-token", "defaultMode": 0o440}},
-                        {"name": "config", "configMap": {"name": f"{self.name}-config"}}],
+            "volumes": volumes,
         }
         if self.node_selector:
             pod_spec["nodeSelector"] = dict(self.node_selector)
@@ -149,6 +175,11 @@ class K8sLauncher:
              "spec": {"type": "ClusterIP", "selector": dict(self.labels),
                       "ports": [{"name": "http", "port": self.port, "targetPort": "http", "protocol": "TCP"}]}},
         ]
+
+    def judge_endpoints(self) -> list[str]:
+        """Where these workers reach the judge pool: its Service's DNS name (pod IPs are not
+        known when the manifest is rendered, and change as pods are replaced)."""
+        return [] if self.judge is None else self.judge.endpoints(via="service")
 
     # -- cluster calls ------------------------------------------------------------------------
 
@@ -303,8 +334,9 @@ class K8sLauncher:
         return PoolClient(self.endpoints(), **kwargs)
 
 
-def render_yaml(launcher: K8sLauncher) -> str:
-    """All manifests as one multi-document YAML (what ``deploy/k8s/worker.yaml`` holds)."""
+def render_yaml(*launchers: K8sLauncher) -> str:
+    """All manifests of these pools as one multi-document YAML, in order (``deploy/k8s/worker.yaml``
+    holds one pool; ``deploy/k8s/with-judge/worker.yaml`` a judge pool, then the infer pool that reaches it)."""
     import yaml
 
-    return "---\n".join(yaml.safe_dump(obj, sort_keys=False) for obj in launcher.render())
+    return "---\n".join(yaml.safe_dump(obj, sort_keys=False) for launcher in launchers for obj in launcher.render())
