@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -79,7 +79,8 @@ class ReviewQueue:
         self.folds: dict[int, Fold] = {}
         self.leases: dict[tuple[int, str], Lease] = {}
         self.history: dict[tuple[int, str], list[dict[str, Any]]] = {}
-        self.decided_at: list[tuple[float, str]] = []  # (time, reviewer) of the run's verdicts: the log's, then this server's
+        # times of the run's verdicts within the rate's window (the log's, then this server's), oldest first
+        self.decided_at: deque[float] = deque()
         self.closed: set[int] = set()
         self.appended: dict[int, int] = {}  # segments this server wrote per round since its last compaction
         self._lock = asyncio.Lock()
@@ -119,10 +120,9 @@ class ReviewQueue:
     def _count_verdicts(self, entries: list[dict[str, Any]]) -> None:
         """Verdicts already in a round's log, for the rate over the last hour: a restarted
         server goes on from what is stored, not from zero."""
-        since = self.clock() - RATE_WINDOW_S
-        self.decided_at.extend((t, str(e.get("reviewer"))) for e in entries
-                               if e.get("kind") == "verdict" and (t := int(e.get("at_ns", 0)) / 1e9) > since)
-        self.decided_at.sort()
+        now = self.clock()
+        stored = (int(e.get("at_ns", 0)) / 1e9 for e in entries if e.get("kind") == "verdict")
+        self.decided_at = deque(sorted([*self.decided_at, *(t for t in stored if now - t <= RATE_WINDOW_S)]))
 
     def _earlier_attempts(self, r: int, ids: set[str]) -> dict[tuple[int, str], list[dict[str, Any]]]:
         """Each queued record's rows in the rejected sets of earlier rounds (one scan per round)."""
@@ -236,10 +236,17 @@ class ReviewQueue:
                                    f"landed; it is kept in the log but {why}")
             kept = self.folds[r].decided.get(rid)
             result = self.folds[r].add(entry)
-            self.decided_at.append((self.clock(), reviewer))
+            self._decided(self.clock())
             if self.leases.pop((r, rid), None) is not None:
                 await asyncio.to_thread(self.logs[r].drop_lease, rid)
             return Outcome(result, entry, kept if result == "conflict" else None)
+
+    def _decided(self, now: float) -> None:
+        """Count a verdict for the rate; times that have left its window are dropped, so a
+        long-running server holds an hour of them, not the run's."""
+        self.decided_at.append(now)
+        while self.decided_at and now - self.decided_at[0] > RATE_WINDOW_S:
+            self.decided_at.popleft()
 
     async def _append(self, r: int, entry: dict[str, Any]) -> None:
         """Durable before it returns; every ``COMPACT_EVERY`` segments the log is folded into one."""
@@ -292,7 +299,7 @@ class ReviewQueue:
                 verdicts[str(e["verdict"])] += 1
             done += len(f.decided)
             left += n_left if not reason else sum(1 for it in self._undecided(r) if it.reason == reason)
-        window = [t for t, _ in self.decided_at if now - t <= RATE_WINDOW_S]
+        window = [t for t in self.decided_at if now - t <= RATE_WINDOW_S]
         span = max(60.0, now - min(window)) if window else 0.0
         rate_per_h = len(window) * 3600.0 / span if window else 0.0
         return {"done": done, "left": left, "per_reviewer": dict(per_reviewer), "verdicts": dict(verdicts),

@@ -335,6 +335,22 @@ async def test_a_restarted_server_rebuilds_the_verdict_rate_from_the_log(make_sp
     assert after["eta_s"] == before["eta_s"]
 
 
+async def test_the_verdict_rate_keeps_only_the_last_hour_of_verdicts(make_spec) -> None:
+    """A server up for days holds the times of the last hour's verdicts (the rate's window), not every verdict."""
+    t = [10_000.0]
+    spec = make_spec(records=20, judge={"kind": "human"}, review={"lease": 30})
+    await judged_round(spec)
+    q = rv.ReviewQueue(spec, clock=lambda: t[0])
+    await q.refresh()
+    for _ in range(20):  # one verdict every 10 minutes: 3 h 10 min of reviewing
+        item, _ = await q.claim("ann")
+        await q.decide("ann", 0, item.id, "approve")
+        t[0] += 600
+    t[0] -= 600  # now: the last verdict's time
+    assert len(q.decided_at) == 7  # the verdicts at most an hour old: 0, 10, ..., 60 minutes
+    assert q.progress()["rate_per_hour"] == 7.0
+
+
 async def test_next_picks_up_a_round_opened_since_the_last_refresh(make_spec) -> None:
     """A page asking for work finds a newly opened round at once (the queue looks at storage again when it has none)."""
     spec = make_spec(records=2, judge={"kind": "human"}, max_rounds=3)
