@@ -23,7 +23,7 @@ from batch_inference.planning.cluster import Cluster, Overheads
 from batch_inference.planning.profiling import EngineProfile
 from batch_inference.planning.rates import EngineRates, Workload, engine_rates
 from batch_inference.planning.simulation import SimResult, simulate
-from batch_inference.planning.sizing import PREFIX_SAMPLE, input_size, leading_records, predict_prefix, prompt_token_counts
+from batch_inference.planning.sizing import PREFIX_SAMPLE, input_size, predict_prefix, prefix_windows, prompt_token_counts
 
 STRATEGIES = ("rounds", "in_place", "hybrid")
 DEFAULT_GPU_PROFILE = "h200-llama-8b"
@@ -246,18 +246,18 @@ def make_plan(
     notes.append(f"prompt tokens: mean {prompt_mean:.1f} over {len(counts)} sample records ({how})")
     prefix = None
     if (block_size := cache_block_size(spec, gpu_profile)) is not None:
-        window = leading_records(spec, prefix_sample)
+        window, where = prefix_windows(spec, prefix_sample)
         wcounts, _, blocks = prompt_token_counts(spec, window, block_size=block_size)
         prefix = predict_prefix(wcounts, blocks, block_size)
         if prefix is not None:
-            notes.append(f"prefix structure: over the input's first {prefix.sample:,} records, {prefix.share:.1%} of prompt tokens "
+            notes.append(f"prefix structure: over {prefix.sample:,} records ({where}), {prefix.share:.1%} of prompt tokens "
                          f"lie in {block_size}-token blocks other records share, ~{prefix.family:,.1f} records per shared prefix: "
                          f"an ideal prefix-cache hit rate of {prefix.hit_rate:.1%} (sharing between records further apart is not "
                          "seen: a lower bound unless the input is in prefix order); "
                          + ("families adjacent, as the prefix-aware layout orders them (layout.prefix)" if spec.layout.prefix
                             else "families spread through the input (layout.prefix off)"))
         else:
-            notes.append(f"prefix structure: no {block_size}-token block repeats over the input's first {len(window):,} records: "
+            notes.append(f"prefix structure: no {block_size}-token block repeats over {len(window):,} records ({where}): "
                          "no prefix-cache saving planned")
     max_tokens = spec.infer.sampling.max_tokens
     sim_opts = spec.engine.simulated if spec.engine.kind == "simulated" else None

@@ -39,6 +39,12 @@ def _reservoir(records: Iterator[dict[str, Any]], k: int) -> tuple[int, list[dic
     return n, [rec for _, rec in sorted(picked, key=lambda p: p[0])]
 
 
+def _evenly_spaced(n: int, take: int) -> list[int]:
+    """Up to ``take`` distinct indices in ``range(n)``, evenly spaced, the first and the last included."""
+    take = min(n, take)
+    return sorted({round(i * (n - 1) / max(1, take - 1)) for i in range(take)}) if n else []
+
+
 def _spread(d: JsonlDir, k: int) -> tuple[list[dict[str, Any]], str]:
     """``k`` records from evenly spaced shards of a manifest directory, each read whole.
 
@@ -49,8 +55,7 @@ def _spread(d: JsonlDir, k: int) -> tuple[list[dict[str, Any]], str]:
     shards = d.shards()
     if not shards:
         return [], "the whole input"
-    take = min(len(shards), MANIFEST_SAMPLE_SHARDS)
-    chosen = sorted({round(i * (len(shards) - 1) / max(1, take - 1)) for i in range(take)})
+    chosen = _evenly_spaced(len(shards), MANIFEST_SAMPLE_SHARDS)
     per = max(1, -(-k // len(chosen)))
     sample: list[dict[str, Any]] = []
     for i in chosen:
@@ -130,28 +135,77 @@ def prompt_token_counts(spec: PipelineSpec, records: list[dict[str, Any]], *,
     return [len(x) for x in ids], f"{cfg.model}'s tokenizer", [ids_signature(x, block_size) for x in ids] if block_size else []
 
 
-PREFIX_SAMPLE = 4_000  # records read one after another for the prefix structure
+PREFIX_SAMPLE = 4_000  # records read for the prefix structure, in contiguous windows
+PREFIX_WINDOWS = MANIFEST_SAMPLE_SHARDS  # at most, the windows they are read in, spread over the input
+PREFIX_WINDOW_RECORDS = 250  # at least, records a window holds: a family of up to about that many shows whole
 
 
-def leading_records(spec: PipelineSpec, k: int = PREFIX_SAMPLE) -> list[dict[str, Any]]:
-    """The input's first ``k`` records, one after another: a family of records sharing a
-    prefix shows whole in a contiguous window, where a spread sample would split it."""
+def prefix_windows(spec: PipelineSpec, k: int = PREFIX_SAMPLE, *, windows: int | None = None,
+                   count_limit_bytes: int = 256 << 20) -> tuple[list[dict[str, Any]], str]:
+    """About ``k`` of the input's records for its prefix structure, and where they were read.
+
+    A family of records sharing a prefix shows whole only in a contiguous run (a uniform
+    sample splits it), but the input's first ``k`` records are not the input: one sorted or
+    grouped by family (by task type, by source) puts unlike families at its end. So the
+    records are read as ``windows`` contiguous runs of ``k / windows`` records, evenly spaced
+    over the input (by default as many as keep ``PREFIX_WINDOW_RECORDS`` in each, at most
+    ``PREFIX_WINDOWS``: a family longer than a window is seen cut): the heads of evenly spaced shards of a directory with a manifest (the
+    cost bounded at any size, as ``_spread``), else runs at evenly spaced offsets of a
+    counted input; a single file too large to count gives its first ``k`` records.
+    """
     opts = spec.storage_options or None
+    if windows is None:
+        windows = max(1, min(PREFIX_WINDOWS, k // PREFIX_WINDOW_RECORDS))
+    per = max(1, -(-k // windows))
     d = JsonlDir(spec.input, storage_options=opts)
-    src = d if d.exists_sync() and not spec.input.endswith((".jsonl", ".jsonl.zst")) else JsonlFile(spec.input, storage_options=opts)
-    return [r for _, r in zip(range(k), src.iter_records_sync())]
+    if d.exists_sync() and not spec.input.endswith((".jsonl", ".jsonl.zst")):
+        man = d.manifest()
+        if man is not None:
+            shards = d.shards()
+            chosen = _evenly_spaced(len(shards), windows)
+            per_shard = max(1, -(-k // max(1, len(chosen))))
+            out: list[dict[str, Any]] = []
+            for i in chosen:
+                out.extend(r for _, r in zip(range(per_shard), shards[i].iter_records_sync()))
+            where = (f"the heads of {len(chosen)} of {len(shards)} shards, evenly spaced" if len(chosen) < len(shards)
+                     else f"the heads of all {len(shards)} shards")
+            return out[:k], where
+        src: JsonlDir | JsonlFile = d
+    else:
+        src = JsonlFile(spec.input, storage_options=opts)
+        import fsspec
+
+        fs, path = fsspec.core.url_to_fs(spec.input, **(opts or {}))
+        if int(fs.size(path)) > count_limit_bytes:
+            head = [r for _, r in zip(range(k), src.iter_records_sync())]
+            return head, f"the input's first {len(head):,} records (a single file too large to count: shard it for a spread)"
+    n = sum(1 for _ in src.iter_records_sync())
+    if n <= k:
+        return list(src.iter_records_sync()), "the whole input"
+    starts = _evenly_spaced(n - per + 1, windows)
+    ranges = [(a, a + per) for a in starts]
+    picked: list[dict[str, Any]] = []
+    j = 0
+    for i, rec in enumerate(src.iter_records_sync()):
+        while j < len(ranges) and i >= ranges[j][1]:
+            j += 1
+        if j == len(ranges):
+            break
+        if ranges[j][0] <= i:
+            picked.append(rec)
+    return picked[:k], f"{len(ranges)} runs of {per:,} consecutive records, evenly spaced over its {n:,}"
 
 
 @dataclass(frozen=True)
 class PrefixPrediction:
-    """The prefix structure of a window of the input's records.
+    """The prefix structure of windows of the input's records (``prefix_windows``).
 
     ``hit_rate``: the ideal prefix-cache hit rate within the window (each distinct prefix
     block computed once: of its prompt tokens, those a perfect cache supplies); ``share``:
     of the prompt tokens, those in blocks another record of the window shares; ``family``:
     records per shared prefix, so that ``hit_rate = share x (1 - 1 / family)``. Sharing
-    between records further apart than the window is not seen (a lower bound for a
-    shuffled input; exact for an input in prefix order).
+    between records further apart than a window is seen only where a prefix recurs in
+    another window (a lower bound for a shuffled input; close for one in prefix order).
     """
 
     share: float

@@ -177,8 +177,10 @@ def test_plan_predicts_the_prefix_cache_from_the_input_and_prices_the_saving(tmp
     plan = make_plan(spec, gpu_hour_price=3.0, records=2_000_000, strategies=("rounds",), prefix_sample=800)
     x = plan.prefix
     assert x is not None and x["sample"] == 800 and x["block_size"] == 16
-    # the ideal over the window, exactly: every distinct block once, every prompt's tokens past its blocks
-    prompts = ["Q: " + orjson.loads(line)["prompt"] for line in path.read_bytes().splitlines()[:800]]
+    # the ideal over the windows read, exactly: every distinct block once, every prompt's tokens past its blocks
+    from batch_inference.planning.sizing import prefix_windows
+
+    prompts = ["Q: " + r["prompt"] for r in prefix_windows(spec, 800)[0]]
     sketch, tails, total = DistinctBlocks(exact_limit=1 << 20), 0, 0
     for text in prompts:
         n = simulated_token_count(text)
@@ -208,3 +210,54 @@ def test_without_the_prefix_layout_the_plan_spreads_families_through_the_input(t
     assert plans[True]["ideal_hit_rate"] == plans[False]["ideal_hit_rate"]  # the same structure ...
     assert plans[False]["hit_rate"] < 0.2 * plans[True]["hit_rate"]  # ... that a scattered order cannot use
     assert plans[False]["gpu_hours_saved"] < plans[True]["gpu_hours_saved"]
+
+
+def test_a_family_sorted_input_is_predicted_from_windows_spread_over_it(tmp_path: Path) -> None:
+    """Families sorted by kind: the first half documents asked 8 questions each, the second
+    half prompts sharing nothing. The input's first records are all documents; windows
+    spread over it see both halves, and predict about the whole input's ideal hit rate."""
+    from batch_inference.engines.blocks import DistinctBlocks, cacheable_blocks, text_signature
+    from batch_inference.engines.simulated import simulated_token_count
+    from batch_inference.planning.sizing import prefix_windows
+
+    path = tmp_path / "sorted.jsonl"
+    with open(path, "wb") as f:
+        for d in range(200):
+            for q in range(8):
+                f.write(orjson.dumps({"prompt": f"document {d}: " + f"fact {d} is worth knowing. " * 40 + f"question {q}?"}) + b"\n")
+        for i in range(1600):
+            f.write(orjson.dumps({"prompt": f"{i} alone: " + f"nothing {i} shared here. " * 40}) + b"\n")
+    engine = {"kind": "simulated", "simulated": {"cost_model": "decode", "prefix_cache": True, "profile": "h200-llama-8b",
+                                                 "output_tokens": 8, "approval_rate": 0.5}}
+    spec = PipelineSpec.parse({**spec_dict(tmp_path, shard_records=20_000, engine=engine, strategy="rounds"), "input": str(path)})
+    window, where = prefix_windows(spec, 800)
+    assert len(window) == 800 and "evenly spaced over its 3,200" in where
+    assert sum("alone" in r["prompt"] for r in window) == pytest.approx(400, abs=60)  # both halves, in proportion
+    # the whole input's ideal hit rate (every distinct block once, every prompt's tail)
+    sketch, tails, total = DistinctBlocks(exact_limit=1 << 20), 0, 0
+    for line in path.read_bytes().splitlines():
+        text = "Q: " + orjson.loads(line)["prompt"]
+        n = simulated_token_count(text)
+        sketch.add(text_signature(text, n, 16))
+        tails += n - cacheable_blocks(n, 16) * 16
+        total += n
+    whole = 1 - (tails + 16 * sketch.estimate()) / total
+    x = make_plan(spec, records=2_000_000, strategies=("rounds",), prefix_sample=800).prefix
+    assert x is not None and x["sample"] == 800
+    assert x["ideal_hit_rate"] == pytest.approx(whole, abs=0.05)  # the first 800 records alone: ~0.8, not ~0.4
+    first = [orjson.loads(line) for line in path.read_bytes().splitlines()[:800]]
+    assert all("document" in r["prompt"] for r in first)
+
+
+def test_prefix_windows_of_a_manifest_directory_read_the_heads_of_spread_shards(tmp_path: Path) -> None:
+    from batch_inference.planning.sizing import prefix_windows
+    from batch_inference.storage import JsonlDir
+
+    d = tmp_path / "in"
+    with JsonlDir(str(d)).writer_sync(max_records_per_shard=100) as w:
+        w.write_many({"id": str(i), "prompt": f"shard {i // 100} record {i}"} for i in range(4_000))
+    spec = PipelineSpec.parse({**spec_dict(tmp_path), "input": str(d)})
+    window, where = prefix_windows(spec, 320, windows=16)
+    assert where == "the heads of 16 of 40 shards, evenly spaced"
+    ids = [int(r["id"]) for r in window]
+    assert len(ids) == 320 and ids[:20] == list(range(20)) and ids[-20:] == list(range(3_900, 3_920))
