@@ -11,7 +11,7 @@ import click
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", default=0, show_default=True, help="weight seed (same seed => same files)")
 @click.option("--adapter-for", "adapter_for", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
-              help="build a LoRA adapter for this tiny model instead of a model (engine.vllm.lora.adapters)")
+              help="build a LoRA adapter for this tiny model instead of a model (engine.vllm.lora / engine.transformers.lora adapters)")
 @click.option("--rank", default=8, show_default=True, type=click.IntRange(1, 64), help="the adapter's LoRA rank")
 def make_model(out_dir: Path, seed: int, adapter_for: Path | None, rank: int) -> None:
     """Build a tiny Llama model with a locally trained BPE tokenizer into OUT_DIR (no download),

@@ -306,7 +306,7 @@ def adapter_error(adapter: str | None, served: Sequence[str]) -> str | None:
     """The per-item ``bad_request`` error of a request naming an adapter the engine does not serve."""
     if adapter is None or adapter in served:
         return None
-    offer = f"it serves {', '.join(sorted(served))}" if served else "it serves none (engine.vllm.lora)"
+    offer = f"it serves {', '.join(sorted(served))}" if served else "it serves none (no lora options on this engine)"
     return ErrorKind.BAD_REQUEST.tag(f"LoRA adapter {adapter!r} is not loaded on this engine: {offer}")
 
 

@@ -26,7 +26,8 @@ ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
 
 class LoraOptions(BaseModel):
-    """LoRA adapters served on the engine's one base model (``engine.vllm.lora``).
+    """LoRA adapters served on the engine's one base model (``engine.vllm.lora``,
+    ``engine.transformers.lora``).
 
     A request names an adapter (``infer.adapter``, ``judge.adapter``, or a record's own
     ``adapter`` field among these names) or none: the base model. ``adapters`` maps each
@@ -38,7 +39,7 @@ class LoraOptions(BaseModel):
 
     adapters: dict[Annotated[str, StringConstraints(pattern=ADAPTER_NAME)], str] = Field(
         min_length=1, description="adapter name -> adapter folder")
-    max_loras: int = Field(1, ge=1, description="adapters one engine step may mix (vLLM max_loras)")
+    max_loras: int = Field(1, ge=1, description="adapters one engine step (vLLM max_loras) or one generate call (transformers) may mix")
     max_lora_rank: int | None = Field(None, ge=1, description="largest adapter rank (default: read from the adapters)")
 
 
@@ -131,14 +132,7 @@ class TransformersOptions(BaseModel):
     batching: Literal["static", "bucketed", "continuous"] = Field("bucketed", description="see the class docstring")
     bucket_padding: float = Field(1.25, ge=1, description="bucketed: a bucket closes before padded tokens exceed this x real tokens")
     max_batch_tokens: int = Field(1024, ge=16, description="continuous: tokens per forward step (transformers' max_batch_tokens)")
-    lora: LoraOptions | None = Field(None, description="refused: the transformers engine serves the base model only")
-
-    @model_validator(mode="after")
-    def _no_lora(self) -> TransformersOptions:
-        if self.lora is not None:
-            raise ValueError("lora: the transformers engine serves its base model only (no peft in this build); "
-                             "LoRA adapters run on the vllm engine: engine.vllm.lora")
-        return self
+    lora: LoraOptions | None = Field(None, description="LoRA adapters on the base model (peft; adapters per row of a generate call)")
 
 
 # Engine kinds whose engines set ``structured_output = True``.
@@ -170,9 +164,8 @@ class EngineConfig(BaseModel):
     @property
     def lora(self) -> LoraOptions | None:
         """The adapters this engine serves (its kind's ``lora`` options), or None."""
-        if self.kind == "vllm":
-            return self.vllm.lora
-        return self.simulated.lora if self.kind == "simulated" else None
+        options: VllmOptions | TransformersOptions | SimulatedOptions = getattr(self, self.kind)
+        return options.lora
 
     @property
     def adapters(self) -> tuple[str, ...]:

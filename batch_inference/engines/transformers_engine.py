@@ -7,13 +7,20 @@ here when given text) and length-checked alone (an overlong prompt becomes a
 SamplingParams (seeds aside; ``bucketed`` and ``continuous`` also set output lengths aside)
 and each group runs as ``generate`` calls (``TransformersOptions.batching``); if a whole call
 raises, its items are retried one by one so a single bad item cannot fail the others.
+
+LoRA (``transformers.lora``): peft attaches every adapter to the one base model at load,
+and a request runs on the adapter it names or on the base model. Padded calls mix adapters
+row by row (peft's ``adapter_names``, ``__base__`` for the base model; at most ``max_loras``
+adapters a call); a continuous session runs one adapter, made active for its length.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,12 +41,14 @@ from batch_inference.engines.base import (
     truncate_at_stop,
 )
 from batch_inference.engines.chat import TokenizerCopy, encode_each, encode_prompts
-from batch_inference.engines.config import EngineConfig, TransformersOptions
+from batch_inference.engines.config import EngineConfig, LoraOptions, TransformersOptions
+from batch_inference.engines.lora import AdapterError, check_adapters
 from batch_inference.rows import ErrorKind
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+BASE_ADAPTER = "__base__"  # peft's adapter_names entry for a row on the base model
 
 
 class TransformersEngine:
@@ -70,7 +79,10 @@ class TransformersEngine:
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.tokenizer.model_max_length = 1 << 40  # lengths are checked per item below, against max_model_len
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype).to(self.device).eval()
+        base = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
+        self.lora = self.options.lora
+        self.adapters: tuple[str, ...] = tuple(self.lora.adapters) if self.lora is not None else ()
+        self.model = (attach_adapters(base, self.lora) if self.lora is not None else base).to(self.device).eval()
         self.max_model_len = max_model_len or int(getattr(self.model.config, "max_position_embeddings", 2048))
         self.name = f"transformers:{model}"
         self._eos_ids = _eos_ids(self.model, self.tokenizer)
@@ -110,7 +122,7 @@ class TransformersEngine:
                 out[i] = Completion.failed(err, prompt_tokens=len(tokens.ids))
             elif not tokens.ids:
                 out[i] = Completion.failed(ErrorKind.EMPTY_PROMPT.tag("the prompt has no tokens"))
-            elif err := adapter_error(per_item[i].adapter, ()):  # the base model only: never run an adapter's request on it
+            elif err := adapter_error(per_item[i].adapter, self.adapters):  # never run an unknown adapter's request on the base
                 out[i] = Completion.failed(err, prompt_tokens=len(tokens.ids))
             else:
                 encoded[i] = list(tokens.ids)
@@ -120,20 +132,39 @@ class TransformersEngine:
         # for the same batch but depends on its composition (vLLM seeds per request).
         batching = self.options.batching
         keys = [per_item[i] if batching == "static" else _length_free(per_item[i]) for i in runnable]
+        if batching != "continuous":  # a padded call mixes adapters per row; a continuous session runs one
+            keys = [replace(k, adapter=None) for k in keys]
         for key, idx in group_by_params(keys, ignore_seed=True).items():
-            items = [runnable[j] for j in idx]
-            if batching == "continuous":
-                done = self._run_continuous(items, encoded, per_item)
-            elif batching == "bucketed":
-                done = {}
-                for bucket in self._buckets(items, encoded, per_item):
-                    done.update(zip(bucket, self._run_bucket([encoded[i] for i in bucket], [per_item[i] for i in bucket])))
-            else:
-                p = replace(key, seed=combine_seeds([per_item[i].seed for i in items]))
-                done = dict(zip(items, self._run_group([encoded[i] for i in items], p)))
-            for i, completion in done.items():
-                out[i] = completion
+            for items in self._adapter_chunks([runnable[j] for j in idx], per_item):
+                if batching == "continuous":
+                    done = self._run_continuous(items, encoded, per_item)
+                elif batching == "bucketed":
+                    done = {}
+                    for bucket in self._buckets(items, encoded, per_item):
+                        done.update(zip(bucket, self._run_bucket([encoded[i] for i in bucket], [per_item[i] for i in bucket])))
+                else:
+                    p = replace(key, seed=combine_seeds([per_item[i].seed for i in items]))
+                    done = dict(zip(items, self._run_group([encoded[i] for i in items], p, [per_item[i] for i in items])))
+                for i, completion in done.items():
+                    out[i] = completion
         return [c for c in out if c is not None]
+
+    def _adapter_chunks(self, items: list[int], per_item: list[SamplingParams]) -> list[list[int]]:
+        """``items`` cut so that no call mixes more than ``max_loras`` adapters (the base model
+        is none): by adapter name, only when the group names more than that."""
+        if self.lora is None or len({per_item[i].adapter for i in items} - {None}) <= self.lora.max_loras:
+            return [items]
+        chunks: list[list[int]] = []
+        names: set[str] = set()
+        for i in sorted(items, key=lambda i: (per_item[i].adapter is not None, per_item[i].adapter or "")):
+            adapter = per_item[i].adapter
+            if not chunks or (adapter is not None and adapter not in names and len(names) == self.lora.max_loras):
+                chunks.append([])
+                names = set()
+            chunks[-1].append(i)
+            if adapter is not None:
+                names.add(adapter)
+        return chunks
 
     def _buckets(self, items: list[int], encoded: dict[int, list[int]], per_item: list[SamplingParams]) -> list[list[int]]:
         """Items sorted by (output, prompt) length, cut where a padded bucket would cost more
@@ -163,15 +194,17 @@ class TransformersEngine:
                     seed=combine_seeds([q.seed for q in own]))
         return self._run_group(batch, p, own)
 
-    def _run_group(self, batch: list[list[int]], p: SamplingParams, own: list[SamplingParams] | None = None) -> list[Completion]:
+    def _run_group(self, batch: list[list[int]], p: SamplingParams, own: list[SamplingParams]) -> list[Completion]:
+        """One ``generate`` call with ``p``; ``own`` are the rows' own params (their lengths,
+        stop strings and adapters)."""
         try:
-            return self._generate_batch(batch, p, own) if own else self._generate_batch(batch, p)
+            return self._generate_batch(batch, p, own)
         except Exception as exc:
             if len(batch) == 1:
                 log.warning("generate failed for one item: %s", exc)
                 return [Completion.failed(ErrorKind.ENGINE_ERROR.tag(f"{type(exc).__name__}: {exc}"), prompt_tokens=len(batch[0]))]
             log.warning("generate failed for a group of %d; retrying item by item: %s", len(batch), exc)
-            return [self._run_group([ids], p, [own[k]] if own else None)[0] for k, ids in enumerate(batch)]
+            return [self._run_group([ids], p, [own[k]])[0] for k, ids in enumerate(batch)]
 
     def _run_continuous(self, items: list[int], encoded: dict[int, list[int]], per_item: list[SamplingParams]) -> dict[int, Completion]:
         """One continuous-batching session for a group; each request decodes to its own length."""
@@ -206,7 +239,8 @@ class TransformersEngine:
             page_size=page, num_blocks=sum(-(-(len(ids) + q.max_tokens) // page) for ids, q in zip(batch, own)),
             max_batch_tokens=self.options.max_batch_tokens, seed=combine_seeds([q.seed for q in own]) if sample else None,
         )
-        with self.model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cfg, warmup=False) as manager:
+        with self._active_adapter(p.adapter), \
+                self.model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cfg, warmup=False) as manager:
             ids = [manager.add_request(x, max_new_tokens=q.max_tokens, eos_token_id=-1 if fixed else self._eos_ids)
                    for x, q in zip(batch, own)]
             results: dict[str, Any] = {}
@@ -218,8 +252,21 @@ class TransformersEngine:
                     raise RuntimeError(f"continuous batching stopped with {len(ids) - len(results)} requests unfinished")
         return [results[i].generated_tokens if results[i].error is None else ErrorKind.ENGINE_ERROR.tag(str(results[i].error)) for i in ids]
 
+    @contextlib.contextmanager
+    def _active_adapter(self, adapter: str | None) -> Iterator[None]:
+        """``adapter`` (None: the base model) active for every forward inside, for a session
+        whose rows cannot name their own (continuous batching)."""
+        if self.lora is None:
+            yield
+        elif adapter is None:
+            with self.model.disable_adapter():
+                yield
+        else:
+            self.model.set_adapter(adapter, inference_mode=True)
+            yield
+
     @torch.inference_mode()
-    def _generate_batch(self, batch: list[list[int]], p: SamplingParams, own: list[SamplingParams] | None = None) -> list[Completion]:
+    def _generate_batch(self, batch: list[list[int]], p: SamplingParams, own: list[SamplingParams]) -> list[Completion]:
         enc = self.tokenizer.pad({"input_ids": batch}, padding=True, return_tensors="pt").to(self.device)
         kwargs: dict[str, Any] = {
             "max_new_tokens": p.max_tokens,
@@ -234,8 +281,9 @@ class TransformersEngine:
                 torch.manual_seed(p.seed)  # one generator per group: sampling depends on the group
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if self.lora is not None:
+            kwargs["adapter_names"] = [q.adapter or BASE_ADAPTER for q in own]
         generated = self.model.generate(**enc, **kwargs)[:, enc["input_ids"].shape[1] :].tolist()
-        own = own or [p] * len(batch)
         return [self._finish(ids[: q.max_tokens], prompt, q) for ids, prompt, q in zip(generated, batch, own)]
 
     def _finish(self, new_ids: list[int], prompt: list[int], p: SamplingParams) -> Completion:
@@ -257,6 +305,25 @@ class TransformersEngine:
         self.model = None  # type: ignore[assignment]
         if self.device == "cuda":
             torch.cuda.empty_cache()
+
+
+def attach_adapters(model: Any, lora: LoraOptions) -> Any:
+    """``model`` (a causal LM) wrapped by peft with every adapter of ``lora`` attached, by name.
+
+    Each folder is read first as the preflight reads it (``check_adapters``), so a bad one is
+    named here too rather than deep inside peft."""
+    if problems := check_adapters(lora):
+        raise AdapterError("; ".join(f"transformers.lora.adapters.{name}: {why}" for name, why in problems.items()))
+    try:
+        from peft import PeftModel
+    except ImportError as exc:  # peft is in the cpu extra; an environment without it cannot serve adapters
+        raise ImportError(f"transformers.lora needs peft ({exc}): pip install -e '.[cpu]'") from exc
+    (first, path), *rest = lora.adapters.items()
+    # on the CPU, beside the base model, until the engine moves them to its device together
+    wrapped = PeftModel.from_pretrained(model, str(Path(path).expanduser()), adapter_name=first, torch_device="cpu")
+    for name, path in rest:
+        wrapped.load_adapter(str(Path(path).expanduser()), adapter_name=name, torch_device="cpu")
+    return wrapped
 
 
 def _length_free(p: SamplingParams) -> SamplingParams:

@@ -66,7 +66,7 @@ class JudgeConfig(BaseModel):
     threshold: float = Field(0.5, description="score mode: approved when score >= threshold")
     max_tokens: int = Field(16, ge=1, description="judge reply length")
     temperature: float = Field(0.0, ge=0)
-    adapter: str | None = Field(None, description="llm: the LoRA adapter the judge runs on (engine.vllm.lora); none: the base model")
+    adapter: str | None = Field(None, description="llm: the LoRA adapter the judge runs on (its engine's lora adapters); none: the base model")
     # rule
     callable: str | None = Field(None, description="regex | exact_match | json_valid | min_length | module:fn")
     kwargs: dict[str, Any] = Field(default_factory=dict)

@@ -11,7 +11,8 @@ the spec key and the record:
   ``judge.template``): a typo in the spec, not a bad record;
 * no prompt source (no template, and records have neither ``messages`` nor ``prompt``);
 * a rule judge that needs a record field the records lack (``KeyError``);
-* a LoRA adapter folder that is not one (``engine.vllm.lora.adapters.<name>``: no
+* a LoRA adapter folder that is not one (``engine.vllm.lora.adapters.<name>``,
+  ``engine.transformers.lora.adapters.<name>``: no
   ``adapter_config.json``, not LORA, no weights, a rank over ``max_lora_rank``);
 * a model folder neither engine can load (``engine.model``, ``judge.engine.model``: its
   config is read, no weights);
@@ -115,13 +116,13 @@ def _check_engine(key: str, engine: EngineConfig) -> None:
 
 def _check_adapters(key: str, engine: EngineConfig) -> None:
     """Every LoRA adapter folder the engine loads is one (config, weights, rank within max_lora_rank)."""
-    if engine.kind != "vllm" or engine.vllm.lora is None:  # the simulated engine reads no folder
+    if engine.kind == "simulated" or engine.lora is None:  # the simulated engine reads no folder
         return
     from batch_inference.engines.lora import check_adapters
 
-    problems = check_adapters(engine.vllm.lora)
+    problems = check_adapters(engine.lora)
     if problems:
-        raise SpecError("; ".join(f"{key}.vllm.lora.adapters.{name}: {why}" for name, why in problems.items()))
+        raise SpecError("; ".join(f"{key}.{engine.kind}.lora.adapters.{name}: {why}" for name, why in problems.items()))
 
 
 def _check_chat_template(key: str, engine: EngineConfig, what: str) -> None:

@@ -293,7 +293,7 @@ class PipelineSpec(_Strict):
             if adapter is not None and adapter not in engine.adapters:
                 if not engine.adapters:
                     raise ValueError(f"{key}: {engine_key} kind {engine.kind!r} serves no LoRA adapters "
-                                     f"({'give it engine.vllm.lora' if engine.kind == 'vllm' else 'LoRA runs on the vllm engine: engine.vllm.lora'})")
+                                     f"(give it {_lora_key(engine_key, engine)})")
                 raise ValueError(f"{key}: {adapter!r} is not one of {_lora_key(engine_key, engine)}.adapters ({_names(engine.adapters)})")
         return self
 
@@ -420,7 +420,7 @@ class PipelineSpec(_Strict):
 
 
 def _lora_key(engine_key: str, engine: EngineConfig) -> str:
-    return f"{engine_key}.{'simulated' if engine.kind == 'simulated' else 'vllm'}.lora"
+    return f"{engine_key}.{engine.kind}.lora"
 
 
 def _names(names: tuple[str, ...]) -> str:

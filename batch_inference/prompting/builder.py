@@ -198,7 +198,7 @@ class RequestBuilder:
         if value is None:
             return None
         if not isinstance(value, str) or value not in self.config.adapters:
-            allowed = ", ".join(self.config.adapters) or "none (the engine has no engine.vllm.lora adapters)"
+            allowed = ", ".join(self.config.adapters) or "none (the engine has no lora adapters)"
             raise RequestError(ErrorKind.BAD_REQUEST, rid, f"{field} {value!r} is not one of the spec's adapters: {allowed}")
         return value
 

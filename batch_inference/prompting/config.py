@@ -128,7 +128,7 @@ class InferConfig(_Wire):
     sampling_field: str | None = "sampling"
     limits: SamplingLimits = SamplingLimits()
     response_format: ResponseFormatConfig | None = None
-    adapter: str | None = Field(None, description="the LoRA adapter the requests run on (engine.vllm.lora); none: the base model")
+    adapter: str | None = Field(None, description="the LoRA adapter the requests run on (its engine's lora adapters); none: the base model")
     adapter_field: str | None = Field("adapter", description="the record field naming its own adapter (null: the base model)")
     adapters: tuple[str, ...] = Field((), description="the adapter names records may name (default: the engine's, set by the spec)")
 

@@ -66,15 +66,16 @@ def test_the_simulated_engine_answers_per_adapter() -> None:
     assert plain.generate(["same prompt"], SamplingParams(max_tokens=8, seed=1))[0].text == base.text  # no adapter: the base model
 
 
-def test_lora_is_refused_on_transformers_and_named() -> None:
-    from pydantic import ValidationError
-
-    with pytest.raises(ValidationError, match="lora: the transformers engine serves its base model only .*engine.vllm.lora"):
-        EngineConfig.model_validate({"kind": "transformers", "model": "/m", "transformers": {"lora": {"adapters": {"a": "/a"}}}})
+def test_lora_options_are_each_kinds_own() -> None:
+    cfg = EngineConfig.model_validate({"kind": "transformers", "model": "/m", "transformers": {"lora": {"adapters": {"a": "/a"}}}})
+    assert cfg.adapters == ("a",) and cfg.lora is cfg.transformers.lora
     cfg = EngineConfig.model_validate({"kind": "vllm", "model": "/m", "vllm": {"lora": {"adapters": {"a": "/a"}, "max_loras": 2}}})
     assert cfg.adapters == ("a",) and EngineConfig.model_validate({"kind": "vllm", "model": "/m"}).adapters == ()
+    # another kind's block is not this engine's: a vllm engine given transformers.lora serves none
+    other = EngineConfig.model_validate({"kind": "vllm", "model": "/m", "transformers": {"lora": {"adapters": {"a": "/a"}}}})
+    assert other.adapters == ()
 
 
-def test_the_transformers_engine_fails_an_adapters_request_alone(tiny_engine) -> None:
+def test_the_transformers_engine_without_lora_fails_an_adapters_request_alone(tiny_engine) -> None:
     out = tiny_engine.generate(["hello", "hello"], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, adapter="a1")])
     assert out[0].error is None and out[1].error.startswith("bad_request: LoRA adapter 'a1' is not loaded on this engine")

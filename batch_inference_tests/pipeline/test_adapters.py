@@ -2,7 +2,8 @@
 bounded by the spec, checked before any inference, recorded in the ledger.
 
 The simulated engine serves adapters by name (``simulated.lora``: outputs salted by the
-adapter), so every path here runs without vLLM; the real engine is in vllm_cpu/test_lora.py.
+adapter), so most paths here run without a model; the transformers engine serves real
+adapters through peft (``transformers.lora``, a run at the end); vLLM is in vllm_cpu/test_lora.py.
 """
 
 from __future__ import annotations
@@ -90,11 +91,8 @@ def test_an_adapter_outside_the_spec_is_refused_naming_its_key(tmp_path: Path, o
 def test_adapters_on_an_engine_without_lora_are_refused(tmp_path: Path, tiny_model_dir: Path) -> None:
     data = spec_dict(tmp_path, engine={"kind": "transformers", "model": str(tiny_model_dir), "device": "cpu"},
                      infer={"adapter": "a1"})
-    with pytest.raises(SpecError, match=r"infer.adapter: engine kind 'transformers' serves no LoRA adapters"):
-        PipelineSpec.parse(data)
-    data["infer"].pop("adapter")
-    data["engine"]["transformers"] = {"lora": {"adapters": {"a1": "/a1"}}}
-    with pytest.raises(SpecError, match=r"engine.transformers: lora: the transformers engine serves its base model only"):
+    with pytest.raises(SpecError, match=r"infer.adapter: engine kind 'transformers' serves no LoRA adapters "
+                                        r"\(give it engine.transformers.lora\)"):
         PipelineSpec.parse(data)
 
 
@@ -111,3 +109,74 @@ def test_validate_checks_every_adapter_folder_before_any_inference(tmp_path: Pat
                      judge={"engine": ok, "adapter": "a1"})
     with pytest.raises(SpecError, match=r"judge.engine.vllm.lora.adapters.a1: .* rank 8 > max_lora_rank 4"):
         preflight(PipelineSpec.parse(data))
+
+
+def transformers_lora(model: Path, adapters: dict[str, Path], **options: Any) -> dict[str, Any]:
+    lora = {"adapters": {name: str(path) for name, path in adapters.items()}, "max_loras": 2}
+    return {"kind": "transformers", "model": str(model), "device": "cpu", "transformers": {**options, "lora": lora}}
+
+
+def test_validate_takes_lora_on_transformers_and_names_a_bad_adapter_folder(tmp_path: Path, tiny_model_dir: Path,
+                                                                          tiny_adapters: dict[str, Path]) -> None:
+    import yaml
+    from click.testing import CliRunner
+
+    from batch_inference.cli.main import cli
+
+    engine = transformers_lora(tiny_model_dir, tiny_adapters)
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(spec_dict(tmp_path, records=10, engine=engine, infer={"adapter": "a1"},
+                                                  judge={"kind": "llm", "template": "{result}", "adapter": "a2"})))
+    result = CliRunner().invoke(cli, ["validate", str(spec_path)])
+    assert result.exit_code == 0, result.output
+    gone = transformers_lora(tiny_model_dir, {"a1": tiny_adapters["a1"], "gone": tmp_path / "gone"})
+    spec_path.write_text(yaml.safe_dump(spec_dict(tmp_path, engine=gone, infer={"adapter": "a1"})))
+    result = CliRunner().invoke(cli, ["validate", str(spec_path)])
+    assert result.exit_code == 1
+    assert "engine.transformers.lora.adapters.gone: adapter folder" in result.output and "does not exist" in result.output
+    # a judge on its own transformers engine: its adapters are checked under its own key
+    data = spec_dict(tmp_path, engine=engine, judge={"engine": gone, "adapter": "a1"})
+    with pytest.raises(SpecError, match=r"judge.engine.transformers.lora.adapters.gone: adapter folder .*gone.* does not exist"):
+        preflight(PipelineSpec.parse(data))
+    with pytest.raises(SpecError, match=r"judge.adapter: 'a2' is not one of judge.engine.transformers.lora.adapters \(a1, gone\)"):
+        PipelineSpec.parse(spec_dict(tmp_path, engine=engine, judge={"engine": gone, "adapter": "a2"}))
+
+
+async def test_an_adapter_infer_phase_and_a_base_model_judge_on_transformers(tmp_path: Path, tiny_model_dir: Path,
+                                                                            tiny_adapters: dict[str, Path]) -> None:
+    from batch_inference_tests.engines.peft_reference import greedy_texts
+
+    prompts = ["The quick brown fox", "Question: what is the capital of France?", "Summarise the article in one",
+               "Large language models generate", "def add(a, b):", "Translate the following sentence"]
+    choices = ["-", "a2", None, "a1", "-", "a2"]  # "-": no adapter field (the phase's, infer.adapter a1)
+    src = tmp_path / "input.jsonl"
+    with open(src, "wb") as f:
+        for i, (prompt, adapter) in enumerate(zip(prompts, choices)):
+            rec: dict[str, Any] = {"id": f"r{i}", "prompt": prompt}
+            if adapter != "-":
+                rec["adapter"] = adapter
+            f.write(orjson.dumps(rec) + b"\n")
+    spec = PipelineSpec.parse(spec_dict(
+        tmp_path, engine=transformers_lora(tiny_model_dir, tiny_adapters),
+        infer={"template": "{prompt}", "adapter": "a1", "sampling": {"max_tokens": 10, "temperature": 0.0}},
+        judge={"kind": "llm", "template": "{prompt} {result} Reply APPROVED or REJECTED:", "max_tokens": 4},
+        max_rounds=1, shard_records=3, chunk_size=3, pool={"concurrency": 2, "batcher": {"batch_timeout_s": 0.01}},
+    ))
+    summary = await run_pipeline(spec)
+    assert summary.conservation["ok"] and summary.failed == 0
+    root = Path(spec.output) / spec.run
+    rows = {r["id"]: r for r in JsonlDir(str(root / "round-00" / "inferred")).iter_records_sync()}
+    assert len(rows) == 6 and all(r["error"] is None for r in rows.values())
+    ledger = root / "ledger"
+    assert orjson.loads((ledger / "round-00-infer.json").read_bytes())["ran_on"]["adapter"] == "a1"
+    judge = orjson.loads((ledger / "round-00-judge.json").read_bytes())
+    assert judge["ran_on"]["adapter"] is None and judge["records_in"] == 6 and judge["tokens_out"] > 0
+    # every record's result is peft's own answer on that record's adapter (None: the plain base model)
+    engine = build_engine(spec.engine)
+    ids = [t.ids for t in engine.encode(prompts)]
+    engine.close()
+    adapters = ["a1" if c == "-" else c for c in choices]
+    want = greedy_texts(tiny_model_dir, tiny_adapters, [(i, a, 10) for i, a in zip(ids, adapters)])
+    base = greedy_texts(tiny_model_dir, tiny_adapters, [(i, None, 10) for i in ids])
+    assert [rows[f"r{i}"]["result"] for i in range(6)] == want
+    assert sum(w != b for w, b, a in zip(want, base, adapters) if a) >= 4  # the adapters change the answers
