@@ -62,13 +62,15 @@ def openai_reader(spec: PipelineSpec) -> OpenAIBatchReader:
 def check_openai_input(reader: OpenAIBatchReader, report: ReshardReport, source: str) -> None:
     """Raise one ``InputError`` listing every file-level problem the sharding pass found."""
     if report.malformed:
-        reader.problems[f"lines that are not JSON objects (quarantined at sharding): {report.malformed}"] = []
-        reader.counts[f"lines that are not JSON objects (quarantined at sharding): {report.malformed}"] = report.malformed
+        by_file: dict[str, list[str]] = {}
+        for e in report.malformed_lines:
+            by_file.setdefault(str(e["file"]), []).append(str(e["line"]))
+        reader.file_problem("lines that are not JSON objects (quarantined at sharding)", report.malformed,
+                            [f"{file} line {', '.join(lines)}" for file, lines in by_file.items()], unit="line(s)")
     if report.duplicate_ids:
-        shown = ", ".join(f"{k!r} ({v}x)" for k, v in list(report.duplicate_ids.items())[:10])
-        what = f"duplicate custom_id (each must be unique: it is the record id): {len(report.duplicate_ids)} id(s): {shown}"
-        reader.problems[what] = []
-        reader.counts[what] = sum(report.duplicate_ids.values())
+        reader.file_problem("duplicate custom_id (each must be unique: it is the record id)",
+                            sum(report.duplicate_ids.values()),
+                            [f"custom_id {k!r} ({v}x)" for k, v in report.duplicate_ids.items()])
     message = reader.error(source)
     if message:
         raise InputError(message)

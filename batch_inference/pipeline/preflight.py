@@ -230,13 +230,10 @@ def _count(spec: PipelineSpec, reader: OpenAIBatchReader | None) -> int:
     source = JsonlDir(spec.input, storage_options=so) if probe.fs.isdir(probe.path) else probe
     report = ReshardReport()
 
-    def malformed(entry: dict[str, Any]) -> None:
-        report.malformed += 1
-
     seen: set[str] = set()
     dups: dict[str, int] = {}
     n = 0
-    for line, rec in source.iter_numbered_sync(on_error="quarantine", quarantine=malformed):
+    for line, rec in source.iter_numbered_sync(on_error="quarantine", quarantine=report.count_malformed):
         n += 1
         if reader is not None:  # the sharding pass's checks, on the typed line (no record built)
             reader.line(rec, line)

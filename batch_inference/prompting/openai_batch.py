@@ -167,10 +167,19 @@ class OpenAIBatchReader:
     counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     endpoints: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
+    units: dict[str, str] = field(default_factory=dict)  # what a problem's count counts, when not requests
+
     def _problem(self, what: str, custom_id: Any) -> None:
         self.counts[what] += 1
         if len(self.problems[what]) < EXAMPLES:
-            self.problems[what].append(repr(custom_id))
+            self.problems[what].append(f"custom_id {custom_id!r}")
+
+    def file_problem(self, what: str, count: int, examples: list[str], *, unit: str = "request(s)") -> None:
+        """A problem the pass found over the whole file rather than in one line it read (lines
+        that are no JSON object, duplicate ids): ``count`` of them, named by ``examples``."""
+        self.counts[what] += count
+        self.problems[what].extend(examples[: EXAMPLES - len(self.problems[what])])
+        self.units[what] = unit
 
     def line(self, raw: dict[str, Any], pos: int) -> ChatLine | CompletionsLine | None:
         """The typed line (``pos``: its 0-based line number), its problems collected; None when
@@ -211,13 +220,13 @@ class OpenAIBatchReader:
         return line.record() if line is not None else {"id": record_id(raw, pos)}
 
     def error(self, source: str) -> str | None:
-        """One message naming every problem (count and example custom_ids), or None."""
+        """One message naming every problem (its count and the first lines that have it), or None."""
         if not self.problems:
             return None
         lines = [f"{source}: OpenAI Batch input cannot run as it is ({sum(self.counts.values())} problem(s)):"]
-        for what, ids in self.problems.items():
-            n = self.counts[what]
-            lines.append(f"  {what}: {n} request(s), e.g. custom_id {', '.join(ids)}")
+        for what, examples in self.problems.items():
+            shown = f", e.g. {', '.join(examples)}" if examples else ""
+            lines.append(f"  {what}: {self.counts[what]} {self.units.get(what, 'request(s)')}{shown}")
         return "\n".join(lines)
 
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from batch_inference.storage.directory import DEFAULT_MAX_BYTES, Compression, JsonlDir
 from batch_inference.storage.file import JsonlFile, OnError, QuarantineSink
 
+MALFORMED_EXAMPLES = 5  # malformed lines a report names by file and line
 BLOOM_BYTES = 64 * 1024 * 1024  # 512 Mi bits: ~0.1% false suspects at 100M ids (k=4)
 
 
@@ -49,6 +51,13 @@ class ReshardReport:
     ids_assigned: int = 0
     duplicate_ids: dict[str, int] = field(default_factory=dict)  # id -> occurrences (>1)
     malformed: int = 0  # lines handed to the quarantine sink (on_error="quarantine")
+    malformed_lines: list[dict[str, Any]] = field(default_factory=list)  # {file, line} of the first few
+
+    def count_malformed(self, entry: Mapping[str, Any]) -> None:
+        """One more malformed line (a quarantine entry); the first few are kept by file and line."""
+        self.malformed += 1
+        if len(self.malformed_lines) < MALFORMED_EXAMPLES:
+            self.malformed_lines.append({"file": entry["file"], "line": entry["line"]})
 
 
 def assigned_id(pos: int) -> str:
@@ -97,7 +106,7 @@ def reshard(
     suspects: set[str] = set()
 
     def counted(entry: dict) -> None:
-        report.malformed += 1
+        report.count_malformed(entry)
         quarantine(entry)  # type: ignore[misc]
 
     with out.writer_sync(

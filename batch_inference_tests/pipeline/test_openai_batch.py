@@ -146,6 +146,21 @@ async def test_a_request_without_custom_id_is_named_by_its_line_after_a_blank_an
     assert [r["id"] for r in rows] == ["a", "b", "line-5"]
 
 
+async def test_a_refusal_names_the_file_and_lines_of_its_malformed_lines_and_duplicates(tmp_path: Path) -> None:
+    """Problems of the file rather than of one request line (lines that are no JSON object,
+    a duplicated custom_id) are named too: by file and line, by id; no empty 'e.g.'."""
+    spec = openai_spec(tmp_path, [], input_format="openai_batch")
+    Path(spec.input).write_bytes(b"\n".join([orjson.dumps(chat_line("a", "x")), b'{"custom_id": ',
+                                              orjson.dumps(chat_line("a", "y")), b"[1]"]) + b"\n")
+    with pytest.raises(InputError) as sharded:
+        await PipelineRun(spec).shard()
+    with pytest.raises(InputError) as checked:
+        preflight(spec, full=True)
+    for text in (str(sharded.value), str(checked.value)):
+        assert f"lines that are not JSON objects (quarantined at sharding): 2 line(s), e.g. {spec.input} line 2, 4\n" in text, text
+        assert text.endswith("duplicate custom_id (each must be unique: it is the record id): 2 request(s), e.g. custom_id 'a' (2x)"), text
+
+
 async def test_preflight_and_sharding_read_lines_alike(tmp_path: Path) -> None:
     """One typed line model and one id rule: the full preflight refuses a file with exactly the
     sharding pass's problems (structure, body fields, duplicates)."""
