@@ -94,7 +94,7 @@ class EngineHost:
     async def _start(self) -> None:
         t0 = time.perf_counter()
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self.engine = await self._on_engine_thread(build_engine, self.engine_config)
+        self.engine = await self._build()
         self.loads += 1
         if is_streaming(self.engine):
             await self.engine.start()
@@ -112,6 +112,32 @@ class EngineHost:
             max_queue_size=o.max_queue_size,
         )
         await self.batcher.start()
+
+    async def _build(self) -> Engine | StreamingEngine:
+        """The engine, built on its thread. A build cannot be interrupted (its thread runs it to
+        the end, and the process waits for that thread at exit), so a start cancelled meanwhile
+        waits for it and keeps what it made in ``engine``, for ``start`` to close, before the
+        cancellation goes on: vLLM's engine core process is up once the build returns."""
+        build = asyncio.ensure_future(self._on_engine_thread(build_engine, self.engine_config))
+        cancelled: asyncio.CancelledError | None = None
+        while True:
+            try:
+                await asyncio.shield(build)
+            except asyncio.CancelledError as exc:
+                if build.cancelled():  # the build itself (its loop is closing), not the caller
+                    raise
+                cancelled = exc
+                if not build.done():
+                    continue
+            except Exception:
+                if cancelled is None:
+                    raise
+            break
+        if cancelled is None:
+            return build.result()
+        if build.exception() is None:
+            self.engine = build.result()
+        raise cancelled
 
     @property
     def streaming(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -103,4 +104,30 @@ async def test_a_batcher_that_fails_to_start_closes_the_engine(monkeypatch: pyte
     with pytest.raises(RuntimeError, match="batcher could not start"):
         await host.start()
     assert closed == [True] and host.engine is None and host.batcher is None
+    assert engine_threads(before) == []
+
+
+async def test_a_start_cancelled_while_the_engine_builds_closes_the_engine_it_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build cannot be interrupted (vLLM's engine core process is up once it returns): a
+    start cancelled meanwhile (the worker shutting down) closes the engine the build made."""
+    engine = StartFails()
+    building, release = threading.Event(), threading.Event()
+
+    def build(cfg: object) -> StartFails:
+        building.set()
+        assert release.wait(10), "the test never released the build"
+        return engine
+
+    monkeypatch.setattr(engine_host_module, "build_engine", build)
+    before = set(threading.enumerate())
+    host = EngineHost(SIM)
+    start = asyncio.create_task(host.start())
+    assert await asyncio.to_thread(building.wait, 10)
+    start.cancel()
+    await asyncio.sleep(0)  # the cancellation reaches start() while the build still runs
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await start
+    assert engine.closed == 1
+    assert host.engine is None and host.gate is None
     assert engine_threads(before) == []
