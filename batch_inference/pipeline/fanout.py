@@ -195,9 +195,8 @@ class FanOut:
 
     def _discard_outputs(self, spec: TaskSpec) -> None:
         """A quarantined task's records are all ``failed``: no partial output may count too."""
-        for key, url in spec.outputs.items():
-            if key != "checkpoint":
-                self._remove(url)
+        for url in spec.output_files():
+            self._remove(url)
 
 
 def ideal_prefill(recs: list[dict[str, Any]]) -> int | None:

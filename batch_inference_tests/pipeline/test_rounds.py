@@ -10,8 +10,8 @@ import pytest
 
 from batch_inference.pipeline import ConservationError, PipelineRun, run_pipeline
 from batch_inference.pipeline.runner import open_runner
-from batch_inference.pool.protocol import TaskResult, TaskSpec
-from batch_inference.storage import JsonlDir
+from batch_inference.pool.protocol import TaskFailed, TaskResult, TaskSpec
+from batch_inference.storage import JsonlDir, JsonlFile
 from batch_inference_tests.pipeline.helpers import CountingRunner, FailingShardRunner
 
 
@@ -114,6 +114,27 @@ async def test_a_permanently_failing_shard_is_quarantined_and_the_round_complete
     assert [s.state for s in sources] == ["input", "approved", "exhausted", "unfinished", "failed", "failed"]
     assert sources[-1].urls == (entry["shard"],) and not sources[-1].is_dir
     assert len(sources[-2].urls) == summary.rounds
+
+
+async def test_a_quarantined_task_that_had_committed_its_outputs_leaves_none_behind(make_spec) -> None:
+    """A task that failed after committing output (its last retry's report lost): the shard's
+    records count as failed, so none of its output shards may count too."""
+    spec = make_spec(approval=0.5, max_rounds=2)
+    left: dict[str, bool] = {}
+
+    class CommittedThenFailed(CountingRunner):
+        async def run_task(self, task: TaskSpec) -> TaskResult:
+            result = await super().run_task(task)
+            if task.kind == "infer" and task.input_url.endswith("sharded/part-00002.jsonl.zst"):
+                left.update({url: JsonlFile(url).exists_sync() for url in task.output_files()})
+                raise TaskFailed(task, ["OSError: device lost"])
+            return result
+
+    async with open_runner(spec) as pool:
+        summary = await run_pipeline(spec, runner=CommittedThenFailed(pool))
+    assert left and all(left.values())  # committed before it failed
+    assert not any(JsonlFile(url).exists_sync() for url in left)
+    assert summary.status == "quarantined" and summary.failed == 100 and summary.conservation["ok"]
 
 
 async def test_resumed_run_does_not_redo_finished_shards(make_spec) -> None:
