@@ -5,9 +5,13 @@ order requests arrive in decides how often a prefix is computed again. ``layout_
 signs every record (``prompting.prefix``: its rendered request's block-hash chain), sorts
 the records by signature through the storage layer (``storage.sort.ExternalSort``: sorted
 runs spilled under the run, then merged; memory is one run, never the dataset) and
-rewrites the directory in that order, cut into shards of ``shard_records`` as sharding
-cuts them. Sorting by the chain is a depth-first walk of the prefix tree: every family of
-records sharing a prefix is contiguous, and within it the sub-families sharing a longer one.
+rewrites the directory in that order, cut into shards of about ``shard_records``: each
+ends at the boundary between two families nearest its size, within ``SHARD_SLACK`` of it
+(``shard_cuts``), so that a family smaller than a shard sits in one shard, and so on one
+worker (``pipeline.affinity`` names a shard by its first record's family: a family cut in
+two could go to two workers and be computed on each). Sorting by the chain is a
+depth-first walk of the prefix tree: every family of records sharing a prefix is
+contiguous, and within it the sub-families sharing a longer one.
 
 The records are only moved: ids, attempts and every field stay as they are, so
 conservation holds by construction (and is checked: as many records out as in). It runs
@@ -26,7 +30,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +45,8 @@ from batch_inference.storage.urls import join
 log = logging.getLogger(__name__)
 
 SIGN_BATCH = 1024  # records per tokenizer call
+WRITE_LINES = 1024  # lines the rewrite hands the writer at once
+SHARD_SLACK = 0.25  # a laid-out shard ends up to this share of shard_records early or late, between families
 
 
 class PlacementError(RuntimeError):
@@ -123,6 +129,7 @@ def layout_by_prefix(
     by_text = isinstance(signer.tokenizer, CharTokens)
     gate_signer = signer if by_text else PrefixSigner(CharTokens(), block_size=signer.block_size, max_blocks=signer.max_blocks)
     sign_s = 0.0
+    cuts_shared = 0
     with ExternalSort(join(spill_url, "gate"), storage_options=storage_options, run_bytes=run_bytes) as gate_sort:
         gate = _sign_pass(d, gate_signer, builder, gate_sort, keep_lines=by_text)
         sign_s += gate.sign_s
@@ -134,9 +141,9 @@ def layout_by_prefix(
             with ExternalSort(join(spill_url, "tokens"), storage_options=storage_options, run_bytes=run_bytes) as token_sort:
                 final = _sign_pass(d, signer, builder, token_sort, keep_lines=True)
                 sign_s += final.sign_s
-                _rewrite(d, final, records_per_shard, man.compression)
+                cuts_shared = _rewrite(d, final, records_per_shard, man.compression)
         elif applied:
-            _rewrite(d, final, records_per_shard, man.compression)
+            cuts_shared = _rewrite(d, final, records_per_shard, man.compression)
         runs, levels = final.sort.spilled_runs, final.sort.merge_levels
     if applied:
         reason = f"prefix order shares {final.gain:.1%} of the blocks more than input order (>= min_gain {min_gain:.1%})"
@@ -149,15 +156,75 @@ def layout_by_prefix(
         block_size=signer.block_size, max_blocks=signer.max_blocks, records=final.records, blocks=final.blocks,
         shared_input=final.shared_input, shared_sorted=final.shared_sorted, gain=round(final.gain, 4),
         sign_s=round(sign_s, 3), sort_s=round(time.perf_counter() - t0 - sign_s, 3), runs=runs, merge_levels=levels,
-        text_gain=round(gate.gain, 4),
+        text_gain=round(gate.gain, 4), cuts_shared=cuts_shared,
     )
     log.info("layout %s: %s (%d records, %d blocks, signing %.1f s, sorting %.1f s)",
              d.url, reason, summary.records, summary.blocks, summary.sign_s, summary.sort_s)
     return summary
 
 
-def _rewrite(d: JsonlDir, p: _Pass, records_per_shard: int, compression: Any) -> None:
-    with d.writer_sync(max_records_per_shard=records_per_shard, compression=compression) as w:
-        w.write_lines(line for _, line in p.sort.iter_sorted())
+def shard_cuts(keys: Iterable[bytes], per: int, slack: int) -> Iterator[tuple[int, int]]:
+    """Where the sorted records' shards end: (records, blocks shared across the cut) per shard.
+
+    A shard holds ``per`` records give or take ``slack``, and ends at the boundary in that
+    window where the records either side share the fewest leading blocks (ties: the one
+    nearest ``per``): between two families when the window holds one (0 shared blocks),
+    so that a family smaller than a shard sits in one shard, whose task and whose worker
+    compute its prefix once; a family larger than a shard is cut at ``per``. Streams: it
+    holds one window of depths, never the records. The last shard reports 0.
+    """
+    slack = max(0, min(slack, per // 4))
+    lo, hi = per - slack, per + slack
+    size = 0  # records of the current shard seen so far
+    window: list[int] = []  # blocks shared across the boundary before the shard's record lo + j
+    prev: bytes | None = None
+    for key in keys:
+        if prev is not None and size >= lo:
+            window.append(shared_blocks(prev, key))
+            if size >= hi or (window[-1] == 0 and size >= per):  # no later boundary can be better
+                best = min(range(len(window)), key=lambda j: (window[j], abs(lo + j - per)))
+                yield lo + best, window[best]
+                size -= lo + best
+                window = []
+        size += 1
+        prev = key
+    if size:
+        yield size, 0
+
+
+def _rewrite(d: JsonlDir, p: _Pass, records_per_shard: int, compression: Any) -> int:
+    """Write the sorted records, cut where ``shard_cuts`` says; returns the cuts whose records
+    either side share a leading block (a family larger than the window, or a preamble every
+    record has).
+
+    Memory: lines wait only while a cut could still fall before them (the window); the
+    ones certain to sit before the shard's earliest cut are written as they come.
+    """
+    slack = min(int(records_per_shard * SHARD_SLACK), records_per_shard // 4)
+    lo = records_per_shard - slack  # no shard ends before this many records
+    pending: list[bytes] = []  # read, not yet written: the current shard's last lines and the next one's first
+    written = 0  # of the current shard
+
+    inside = 0
+    with d.writer_sync(max_records_per_shard=records_per_shard + slack, compression=compression) as w:
+
+        def keys() -> Iterator[bytes]:
+            nonlocal written
+            for key, line in p.sort.iter_sorted():
+                pending.append(line)
+                if len(pending) >= WRITE_LINES and written + len(pending) <= lo:
+                    w.write_lines(pending)
+                    written += len(pending)
+                    pending.clear()
+                yield key
+
+        for size, shared in shard_cuts(keys(), records_per_shard, slack):
+            rest = size - written
+            w.write_lines(pending[:rest])
+            del pending[:rest]
+            w.cut()
+            written = 0
+            inside += shared > 0
     if w.records != p.records:  # pragma: no cover - the sort hands back what it took
         raise PlacementError(f"{d.url}: rewrote {w.records} of {p.records} records")
+    return inside

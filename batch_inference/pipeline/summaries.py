@@ -103,6 +103,9 @@ class LayoutSummary(_Summary):
     runs: int  # spilled sorted runs (0: the records sorted in memory)
     merge_levels: int
     text_gain: float = 0.0  # the first pass's gain, signing by text: below min_gain nothing is tokenised
+    # shard boundaries whose records either side share a leading block (placement.shard_cuts:
+    # a family larger than its window, or a preamble every record has)
+    cuts_shared: int = 0
 
 
 @dataclass(frozen=True)

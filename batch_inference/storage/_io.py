@@ -427,6 +427,11 @@ class RotatingWriter:
         self._shard_records = self._shard_bytes = self._stored = 0
         self.index += 1
 
+    def cut(self) -> None:
+        """End the current shard here (when it holds any record): the next line starts a new one."""
+        if self._shard_records:
+            self._commit_shard()
+
     def close(self) -> None:
         """Commit the last shard (an empty single-file writer still creates its file)."""
         self._commit_shard()

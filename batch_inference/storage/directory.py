@@ -278,12 +278,17 @@ class SyncJsonlDirWriter(_DirWriterBase):
         self.write = self._w.write  # bound directly: no extra call per record
         self.write_many = self._w.write_many
         self.write_lines = self._w.write_lines
+        self.cut = self._w.cut
         return self
 
     def write(self, rec: dict) -> None:
         raise RuntimeError("use the writer inside its `with` block")
 
     def write_lines(self, lines: Iterable[bytes]) -> None:
+        raise RuntimeError("use the writer inside its `with` block")
+
+    def cut(self) -> None:
+        """End the current shard here; the next record starts a new one (the size limits still apply)."""
         raise RuntimeError("use the writer inside its `with` block")
 
     def write_many(self, recs: Iterable[dict]) -> None:

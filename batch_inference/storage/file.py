@@ -287,6 +287,11 @@ class SyncJsonlWriter(_WriterBase):
         self._sent_bytes += nbytes
         self._core.write_lines(buf, nbytes)
 
+    def cut(self) -> None:
+        """A directory writer's current shard ends here (where a pass chooses its boundaries)."""
+        self._drain()
+        self._core.cut()
+
     def commit(self) -> None:
         self._drain()
         self._core.close()

@@ -8,6 +8,7 @@ when order cannot pay; a driver killed mid shard pass resumes without loss.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import random
 import subprocess
@@ -295,3 +296,46 @@ async def test_the_models_tokens_are_computed_only_when_order_pays(tmp_path: Pat
         rows = list(JsonlDir(RunLayout(spec.output, spec.run).sharded).iter_records_sync())
         sigs = [s.blocks for s in signer.sign([placement_mod.record_prompt(builder, r) for r in rows])]
         assert sigs == sorted(sigs)  # in the order of the model's own block hashes
+
+
+def _chain(*blocks: bytes) -> bytes:
+    from batch_inference.engines.blocks import chain_hashes
+
+    return chain_hashes(b"".join(blocks), 4)
+
+
+def test_shards_end_between_families_within_the_slack() -> None:
+    """Families of 7 records (sharing 3 blocks) under a preamble block every record has,
+    cut for shards of 20: each shard ends at a family boundary, 15 to 25 records."""
+    keys = [_chain(b"PREA", f"F{f:03d}".encode()[:4], b"more", f"q{q:03d}".encode()[:4]) for f in range(30) for q in range(7)]
+    cuts = list(placement_mod.shard_cuts(iter(keys), 20, 5))
+    sizes = [n for n, _ in cuts]
+    assert sum(sizes) == len(keys) and all(15 <= n <= 25 for n in sizes[:-1]), sizes
+    ends = list(itertools.accumulate(sizes))[:-1]
+    assert all(e % 7 == 0 for e in ends), ends  # never inside a family
+    assert all(shared == 1 for _, shared in cuts[:-1])  # the preamble alone crosses each cut
+    # one family larger than any window: cut where the shard is due, every cut inside it
+    big = [_chain(b"same", b"fam!", f"{i:04d}".encode()) for i in range(100)]
+    assert list(placement_mod.shard_cuts(iter(big), 20, 5)) == [(20, 2)] * 4 + [(20, 0)]
+    # nothing shared: shards of exactly 20, as sharding cuts them
+    lone = [_chain(f"{i:04d}".encode(), b"tail") for i in range(50)]
+    assert [n for n, _ in placement_mod.shard_cuts(iter(lone), 20, 5)] == [20, 20, 10]
+    assert [n for n, _ in placement_mod.shard_cuts(iter(lone[:3]), 1, 0)] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("write_lines", [3, 1024])  # lines written before the window comes, or all held until the cut
+async def test_a_family_smaller_than_a_shard_is_never_cut(tmp_path: Path, write_lines: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(placement_mod, "WRITE_LINES", write_lines)
+    recs = workload(random.Random(5), docs=30, questions=8, singles=0, preamble=True)
+    src = write(tmp_path / "in.jsonl", recs)
+    spec = spec_for(tmp_path, src, run="on", prefix=True, shard_records=60)
+    shard = await PipelineRun(spec).shard()
+    assert shard.layout is not None and shard.layout.applied
+    sharded = JsonlDir(RunLayout(spec.output, spec.run).sharded)
+    docs = [{r["doc"] for r in f.iter_records_sync()} for f in sharded.shards()]
+    assert all(a.isdisjoint(b) for i, a in enumerate(docs) for b in docs[i + 1:])  # each document in one shard
+    sizes = [len(list(f.iter_records_sync())) for f in sharded.shards()]
+    assert sum(sizes) == len(recs) and all(45 <= n <= 75 for n in sizes), sizes
+    assert shard.layout.cuts_shared == len(sizes) - 1  # the preamble crosses every cut, no document does
+    sigs = signatures(spec, sharded.url)
+    assert sigs == sorted(sigs) and sorted(sharded_ids(spec)) == sorted(f"{i:012d}" for i in range(len(recs)))

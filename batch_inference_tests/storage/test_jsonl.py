@@ -456,3 +456,15 @@ async def test_a_reader_cancelled_mid_read_raises_cancelled_not_a_generator_erro
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+def test_a_directory_writer_cuts_a_shard_where_told_and_still_rotates_at_its_limit(tmp_path: Path) -> None:
+    d = JsonlDir(str(tmp_path / "d"))
+    with d.writer_sync(max_records_per_shard=5) as w:
+        w.write_many({"i": i} for i in range(3))
+        w.cut()
+        w.cut()  # nothing written since: no empty shard
+        w.write_many({"i": i} for i in range(3, 10))
+        w.cut()
+    assert [s["records"] for s in d.manifest().shards] == [3, 5, 2]
+    assert [r["i"] for r in d.iter_records_sync()] == list(range(10))
