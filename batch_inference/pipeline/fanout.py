@@ -22,7 +22,7 @@ from batch_inference.engines.blocks import DistinctBlocks
 from batch_inference.pipeline.ledger import Ledger
 from batch_inference.pipeline.summaries import PhaseSummary, QuarantineEntry
 from batch_inference.pool import dispatch_bounded
-from batch_inference.pool.protocol import TaskFailed, TaskResult, TaskRunner, TaskSpec
+from batch_inference.pool.protocol import JUDGE_POOL_OUTPUT, TaskFailed, TaskResult, TaskRunner, TaskSpec
 from batch_inference.storage import JsonlFile
 from batch_inference.storage.urls import fs_for
 
@@ -194,9 +194,14 @@ class FanOut:
             f.fs.rm(f.path)
 
     def _discard_outputs(self, spec: TaskSpec) -> None:
-        """A quarantined task's records are all ``failed``: no partial output may count too."""
+        """A quarantined task's records are all ``failed``: no partial output may count too
+        (a tail task's judge waves' scratch folder goes too, whole: it is no shard)."""
         for url in spec.output_files():
             self._remove(url)
+        if (waves := spec.outputs.get(JUDGE_POOL_OUTPUT)) is not None:
+            fs, path = fs_for(waves, self.storage_options)
+            if fs.exists(path):
+                fs.rm(path, recursive=True)
 
 
 def ideal_prefill(recs: list[dict[str, Any]]) -> int | None:

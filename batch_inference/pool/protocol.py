@@ -89,8 +89,9 @@ class TaskSpec(_Wire):
         return [self.input_url, *self.outputs.values()]
 
     def output_files(self) -> list[str]:
-        """The output shards a finished task has committed (not the retry task's checkpoint store)."""
-        return [url for key, url in self.outputs.items() if key != "checkpoint"]
+        """The output shards a finished task has committed (not the retry task's checkpoint store,
+        nor the scratch folder of its judge waves)."""
+        return [url for key, url in self.outputs.items() if key not in ("checkpoint", JUDGE_POOL_OUTPUT)]
 
 
 class TaskResult(_Wire):

@@ -83,6 +83,34 @@ async def test_rounds_and_the_tail_judge_on_the_judge_pool_each_engine_loaded_on
     assert stats["judge"]["tasks_completed"] >= judge_tasks + tail["shards_run"]  # the rounds' + the tail's waves
 
 
+async def test_a_tail_task_the_judge_pool_fails_is_quarantined_with_its_judge_waves_folder(tmp_path: Path) -> None:
+    """A retry task whose waves the judge pool fails after it judged some is quarantined like
+    any shard: its outputs are discarded, the judge waves' scratch folder (a folder, not a
+    shard) with them, and the run goes on."""
+    from batch_inference.pool import TaskFailed
+
+    spec = PipelineSpec.parse(two_model_spec(tmp_path, 0.5, strategy="in_place", max_attempts=4, shard_records=50,
+                                             chunk_size=10, pool={"launcher": "inprocess", "retries": 0}))
+    async with open_runner(spec) as runner:
+        assert isinstance(runner, PoolPair)
+        real, calls = runner.judge.run_task, {"n": 0}
+
+        async def fails_later(task: Any) -> Any:
+            if "/retry/00001/" in task.task_id:
+                calls["n"] += 1
+                if calls["n"] > 2:  # shard 1's first waves are judged; then the pool fails it
+                    raise TaskFailed(task, ["judge pool gone"])
+            return await real(task)
+
+        runner.judge.run_task = fails_later  # type: ignore[method-assign]
+        summary = await run_pipeline(spec, runner=runner)
+    assert calls["n"] > 2 and summary.status == "quarantined" and summary.quarantined == 50
+    (entry,) = ledger(spec, "tail")["quarantined"]
+    assert "judge pool gone" in entry["error"] and entry["task_id"].endswith("/retry/00001")
+    waves = Path(spec.output) / spec.run / "tail" / "judge-waves"
+    assert not (waves / "part-00001").exists()
+
+
 # -- through the CLI, on local worker pools ----------------------------------------
 
 
