@@ -10,6 +10,7 @@ writer: a retried task rewrites its whole output, and a killed one leaves none.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from dataclasses import dataclass
@@ -213,12 +214,25 @@ class _Sample:
         self.row = {**self.base, "result": None, "status": Status.ERROR, "error": text, "attempts": self.prior + self.attempt + 1}
 
 
+# A retry task whose judge has its own pool keeps this many chunks in flight (run_retry):
+# the next chunk generates here while the one before it is judged on the judge pool, so
+# the two pools work at once instead of taking turns, and every wave keeps its chunk's
+# size (splitting a chunk instead halves the waves, whose per-batch cost then ate the
+# gain: bench/reports/judge_model.md). Bounded: at most this many chunks' samples live.
+TAIL_CHUNKS_IN_FLIGHT = 2
+
+
 async def run_retry(ctx: TaskContext) -> dict[str, int]:
     """In-place retry: each record is re-inferred and re-judged until approved or max_attempts.
 
     A chunk advances in waves: every sample that needs inference is submitted in one
     ``generate`` call (one tokenizer pass, one ``submit_many``), then every sample with
-    a result is judged in one call, so the per-sample cost equals a round's. A record's
+    a result is judged in one call, so the per-sample cost equals a round's. When the
+    judge has a pool of its own, ``TAIL_CHUNKS_IN_FLIGHT`` chunks advance at once, each
+    starting once the one before it goes to judging: while one chunk is judged on the
+    judge pool the next generates on this engine, so the two pools work at once instead
+    of taking turns (one judge wave of the task in the judge pool at a time). Chunks are
+    written, and their checkpoints flushed, in input order, once per chunk. A record's
     state is checkpointed per attempt, so a task retried after an eviction resumes every
     record at the attempt it was on: a result already inferred but not yet judged is
     judged (not re-inferred), one already rejected is re-inferred (never re-judged), and
@@ -293,35 +307,72 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
                 s.attempt += 1
                 ckpt.add({"id": s.rid, "attempt": s.attempt, "last_result": None})
 
-    async def process(chunk: list[dict[str, Any]], ckpt: CheckpointBuffer) -> list[dict[str, Any]]:
-        samples = [start(r) for r in chunk]
-        while True:
-            for s in samples:
-                if s.row is None and s.attempt >= spec.max_attempts:
-                    s.result = None
-                    s.final(ckpt, {"result": None, "status": Status.MAX_ATTEMPTS, "error": None,
-                                   "attempts": s.prior + spec.max_attempts,
-                                   "verdict": s.verdict.to_dict() if s.verdict else None,
-                                   **({"last_error": s.last_error} if s.last_error else {})})
-            live = [s for s in samples if s.row is None]
-            if not live:
-                return [s.row for s in samples]  # type: ignore[misc]
-            to_infer = [s for s in live if s.result is None]
-            if to_infer:
-                await infer_wave(to_infer, ckpt)
-            to_judge = [s for s in live if s.row is None and s.result is not None]
-            if to_judge:
-                await judge_wave(to_judge, ckpt)
+    # One judge wave of this task at a time, whichever chunk it is: the judge pool holds at
+    # most one task per retry task in flight, as when the waves took turns (its slots are
+    # sized for that); a chunk that finishes generating first waits here, not in a refusal.
+    judge_lane = asyncio.Lock()
 
+    async def process(chunk: list[dict[str, Any]], ckpt: CheckpointBuffer, judging_starts: asyncio.Event) -> list[dict[str, Any]]:
+        """Waves over the chunk until each sample is finished; ``judging_starts`` is set at the
+        first judge wave (or at the end, whatever ends the loop): the next chunk's cue."""
+        samples = [start(r) for r in chunk]
+        try:
+            while True:
+                for s in samples:
+                    if s.row is None and s.attempt >= spec.max_attempts:
+                        s.result = None
+                        s.final(ckpt, {"result": None, "status": Status.MAX_ATTEMPTS, "error": None,
+                                       "attempts": s.prior + spec.max_attempts,
+                                       "verdict": s.verdict.to_dict() if s.verdict else None,
+                                       **({"last_error": s.last_error} if s.last_error else {})})
+                live = [s for s in samples if s.row is None]
+                if not live:
+                    return [s.row for s in samples]  # type: ignore[misc]
+                to_infer = [s for s in live if s.result is None]
+                if to_infer:
+                    await infer_wave(to_infer, ckpt)
+                to_judge = [s for s in live if s.row is None and s.result is not None]
+                if to_judge:
+                    judging_starts.set()
+                    async with judge_lane:
+                        await judge_wave(to_judge, ckpt)
+        finally:
+            judging_starts.set()
+
+    async def chunk_done(ckpt: CheckpointBuffer, run: asyncio.Task[list[dict[str, Any]]], out: Any) -> None:
+        rows = await run
+        await ckpt.flush()
+        for row in rows:
+            counts[row["status"]] += 1
+        await out.write_many(rows)
+
+    ahead = TAIL_CHUNKS_IN_FLIGHT if isinstance(judging, PoolJudging) else 1
     ckpt = CheckpointBuffer(store, ctx.checkpoint_interval_s)
+    inflight: collections.deque[tuple[asyncio.Task[list[dict[str, Any]]], asyncio.Event]] = collections.deque()
     try:
         async with ctx.file(spec.outputs["output"]).writer() as out, ckpt:
-            async for chunk in ctx.chunks():
-                rows = await process(chunk, ckpt)
-                await ckpt.flush()
-                for row in rows:
-                    counts[row["status"]] += 1
-                await out.write_many(rows)
+            try:
+                async for chunk in ctx.chunks():
+                    if inflight:  # this engine is free once the chunk before is judging
+                        await inflight[-1][1].wait()
+                    # the oldest out first (input order), as soon as done: a failure surfaces
+                    # before another chunk starts
+                    while inflight and (len(inflight) >= ahead or inflight[0][0].done()):
+                        await chunk_done(ckpt, inflight.popleft()[0], out)
+                    cue = asyncio.Event()
+                    inflight.append((asyncio.create_task(process(chunk, ckpt, cue)), cue))
+                while inflight:
+                    await chunk_done(ckpt, inflight.popleft()[0], out)
+            except BaseException as exc:
+                # Abandoned: the chunks in flight are cancelled. Failed: they run to their own
+                # end (a failed judge pool fails them at their next judge wave), so what each
+                # reached is checkpointed for the retried task; the first failure stands.
+                runs = [run for run, _ in inflight]
+                if isinstance(exc, asyncio.CancelledError):
+                    for run in runs:
+                        run.cancel()
+                await asyncio.gather(*runs, return_exceptions=True)
+                raise
     finally:
         if note := ckpt.failure_note():
             ctx.warnings.append(note)

@@ -90,3 +90,58 @@ async def test_a_failing_judge_pool_fails_the_task_not_its_records(tmp_path: Pat
         result = await infer.run_task(retry_spec(tmp_path, judge_pool=True, task_id="run/r00/retry/0-again"))
         assert infer.host.engine.calls == calls  # judged from the checkpoint, not inferred again
     assert result.counts["approved"] == 6
+
+
+async def test_the_tail_generates_on_the_infer_pool_while_the_judge_pool_judges(tmp_path: Path, inprocess_pool) -> None:
+    """The two pools work at once: the judge pool is sent a chunk's wave while the task's
+    next chunk is in the infer engine. The first judge request is held until the infer
+    engine has one outstanding (bounded): were the task to take turns (judge a chunk, then
+    generate), none could arrive, and the hold would run out."""
+    import asyncio
+
+    ids = write_shard(tmp_path / "in.jsonl.zst", 48)
+    half = sim(0.5, seed=1)  # the judge rejects some: the groups go round more than once
+    async with inprocess_pool(half, concurrency=2) as judge, inprocess_pool(NEVER, concurrency=2, judge_runner=judge) as infer:
+        outstanding = 0
+        arrived = asyncio.Event()
+        submit = infer.host.submit
+
+        async def counting_submit(requests: list[Any], **kw: Any) -> list[asyncio.Future[Any]]:
+            nonlocal outstanding
+            futures = await submit(requests, **kw)
+            outstanding += len(futures)
+            arrived.set()
+
+            def done(_: asyncio.Future[Any]) -> None:
+                nonlocal outstanding
+                outstanding -= 1
+
+            for f in futures:
+                f.add_done_callback(done)
+            return futures
+
+        infer.host.submit = counting_submit  # type: ignore[method-assign]
+        run_judge = judge.run_task
+        seen: list[tuple[int, int]] = []  # (rows in the wave, infer requests outstanding while it was held)
+
+        async def held_judge(spec: TaskSpec) -> Any:
+            if not seen and outstanding == 0:
+                arrived.clear()
+                try:
+                    await asyncio.wait_for(arrived.wait(), timeout=10.0)
+                except TimeoutError:
+                    pass
+            rows = len(read_rows(Path(spec.input_url)))
+            seen.append((rows, outstanding))
+            return await run_judge(spec)
+
+        judge.run_task = held_judge  # type: ignore[method-assign]
+        result = await infer.run_task(retry_spec(tmp_path, judge_pool=True, chunk_size=16))
+    rows = read_rows(tmp_path / "out.jsonl.zst")
+    # exactly once each, as without the overlap
+    assert [r["id"] for r in rows] == ids and sum(result.counts.values()) == 48  # in input order
+    assert all(r["status"] in ("approved", "max_attempts") and 1 <= r["attempts"] <= 3 for r in rows)
+    assert seen[0][0] == 16  # the first chunk's wave, whole
+    assert seen[0][1] > 0, seen  # ... went to the judge while the second chunk was generating
+    assert sum(n for n, _ in seen) == sum(r["attempts"] for r in rows if r["status"] == "approved") + sum(
+        3 for r in rows if r["status"] == "max_attempts")  # every attempt judged once, never twice
