@@ -206,8 +206,8 @@ def judge_placement(spec: PipelineSpec, w: Workload, rates: EngineRates, profile
                else Cluster(replicas=replicas, concurrency=pool.concurrency))
     notes.append(f"judge: its own model {engine_label(engine)} on pool {pool.name} ({cluster.replicas} replica(s) x "
                  f"{cluster.concurrency} slots): {judge_rates.judge_s * 1000:.3f} ms per judged record ({how}); each phase "
-                 "runs on its own pool and the tail's generation and judging take turns (each pool idles while the other "
-                 "works); each pool is held for the whole run "
+                 "runs on its own pool and a tail task's generation and judging run at once (each chunk in groups a stage "
+                 "apart); each pool is held for the whole run "
                  "and priced apart" + (" (--gpus sizes both pools)" if gpus else "")
                  + "; the tail's judge waves' storage round trips (a shard per wave) are not priced")
     return cluster, judge_rates

@@ -30,6 +30,7 @@ from batch_inference.planning.clock import run_virtual
 from batch_inference.planning.cluster import Cluster, ClusterSim, Overheads, TaskQuarantined
 from batch_inference.planning.rates import EngineRates, Workload
 from batch_inference.pool.dispatch import dispatch_bounded
+from batch_inference.pool.tasks import TAIL_CHUNKS_IN_FLIGHT
 
 
 @dataclass
@@ -107,9 +108,12 @@ def simulate(
     ``phases="one_round"`` stops after round 0's infer and judge (the capacity math).
     ``judge_cluster`` (a judge with its own model and pool): the judge phases run there
     at ``judge_rates.judge_s``, and a tail task does its generation on the infer pool and
-    its judge waves on the judge pool one after the other: a retry task alternates its
-    waves, and the pool's tasks keep in step, so each pool idles while the other works
-    (bench/reports/judge_model.md measures it).
+    its judge waves on the judge pool at once when its shard has more than one chunk: a
+    retry task keeps ``TAIL_CHUNKS_IN_FLIGHT`` chunks in flight, the next generating while
+    the one before is judged (pool.tasks), so its judging starts once its first chunk's
+    first generation is done and then runs beside its generation; the task ends when both
+    parts have. A one-chunk shard's parts take turns (bench/reports/judge_model.md
+    measures both).
     """
     cluster = cluster or Cluster(replicas=spec.pool.replicas, concurrency=spec.pool.concurrency)
     overheads = overheads or Overheads(retries=spec.pool.retries)
@@ -139,7 +143,7 @@ async def _simulate(spec: PipelineSpec, w: Workload, rates: EngineRates, cluster
     async def phase(r: int, name: Literal["infer", "judge", "tail"], shards: list[int], per_record_s: float,
                     latency_s: float, *, sample_level: bool = False, attempts_per_record: float = 1.0,
                     judge_per_record_s: float = 0.0) -> PhaseResult:
-        """``judge_per_record_s``: a tail's judge waves on the judge's own pool (after its generation)."""
+        """``judge_per_record_s``: a tail's judge waves on the judge's own pool (beside its generation)."""
         nonlocal quarantined
         pool = judge_sim if name == "judge" else sim
         reads = o.progress_read_s * len(shards) if name == "judge" else 0.0  # the infer phase's progress records
@@ -155,9 +159,20 @@ async def _simulate(spec: PipelineSpec, w: Workload, rates: EngineRates, cluster
             work = pool.run_task(n * per_record_s * attempts_per_record, latency_s=latency_s, sample_level=sample_level)
             if not judge_per_record_s:
                 return n, await work
-            infer_wall = await work
-            waves = await judge_sim.run_task(n * judge_per_record_s * attempts_per_record, latency_s=0.0, sample_level=sample_level)
-            return n, infer_wall + waves
+            judge_work = n * judge_per_record_s * attempts_per_record
+            chunk = min(n, spec.chunk_size)
+            if TAIL_CHUNKS_IN_FLIGHT < 2 or chunk >= n:  # one chunk: its waves take turns
+                infer_wall = await work
+                return n, infer_wall + await judge_sim.run_task(judge_work, latency_s=0.0, sample_level=sample_level)
+            # the first chunk's first generation (its engine time, unloaded) before any judging
+            fill = chunk * per_record_s
+
+            async def waves() -> float:
+                await asyncio.sleep(fill)
+                return fill + await judge_sim.run_task(judge_work, latency_s=0.0, sample_level=sample_level)
+
+            infer_wall, judge_wall = await asyncio.gather(work, waves())
+            return n, max(infer_wall, judge_wall)
 
         def ok(res: tuple[int, float]) -> None:
             nonlocal longest, done_records
