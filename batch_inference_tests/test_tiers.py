@@ -56,6 +56,11 @@ def test_swallows_the_refusal():
         pass
 
 
+def test_probes_the_platform():  # as dagster's croniter does at import: `file -b` on python
+    import platform
+    platform.architecture()
+
+
 def test_burns_cpu():
     end = time.process_time() + 0.3
     while time.process_time() < end:
@@ -74,7 +79,8 @@ def suite(pytester: pytest.Pytester) -> pytest.Pytester:
 def test_fast_is_what_is_neither_marked_slower_nor_uses_a_heavy_fixture(suite: pytest.Pytester) -> None:
     result = suite.runpytest("-m", "fast", "--collect-only", "-q")
     collected = {line.split("::")[1] for line in result.outlines if "::" in line}
-    assert collected == {"test_plain", "test_starts_a_child", "test_listens", "test_swallows_the_refusal", "test_burns_cpu"}
+    assert collected == {"test_plain", "test_starts_a_child", "test_listens", "test_swallows_the_refusal", "test_probes_the_platform",
+                         "test_burns_cpu"}
 
 
 def test_a_fast_test_that_goes_out_of_process_fails_even_if_it_catches_the_refusal(suite: pytest.Pytester) -> None:
@@ -82,7 +88,7 @@ def test_a_fast_test_that_goes_out_of_process_fails_even_if_it_catches_the_refus
     reports = result.reprec.getreports("pytest_runtest_logreport")
     failed = {r.nodeid.split("::")[1] for r in reports if r.failed}
     assert failed == {"test_starts_a_child", "test_listens", "test_swallows_the_refusal"}
-    assert len(reports) == 3 * 7  # setup, call, teardown of each: none skipped
+    assert len(reports) == 3 * 8  # setup, call, teardown of each: none skipped
     result.stdout.fnmatch_lines(["*went out of process (subprocess [[]'*python*', '-c', 'pass'[]]): mark it pytest.mark.process*",
                                  "*went out of process (listening socket)*", "*went out of process (subprocess [[]'true'[]])*"])
 
