@@ -4,8 +4,8 @@ Each worker's engine has its own prefix cache: records of one family (a document
 questions, a task type's few-shot block) spread over N workers compute their prefix up to
 N times. The prefix-aware layout puts a family's records in one shard, or in consecutive
 shards; this names each shard's family so ``PoolClient`` can send every shard of it to the
-same worker (``TaskSpec.affinity``: rendezvous order over the live workers, a full worker
-passing its turn on).
+same worker (``TaskSpec.affinity``: the worker ``PoolClient`` gives the family at its first
+task, a full worker passing its turn on).
 
 A shard's family is its first record's prompt, signed by text (4 characters a token, no
 tokenizer) over its first ``AFFINITY_TOKENS`` tokens: in a shard laid out in prefix order

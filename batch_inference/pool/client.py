@@ -2,11 +2,13 @@
 
 It spreads tasks over the workers (least in-flight first), so ``limit`` =
 replicas x concurrency tasks can be in flight. A task with a prefix family
-(``TaskSpec.affinity``) goes to the family's worker: the first live worker with a free
-slot in the family's rendezvous order over the live workers (each worker scored by a
-hash of family and endpoint), so one family's shards meet the cache that holds its
-prefix; a full or dead worker passes its turn to the next, and no worker waits idle for
-a family (bounded by its ``concurrency`` slots). A task whose worker dies, times out or
+(``TaskSpec.affinity``) goes to the family's worker, so one family's shards meet the cache
+that holds its prefix. A family gets its worker with its first task: the least-loaded live
+worker with a free slot, ties broken by the family's rendezvous order (each worker scored by
+a hash of family and endpoint), so new families spread over idle workers instead of
+piling on the one a hash prefers. A full worker passes the task to the next worker with a
+free slot in rendezvous order, and a dead one hands its families to a live worker chosen
+the same way: no worker waits idle for a family (bounded by its ``concurrency`` slots). A task whose worker dies, times out or
 answers 5xx is retried on another worker with exponential backoff, up to ``retries``
 times; "busy"/"shutting down" refusals (429/503) wait and go elsewhere without using a
 retry. A deterministic refusal (400/401/403/409/413/422) or exhausted retries raise
@@ -35,6 +37,7 @@ from batch_inference.pool.protocol import TaskConflict, TaskFailed, TaskResult, 
 log = logging.getLogger(__name__)
 
 RefreshFn = Callable[[], Awaitable[list[str]]]
+MAX_HOMES = 65_536  # families remembered (oldest forgotten first): a long-lived client stays small
 
 
 class PoolClient:
@@ -72,6 +75,7 @@ class PoolClient:
         self.retried = 0  # tasks re-sent after a failure, for reports
         self.affinity_kept = 0  # tasks of a family sent to its worker
         self.affinity_moved = 0  # sent to another (its worker full, down, or tried already)
+        self.homes: dict[str, str] = {}  # family -> the worker that holds its prefix
         self._session: aiohttp.ClientSession | None = None
         self._refreshing: asyncio.Task[None] | None = None
 
@@ -102,21 +106,30 @@ class PoolClient:
 
     def _pick(self, tried: dict[str, int], family: str | None = None) -> str:
         """Among live workers this task has not tried (else the one tried longest ago): the
-        family's first worker with a free slot in rendezvous order, else the least in flight."""
+        family's worker while it has a free slot, else the next with one in the family's
+        rendezvous order; a task without a family, or with every worker full, goes to the
+        least in flight."""
         now = time.monotonic()
         up = [e for e in self.endpoints if self.down_until.get(e, 0) <= now] or list(self.endpoints)
         pool = [e for e in up if e not in tried]
         if not pool:
             oldest = min(tried.get(e, -1) for e in up)
             pool = [e for e in up if tried.get(e, -1) == oldest]
-        if family is not None:
-            for e in sorted(pool, key=lambda e: rendezvous(family, e), reverse=True):
-                if self.in_flight.get(e, 0) < self.concurrency:
-                    if e != max(up, key=lambda u: rendezvous(family, u)):
-                        self.affinity_moved += 1
-                    else:
-                        self.affinity_kept += 1
-                    return e
+        free = [e for e in pool if self.in_flight.get(e, 0) < self.concurrency]
+        if family is not None and free:
+            home = self.homes.get(family)
+            if home not in up:  # a new family, or its worker is down or gone
+                least = min(self.in_flight.get(e, 0) for e in free)
+                home = max((e for e in free if self.in_flight.get(e, 0) == least), key=lambda e: rendezvous(family, e))
+                self.homes.pop(family, None)
+                self.homes[family] = home
+                if len(self.homes) > MAX_HOMES:
+                    del self.homes[next(iter(self.homes))]
+            if home in free:
+                self.affinity_kept += 1
+                return home
+            self.affinity_moved += 1
+            return max(free, key=lambda e: rendezvous(family, e))
         least = min(self.in_flight.get(e, 0) for e in pool)
         return random.choice([e for e in pool if self.in_flight.get(e, 0) == least])
 

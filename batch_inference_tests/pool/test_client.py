@@ -165,6 +165,26 @@ async def test_a_family_goes_to_one_worker_while_it_has_a_free_slot(serve) -> No
     assert sorted(r.worker for r in results) == ["a", "b"] and max(w.peak for w in slow) == 1
 
 
+async def test_new_families_spread_over_idle_workers_and_keep_theirs(serve) -> None:
+    from batch_inference.pool.client import rendezvous
+
+    workers = [Scripted(n, [], delay_s=0.2) for n in "ab"]
+    urls = [await serve(w) for w in workers]
+    name = dict(zip(urls, "ab"))
+    # four families that all rank worker a first: by rendezvous alone b would stay idle
+    families = [f for f in (f"f{i}" for i in range(1000)) if max(urls, key=lambda u: rendezvous(f, u)) == urls[0]][:4]
+    async with PoolClient(urls, concurrency=4) as pool:
+        first = await asyncio.gather(*(pool.run_task(_family_spec(0, f)) for f in families))
+        assert sorted(r.worker for r in first) == ["a", "a", "b", "b"]
+        home = {f: r.worker for f, r in zip(families, first)}
+        assert {name[pool.homes[f]] for f in families} == set(home.values())
+        # the families' later shards follow them, concurrently too
+        later = await asyncio.gather(*(pool.run_task(_family_spec(i, f)) for f in families for i in (1, 2)))
+        assert [r.worker for r in later] == [home[f] for f in families for _ in (1, 2)]
+        assert (pool.affinity_kept, pool.affinity_moved) == (12, 0)
+    assert max(w.peak for w in workers) <= 4
+
+
 async def test_affinity_falls_back_when_its_worker_dies_and_stays_on_the_fallback(serve) -> None:
     from batch_inference.pool.client import rendezvous
 
