@@ -83,6 +83,17 @@ def simulated_token_count(text: str) -> int:
     return max(1, math.ceil(len(text) / SIMULATED_CHARS_PER_TOKEN))
 
 
+def simulated_text_tokens(words: float) -> float:
+    """Mean tokens the simulated tokenizer counts in a simulated answer of ``words`` words
+    (``simulated_completion``: its verdict word, then words of ``_WORDS``, single spaces):
+    what a prompt quoting the answer carries (the planner's judge prompt)."""
+    if words <= 0:
+        return 0.0
+    verdict = len("APPROVED")  # == len("REJECTED")
+    chars = verdict + (words - 1) * (sum(map(len, _WORDS)) / len(_WORDS) + 1)
+    return chars / SIMULATED_CHARS_PER_TOKEN
+
+
 def simulated_encode(prompt: Prompt) -> Tokens:
     """The simulated tokenizer's ``Tokens``: positions as ids (it has no vocabulary)."""
     return Tokens(range(simulated_token_count(prompt_text(prompt))), prompt)

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from batch_inference.engines.profiles import get_profile
+from batch_inference.engines.simulated import simulated_text_tokens
 from batch_inference.pipeline.report import duration
 from batch_inference.pipeline.spec import PipelineSpec, engine_label
 from batch_inference.planning.cluster import Cluster, Overheads
@@ -114,12 +115,17 @@ class RunPlan:
 
 def judge_prompt_tokens(spec: PipelineSpec, prompt: float, output: float) -> float:
     """Tokens of a judge prompt: the template's own text (~4 characters a token) plus the
-    record's prompt and the result where it names them. A rule judge sends none."""
+    record's prompt and the result where it names them. A rule judge sends none.
+
+    The result re-tokenised is as long as it was generated, except from the simulated
+    engine, whose answer is words (one output token each) that its tokenizer counts at 4
+    characters a token: 16 words quote as ~26 tokens (``simulated_text_tokens``)."""
     if spec.judge.kind != "llm" or not spec.judge.template:
         return 0.0
     t = spec.judge.template
     literal = re.sub(r"\{[^{}]*\}", "", t)
-    return len(literal) / 4 + (prompt if "{prompt}" in t else 0.0) + (output if "{result}" in t else 0.0)
+    result = simulated_text_tokens(output) if spec.engine.kind == "simulated" else output
+    return len(literal) / 4 + (prompt if "{prompt}" in t else 0.0) + (result if "{result}" in t else 0.0)
 
 
 def approval_bounds(w: Workload, profile: EngineProfile | None) -> tuple[Workload, Workload] | None:
@@ -157,9 +163,11 @@ def linear_rates(spec: PipelineSpec, w: Workload) -> EngineRates:
     judge_prompt = w.judge_prompt_tokens if w.judge_prompt_tokens is not None else w.prompt_tokens + w.output_tokens + w.judge_extra_tokens
     infer = per_record(w.prompt_tokens, w.output_tokens, w.max_tokens)
     batch = max(1, min(max_batch, math.ceil(budget / max(1.0, w.prompt_tokens + w.max_tokens))))
+    judge_batch = max(1, min(max_batch, math.ceil(budget / max(1.0, judge_prompt + w.judge_output_tokens))))
     return EngineRates(infer_s=infer, judge_s=per_record(judge_prompt, w.judge_output_tokens, w.judge_output_tokens),
                        infer_latency_s=0.0, judge_latency_s=0.0, infer_tokens_out=w.output_tokens,
-                       steps_per_record=1 / batch, calls_per_record=1 / batch, scheduling="blocking", profile="simulated-linear")
+                       steps_per_record=1 / batch, calls_per_record=1 / batch, scheduling="blocking", profile="simulated-linear",
+                       call_s=o.latency_a_s, judge_calls_per_record=1 / judge_batch)
 
 
 def cache_block_size(spec: PipelineSpec, gpu_profile: str | None) -> int | None:
@@ -206,8 +214,8 @@ def judge_placement(spec: PipelineSpec, w: Workload, rates: EngineRates, profile
                else Cluster(replicas=replicas, concurrency=pool.concurrency))
     notes.append(f"judge: its own model {engine_label(engine)} on pool {pool.name} ({cluster.replicas} replica(s) x "
                  f"{cluster.concurrency} slots): {judge_rates.judge_s * 1000:.3f} ms per judged record ({how}); each phase "
-                 "runs on its own pool and a tail task's generation and judging run at once (each chunk in groups a stage "
-                 "apart); each pool is held for the whole run "
+                 "runs on its own pool and a tail task's generation and judging run at once (two chunks in flight, the next "
+                 "generating while the one before is judged); each pool is held for the whole run "
                  "and priced apart" + (" (--gpus sizes both pools)" if gpus else "")
                  + "; the tail's judge waves' storage round trips (a shard per wave) are not priced")
     return cluster, judge_rates
@@ -299,7 +307,9 @@ def make_plan(
         rates = linear_rates(spec, w)
         notes.append(f"engine: the simulated engine's linear cost ({duration(sim_opts.latency_a_s)} + {duration(sim_opts.latency_b_s)}/token per "
                      f"batch, the batcher's token budget): {rates.infer_s * 1000:.3f} ms per inferred record, "
-                     f"{rates.judge_s * 1000:.3f} ms per judged record, engine time only (no pipeline overhead: profile for that)")
+                     f"{rates.judge_s * 1000:.3f} ms per judged record at full batches; the in-place tail's waves are "
+                     f"chunk-sized ({spec.chunk_size} records at most), each call's {duration(sim_opts.latency_a_s)} "
+                     "over that wave's records; engine time only (no pipeline overhead: profile for that)")
     else:
         name = gpu_profile or (sim_opts.profile if sim_opts is not None and sim_opts.cost_model == "decode" else DEFAULT_GPU_PROFILE)
         prof = get_profile(name)

@@ -63,6 +63,22 @@ class Workload:
         mean_later = rest if a <= 0 else (1 - fail_later) / a
         return 1 + (1 - a1) * mean_later, 1 - (1 - a1) * fail_later
 
+    def tail_waves(self, attempts_left: int, chunk: int, *, first: bool) -> float:
+        """Expected waves a chunk of ``chunk`` records goes through in place (each wave: one
+        generate call over the chunk's samples still needing inference, then one judge call).
+
+        Wave k exists when any of the chunk's records reaches its k-th attempt: with records
+        independent, ``1 - (1 - q_k) ** chunk`` where q_k is one record's chance to.
+        """
+        if attempts_left <= 0 or chunk <= 0:
+            return 0.0
+        a1 = self.approval if first else self.later_approval
+        reach, total = 1.0, 0.0
+        for k in range(attempts_left):
+            total += 1 - (1 - reach) ** chunk
+            reach *= (1 - a1) if k == 0 else (1 - self.later_approval)
+        return total
+
 
 @dataclass(frozen=True)
 class EngineRates:
@@ -80,6 +96,13 @@ class EngineRates:
     tail_attempt_s: float = 0.0  # one in-place record-attempt when measured (else infer + judge)
     prefix_hit_rate: float = 0.0  # prompt tokens of the inferred records the engine's prefix cache supplied
     judge_prefix_hit_rate: float = 0.0  # the same for the judged records
+    # The fixed cost of one engine call (the linear engine's per-batch ``a``), already spread
+    # over a full batch in infer_s / judge_s (calls_per_record, judge_calls_per_record): the
+    # tail's waves are chunk-sized, so each of their calls carries it over fewer records
+    # (simulation prices them so). 0 where it is not known apart (a measured profile, the
+    # decode-step model's continuous batching).
+    call_s: float = 0.0
+    judge_calls_per_record: float = 0.0
 
     @property
     def per_attempt_s(self) -> float:

@@ -87,6 +87,21 @@ class SimResult:
         return self.gpu_s / 3600.0
 
 
+def wave_priced(per_record_s: float, call_s: float, calls_per_record: float, waves: float, attempts: float,
+                *, merged: float) -> float:
+    """Per record-attempt cost of the tail's waves, from ``per_record_s`` priced at full batches.
+
+    ``per_record_s`` carries ``call_s`` (one engine call's fixed cost) over full batches
+    (``calls_per_record``); the tail's ``attempts`` record-attempts of a chunk go through
+    ``waves`` waves, ``merged`` of which share a call, so its calls are those (never fewer
+    than full batches hold): the same work, with each call's fixed cost over that wave.
+    """
+    if call_s <= 0 or attempts <= 0:
+        return per_record_s
+    calls = max(waves / max(1.0, merged), attempts * calls_per_record)
+    return per_record_s + call_s * (calls / attempts - calls_per_record)
+
+
 def _shards(records: int, shard_records: int) -> list[int]:
     full, rest = divmod(records, shard_records)
     return [shard_records] * full + ([rest] if rest else [])
@@ -253,12 +268,24 @@ async def _simulate(spec: PipelineSpec, w: Workload, rates: EngineRates, cluster
         e, p_ok = w.attempts(k, first=tail_from == 0)
         records = sum(pending)
         latency = k * (rates.infer_latency_s + jr.judge_latency_s) / 2
+        chunk = max(1, min(spec.chunk_size, shard_n))
+        waves_per_chunk = w.tail_waves(k, chunk, first=tail_from == 0)
         if judge_sim is sim:
-            tail = await phase(tail_from, "tail", pending, rates.per_attempt_s, latency, sample_level=True, attempts_per_record=e)
+            # One engine: every busy slot's task has its next wave waiting on it while a batch
+            # runs, so the batcher merges up to that many waves a batch (a task's own generate
+            # and judge waves take turns, never share one).
+            merged = min(cluster.concurrency, math.ceil(len(pending) / cluster.replicas))
+            per_attempt = wave_priced(rates.per_attempt_s, rates.call_s, rates.calls_per_record + rates.judge_calls_per_record,
+                                      2 * waves_per_chunk, chunk * e, merged=merged)
+            tail = await phase(tail_from, "tail", pending, per_attempt, latency, sample_level=True, attempts_per_record=e)
         else:  # an attempt's in-place overhead (per_attempt_s over infer + judge) on each pool's own part
             f = rates.per_attempt_s / (rates.infer_s + rates.judge_s) if rates.infer_s + rates.judge_s > 0 else 1.0
-            tail = await phase(tail_from, "tail", pending, f * rates.infer_s, latency, sample_level=True,
-                               attempts_per_record=e, judge_per_record_s=f * jr.judge_s)
+            # Two pools: a task's waves alternate between them, so each wave is a call of its own
+            # (bench/reports/judge_model.md: 1.3-1.4 waves a call measured on either pool).
+            infer_part = wave_priced(f * rates.infer_s, rates.call_s, rates.calls_per_record, waves_per_chunk, chunk * e, merged=1)
+            judge_part = wave_priced(f * jr.judge_s, jr.call_s, jr.judge_calls_per_record, waves_per_chunk, chunk * e, merged=1)
+            tail = await phase(tail_from, "tail", pending, infer_part, latency, sample_level=True,
+                               attempts_per_record=e, judge_per_record_s=judge_part)
         done = tail.summary.records_in
         ok = split(done, p_ok) if k > 0 else 0
         approved_total += ok

@@ -40,7 +40,10 @@ def test_input_size_counts_a_file_and_reads_a_manifest(tmp_path: Path) -> None:
 
 
 def test_judge_prompt_tokens_follow_the_template(tmp_path: Path) -> None:
-    spec = PipelineSpec.parse(spec_dict(tmp_path))
+    # an engine whose answer re-tokenises at its own length (the simulated one's does not:
+    # test_tail_waves.py); spec parsing asks its model directory to exist
+    (tmp_path / "model").mkdir()
+    spec = PipelineSpec.parse({**spec_dict(tmp_path), "engine": {"kind": "vllm", "model": str(tmp_path / "model")}})
     literal = len("Is  right? Reply APPROVED or REJECTED.") / 4
     assert judge_prompt_tokens(spec, 10, 7) == pytest.approx(literal + 7)  # {result} only, not {prompt}
     rule = PipelineSpec.parse({**spec_dict(tmp_path), "judge": {"kind": "rule", "callable": "json_valid"}})
