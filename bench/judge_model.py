@@ -9,7 +9,8 @@ and the same approval, so the work is equal and only the placement differs.
 
 Per run: wall, GPU-seconds (each pool is one GPU, held for the whole run: pools x wall) and
 each pool's engine-busy share, with the planner's prediction for the same spec
-(``planning.make_plan``: engine time only, no pipeline overhead) beside it.
+(``planning.make_plan``: engine time, no pipeline overhead) beside it, and each pool's engine
+seconds measured and planned.
 
     python bench/judge_model.py                         # ~1-2 min on 2 shared cores
     python bench/judge_model.py --records 400 --strategies in_place
@@ -65,7 +66,7 @@ async def measure(spec: Any) -> dict[str, Any]:
     per_pool = stats if isinstance(runner, PoolPair) else {"infer": stats}
     busy = {name: float(s.get("engine_busy_s") or 0.0) for name, s in per_pool.items()}
     loads = {name: int(s.get("engine_loads") or 0) for name, s in per_pool.items()}
-    return {"wall_s": wall, "gpu_s": wall * len(per_pool), "busy": {k: v / wall for k, v in busy.items()},
+    return {"wall_s": wall, "gpu_s": wall * len(per_pool), "busy": {k: v / wall for k, v in busy.items()}, "engine_s": busy,
             "approved": summary.approved, "records": summary.records, "rounds": summary.rounds, "tail": summary.tail,
             "loads": loads}
 
@@ -75,7 +76,8 @@ def planned(spec: Any) -> dict[str, Any]:
 
     s = make_plan(spec, strategies=(spec.strategy,)).for_strategy(spec.strategy)
     busy = {k: p["busy_share"] for k, p in s.pools.items()} or None
-    return {"wall_s": s.wall_s, "gpu_s": s.gpu_hours * 3600, "busy": busy, "decisions": s.decisions}
+    engine = {k: p["engine_hours"] * 3600 for k, p in s.pools.items()} or {"infer": s.engine_s}
+    return {"wall_s": s.wall_s, "gpu_s": s.gpu_hours * 3600, "busy": busy, "engine_s": engine, "decisions": s.decisions}
 
 
 def main() -> None:
@@ -109,6 +111,10 @@ def main() -> None:
     write_report(args, rows)
 
 
+def seconds(per_pool: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.2f}" for k, v in per_pool.items())
+
+
 def write_report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     load = os.getloadavg()
     lines = [
@@ -121,17 +127,20 @@ def write_report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         "Simulated linear engines of equal cost and approval on both sides, in-process pools "
         f"({args.concurrency} task slots each), {args.records:,} records in shards of {args.shard_records}. "
         "GPU-s = pools x wall (each pool one GPU, held for the whole run); busy = the pool's engine time / wall. "
-        "Planned: `make_plan` for the same spec (engine time only: the pipeline's own overheads are not in it).",
+        "Planned: `make_plan` for the same spec (engine time, the tail's waves priced at their chunk's size; the pipeline's "
+        "own overheads are not in it). Engine s: each pool's engine time (measured: the workers' `engine_busy_s`).",
         "",
-        "| strategy | judge on | wall s | planned wall s | GPU-s | planned GPU-s | busy (measured) | busy (planned) | approved |",
-        "|---|---|---:|---:|---:|---:|---|---|---:|",
+        "| strategy | judge on | wall s | planned wall s | GPU-s | planned GPU-s | busy (measured) | busy (planned) "
+        "| engine s (measured) | engine s (planned) | approved |",
+        "|---|---|---:|---:|---:|---:|---|---|---|---|---:|",
     ]
     for r in rows:
         m, p = r["measured"], r["planned"]
         busy = ", ".join(f"{k} {v:.0%}" for k, v in m["busy"].items())
         pbusy = ", ".join(f"{k} {v:.0%}" for k, v in p["busy"].items()) if p["busy"] else "-"
         lines.append(f"| {r['strategy']} | {r['judge']} | {m['wall_s']:.2f} | {p['wall_s']:.2f} | {m['gpu_s']:.2f} | "
-                     f"{p['gpu_s']:.2f} | {busy} | {pbusy} | {m['approved']:,} / {m['records']:,} |")
+                     f"{p['gpu_s']:.2f} | {busy} | {pbusy} | {seconds(m['engine_s'])} | {seconds(p['engine_s'])} | "
+                     f"{m['approved']:,} / {m['records']:,} |")
     lines += ["", "Each engine loaded once per pool for the whole run in every row (the workers' own `engine_loads`)."
               if all(set(r["measured"]["loads"].values()) == {1} for r in rows) else "Engine loads: see the printed rows.", ""]
     args.report.write_text("\n".join(lines))
