@@ -280,8 +280,9 @@ async def _simulate(spec: PipelineSpec, w: Workload, rates: EngineRates, cluster
             tail = await phase(tail_from, "tail", pending, per_attempt, latency, sample_level=True, attempts_per_record=e)
         else:  # an attempt's in-place overhead (per_attempt_s over infer + judge) on each pool's own part
             f = rates.per_attempt_s / (rates.infer_s + rates.judge_s) if rates.infer_s + rates.judge_s > 0 else 1.0
-            # Two pools: a task's waves alternate between them, so each wave is a call of its own
-            # (bench/reports/judge_model.md: 1.3-1.4 waves a call measured on either pool).
+            # Two pools: a task's waves alternate between them, so each wave is a call of its own:
+            # an upper bound (bench/reports/judge_model.md: 1.4-3.3 waves a call measured, the
+            # batcher's merging moving with the timing).
             infer_part = wave_priced(f * rates.infer_s, rates.call_s, rates.calls_per_record, waves_per_chunk, chunk * e, merged=1)
             judge_part = wave_priced(f * jr.judge_s, jr.call_s, jr.judge_calls_per_record, waves_per_chunk, chunk * e, merged=1)
             tail = await phase(tail_from, "tail", pending, infer_part, latency, sample_level=True,
