@@ -56,7 +56,7 @@ def test_a_kind_made_permanent_is_one_edit(monkeypatch, tmp_path: Path) -> None:
     with JsonlDir(str(tmp_path / "rejected")).writer_sync(compression="zstd") as w:
         w.write({"id": "a", "error": "engine_error: always", "result": None})
         w.write({"id": "b", "error": None, "result": "no"})
-    records, _, _ = passes.recompact(str(tmp_path / "rejected"), str(tmp_path / "pending"), records_per_shard=10,
+    records, _, _, _ = passes.recompact(str(tmp_path / "rejected"), str(tmp_path / "pending"), records_per_shard=10,
                                      failed_dst=str(tmp_path / "failed"), round=0)
     assert records == 1
     (failed,) = JsonlDir(str(tmp_path / "failed")).iter_records_sync()

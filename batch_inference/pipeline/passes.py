@@ -6,11 +6,12 @@ with ``asyncio.to_thread``. None needs a GPU or the pool.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from typing import Any
 
 from batch_inference import rows
+from batch_inference.pipeline.placement import FamilyCuts, shard_limit
 from batch_inference.rows import Status, permanent_error
 from batch_inference.storage import JsonlDir, JsonlFile, ReshardReport, reshard
 
@@ -74,27 +75,39 @@ def shard_input(
 
 def recompact(
     src: str, dst: str, *, records_per_shard: int, storage_options: dict[str, Any] | None = None,
-    failed_dst: str | None = None, round: int | None = None,
-) -> tuple[int, int, int]:
+    failed_dst: str | None = None, round: int | None = None, families: FamilyCuts | None = None,
+) -> tuple[int, int, int, int]:
     """Repack the rejected shards of a round into full pending shards for the next round.
 
     The judge writes one rejected shard per inferred shard, so without this the shard
     count survives every round while the record count collapses. Rows with a permanent
-    error go to ``failed_dst`` instead (terminal ``failed``). Returns
-    ``(records, shards_in, shards_out)``.
+    error go to ``failed_dst`` instead (terminal ``failed``). With ``families`` (the
+    prefix-aware layout was applied) each shard ends between two prefix families, as the
+    shard step's do, instead of every ``records_per_shard`` records: a family cut in two
+    would run in two tasks, maybe on two workers, and its prefix be computed twice.
+    Returns ``(records, shards_in, shards_out, cuts_shared)``: the last counts the cuts
+    whose records either side share a leading block (0 when cut by count).
     """
     source = JsonlDir(src, storage_options=storage_options)
     shards = source.shards() if source.exists_sync() else []
     out = JsonlDir(dst, storage_options=storage_options)
-    with _FailedSink(failed_dst, storage_options) as failed, out.writer_sync(max_records_per_shard=records_per_shard, compression="zstd") as w:
-        for shard in shards:
-            for rec in shard.iter_records_sync():
-                if failed.take(rec, round):
-                    continue
-                w.write(rows.strip_results(rec))  # the next round recomputes every result field
+    limit = shard_limit(records_per_shard) if families else records_per_shard
+    cuts_shared = 0
+    with _FailedSink(failed_dst, storage_options) as failed, out.writer_sync(max_records_per_shard=limit, compression="zstd") as w:
+
+        def kept() -> Iterator[dict[str, Any]]:
+            for shard in shards:
+                for rec in shard.iter_records_sync():
+                    if not failed.take(rec, round):
+                        yield rows.strip_results(rec)  # the next round recomputes every result field
+
+        if families is None:
+            w.write_many(kept())
+        else:
+            cuts_shared = families.write(w, kept(), records_per_shard)
         records = w.records
     man = out.manifest()
-    return records, len(shards), len(man.shards) if man else 0
+    return records, len(shards), len(man.shards) if man else 0, cuts_shared
 
 
 def write_exhausted(

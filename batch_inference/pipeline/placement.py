@@ -16,7 +16,9 @@ contiguous, and within it the sub-families sharing a longer one.
 The records are only moved: ids, attempts and every field stay as they are, so
 conservation holds by construction (and is checked: as many records out as in). It runs
 before any round, over ``sharded/``; recompaction keeps the order (the rejected records of
-a round, concatenated in shard order, are a subsequence of a sorted sequence).
+a round, concatenated in shard order, are a subsequence of a sorted sequence) and, when the
+layout was applied, cuts its shards between families the same way (``FamilyCuts``:
+``write_cut`` over the records signed again, one batch at a time).
 
 Work is skipped when it cannot pay: a first pass signs every record by its text (cheap,
 no tokenizer) and decides; records are tokenised and the directory rewritten only when
@@ -33,6 +35,8 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from batch_inference.engines.base import Prompt
 from batch_inference.pipeline.summaries import LayoutSummary
@@ -192,39 +196,78 @@ def shard_cuts(keys: Iterable[bytes], per: int, slack: int) -> Iterator[tuple[in
         yield size, 0
 
 
-def _rewrite(d: JsonlDir, p: _Pass, records_per_shard: int, compression: Any) -> int:
-    """Write the sorted records, cut where ``shard_cuts`` says; returns the cuts whose records
-    either side share a leading block (a family larger than the window, or a preamble every
-    record has).
+def shard_slack(records_per_shard: int) -> int:
+    """How many records a shard cut between families may end early or late."""
+    return min(int(records_per_shard * SHARD_SLACK), records_per_shard // 4)
+
+
+def shard_limit(records_per_shard: int) -> int:
+    """The most records a shard cut between families holds (the writer's limit for ``write_cut``)."""
+    return records_per_shard + shard_slack(records_per_shard)
+
+
+def signed_lines(signer: PrefixSigner, builder: RequestBuilder, records: Iterable[tuple[dict[str, Any], bytes]]) -> Iterator[tuple[bytes, bytes]]:
+    """``(signature blocks, line)`` for each ``(record, line)``, signed ``SIGN_BATCH`` at a time."""
+    for batch in _batches(iter(records), SIGN_BATCH):
+        signatures = signer.sign([record_prompt(builder, rec) for rec, _ in batch])
+        for (_, line), sig in zip(batch, signatures):
+            yield sig.blocks, line
+
+
+def write_cut(w: Any, items: Iterable[tuple[bytes, bytes]], records_per_shard: int) -> int:
+    """Write ``(signature blocks, line)`` pairs, in prefix order, to the directory writer
+    ``w`` (opened with ``max_records_per_shard=shard_limit(records_per_shard)``), ending each
+    shard where ``shard_cuts`` says; returns the cuts whose records either side share a
+    leading block (a family larger than the window, or a preamble every record has).
 
     Memory: lines wait only while a cut could still fall before them (the window); the
     ones certain to sit before the shard's earliest cut are written as they come.
     """
-    slack = min(int(records_per_shard * SHARD_SLACK), records_per_shard // 4)
+    slack = shard_slack(records_per_shard)
     lo = records_per_shard - slack  # no shard ends before this many records
     pending: list[bytes] = []  # read, not yet written: the current shard's last lines and the next one's first
     written = 0  # of the current shard
-
     inside = 0
-    with d.writer_sync(max_records_per_shard=records_per_shard + slack, compression=compression) as w:
 
-        def keys() -> Iterator[bytes]:
-            nonlocal written
-            for key, line in p.sort.iter_sorted():
-                pending.append(line)
-                if len(pending) >= WRITE_LINES and written + len(pending) <= lo:
-                    w.write_lines(pending)
-                    written += len(pending)
-                    pending.clear()
-                yield key
+    def keys() -> Iterator[bytes]:
+        nonlocal written
+        for key, line in items:
+            pending.append(line)
+            if len(pending) >= WRITE_LINES and written + len(pending) <= lo:
+                w.write_lines(pending)
+                written += len(pending)
+                pending.clear()
+            yield key
 
-        for size, shared in shard_cuts(keys(), records_per_shard, slack):
-            rest = size - written
-            w.write_lines(pending[:rest])
-            del pending[:rest]
-            w.cut()
-            written = 0
-            inside += shared > 0
+    for size, shared in shard_cuts(keys(), records_per_shard, slack):
+        rest = size - written
+        w.write_lines(pending[:rest])
+        del pending[:rest]
+        w.cut()
+        written = 0
+        inside += shared > 0
+    return inside
+
+
+@dataclass(frozen=True)
+class FamilyCuts:
+    """Shards cut between families for a pass that rewrites records already in prefix order
+    (recompaction: a round's rejected records, concatenated in shard order, are a
+    subsequence of the laid-out order), with the layout's own signer and cuts."""
+
+    signer: PrefixSigner
+    infer: InferConfig
+
+    def write(self, w: Any, records: Iterable[dict[str, Any]], records_per_shard: int) -> int:
+        """Write ``records`` to ``w`` (opened with ``shard_limit``) cut by ``write_cut``; returns its count."""
+        lines = ((rec, orjson.dumps(rec, option=orjson.OPT_APPEND_NEWLINE)) for rec in records)
+        return write_cut(w, signed_lines(self.signer, RequestBuilder(self.infer), lines), records_per_shard)
+
+
+def _rewrite(d: JsonlDir, p: _Pass, records_per_shard: int, compression: Any) -> int:
+    """Write the sorted records over ``d``, cut between families (``write_cut``); returns its count."""
+    with d.writer_sync(max_records_per_shard=shard_limit(records_per_shard), compression=compression) as w:
+        inside = write_cut(w, p.sort.iter_sorted(), records_per_shard)
     if w.records != p.records:  # pragma: no cover - the sort hands back what it took
         raise PlacementError(f"{d.url}: rewrote {w.records} of {p.records} records")
     return inside

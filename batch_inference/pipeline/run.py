@@ -163,15 +163,30 @@ class PipelineRun:
         await asyncio.to_thread(self.ledger.write, RunLayout.SHARD_INPUT, {"report": asdict(report), "input_format": fmt})
         return report, fmt
 
+    def _signer(self) -> PrefixSigner:
+        """The layout's signer: the shard step's and recompaction's."""
+        p = self.spec.layout
+        return PrefixSigner.for_engine(self.spec.engine, kind=p.signature, block_size=p.block_size, prefix_tokens=p.prefix_tokens)
+
     def _lay_out(self) -> LayoutSummary:
         """``sharded/`` in prefix order (``pipeline.placement``; blocking)."""
         p = self.spec.layout
-        signer = PrefixSigner.for_engine(self.spec.engine, kind=p.signature, block_size=p.block_size, prefix_tokens=p.prefix_tokens)
         return placement.layout_by_prefix(
-            self.layout.sharded, signer=signer, infer=self.spec.infer, records_per_shard=self.spec.shard_records,
+            self.layout.sharded, signer=self._signer(), infer=self.spec.infer, records_per_shard=self.spec.shard_records,
             spill_url=self.layout.layout_spill, storage_options=self.storage_options, min_gain=p.min_gain,
             run_bytes=p.run_bytes,
         )
+
+    def _family_cuts(self) -> placement.FamilyCuts | None:
+        """How recompaction cuts its shards: between families when the shard step laid the
+        records out in prefix order (the rejected records keep that order), else by count
+        (records in input order: no family sits together to keep whole; blocking)."""
+        if not self.spec.layout.prefix:
+            return None
+        shard = self.ledger.read(RunLayout.SHARD) or {}
+        if not (shard.get("layout") or {}).get("applied"):
+            return None
+        return placement.FamilyCuts(self._signer(), self.spec.infer)
 
     def _instance(self) -> str:
         """The run instance every task id of this run carries (drawn at sharding); every
@@ -409,13 +424,15 @@ class PipelineRun:
             return RecompactSummary.from_dict({**data, "resumed": True})
         await asyncio.to_thread(self._require, self.layout.step_name(r, "judge"), f"run judge({r}) first")
         t0 = time.perf_counter()
-        records, shards_in, shards_out = await asyncio.to_thread(
+        families = await asyncio.to_thread(self._family_cuts)
+        records, shards_in, shards_out, cuts_shared = await asyncio.to_thread(
             passes.recompact, self.layout.rejected(r), self.layout.pending(r + 1),
             records_per_shard=self.spec.shard_records, storage_options=self.storage_options,
-            failed_dst=self.layout.failed_records(r), round=r,
+            failed_dst=self.layout.failed_records(r), round=r, families=families,
         )
         summary = RecompactSummary(round=r + 1, input_url=self.layout.rejected(r), output_url=self.layout.pending(r + 1),
-                                   records=records, shards_in=shards_in, shards_out=shards_out, wall_s=time.perf_counter() - t0)
+                                   records=records, shards_in=shards_in, shards_out=shards_out, wall_s=time.perf_counter() - t0,
+                                   families=families is not None, cuts_shared=cuts_shared)
         await asyncio.to_thread(self.ledger.write, name, summary.as_dict())
         return summary
 

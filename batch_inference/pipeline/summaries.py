@@ -243,6 +243,11 @@ class RecompactSummary(_Summary):
     shards_out: int
     wall_s: float
     resumed: bool = False
+    # shards cut between prefix families (placement.FamilyCuts: layout.prefix and the shard
+    # step's layout applied) rather than by count, and the cuts whose records either side
+    # still share a leading block (as the shard step's layout.cuts_shared)
+    families: bool = False
+    cuts_shared: int = 0
 
 
 @dataclass(frozen=True)

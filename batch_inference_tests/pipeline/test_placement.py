@@ -339,3 +339,38 @@ async def test_a_family_smaller_than_a_shard_is_never_cut(tmp_path: Path, write_
     assert shard.layout.cuts_shared == len(sizes) - 1  # the preamble crosses every cut, no document does
     sigs = signatures(spec, sharded.url)
     assert sigs == sorted(sigs) and sorted(sharded_ids(spec)) == sorted(f"{i:012d}" for i in range(len(recs)))
+
+
+async def test_recompaction_cuts_its_shards_between_families(tmp_path: Path) -> None:
+    """Round 0's rejects keep the laid-out order; recompacted by count, shards of 10 would
+    cut documents whose rejected questions straddle the 10th record. Between families,
+    no recompacted shard cuts a document (cuts_shared 0), and every record ends as with
+    the layout off."""
+    recs = workload(random.Random(11), docs=14, questions=6, singles=0, preamble=False)
+    src = write(tmp_path / "in.jsonl", recs)
+    outcomes = {}
+    for prefix in (True, False):
+        spec = spec_for(tmp_path, src, run=f"r-{prefix}", prefix=prefix, shard_records=10, max_rounds=3)
+        summary = await run_pipeline(spec)
+        assert summary.conservation["ok"], summary.conservation
+        outcomes[prefix] = terminal_states(spec)
+        if not prefix:
+            assert all(not r.recompact.families for r in PipelineRun(spec).ledger.view().rounds if r.recompact)
+            continue
+        layout = RunLayout(spec.output, spec.run)
+        rounds = [r.recompact for r in PipelineRun(spec).ledger.view().rounds if r.recompact]
+        assert len(rounds) == 2 and all(c.families and c.cuts_shared == 0 for c in rounds), rounds
+        straddled = 0
+        for r in (0, 1):
+            rejected = [rec["doc"] for rec in JsonlDir(layout.rejected(r)).iter_records_sync()]
+            straddled += sum(rejected[i - 1] == rejected[i] for i in range(10, len(rejected), 10))  # cut by count
+            shards = JsonlDir(layout.pending(r + 1)).shards()
+            docs = [[rec["doc"] for rec in f.iter_records_sync()] for f in shards]
+            assert [d for shard in docs for d in shard] == rejected  # only cut, never reordered or lost
+            assert all(set(a).isdisjoint(b) for i, a in enumerate(docs) for b in docs[i + 1:])  # each document in one shard
+            assert all(8 <= len(d) <= 12 for d in docs[:-1]), [len(d) for d in docs]
+            later = signatures(spec, layout.pending(r + 1))
+            assert later == sorted(later)
+        assert straddled > 0  # the workload has families a count cut would split
+    assert outcomes[True] == outcomes[False]
+    assert len(outcomes[True]) == len(recs)
