@@ -50,7 +50,7 @@ from typing import Any
 import _raw_vllm
 from _raw_vllm import load, reexec_in_vllm_env, serve
 import workload_aware
-from workload_aware import SHAPES, build, encoded, write_input
+from workload_aware import build, encoded, write_input
 
 REPORTS = Path(__file__).resolve().parent / "reports"
 TARGET_ONE = 1.15  # the acceptance target: prefill on one worker at most 1.15x the ideal
@@ -266,17 +266,9 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], wall: float, be
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--records", type=int, default=240, help="records per shape (about)")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--output", type=int, default=32, help="output tokens per record")
-    ap.add_argument("--blocks", type=int, default=100, help="KV cache blocks per engine (num_gpu_blocks_override)")
+    ap = workload_aware.shape_arguments(__doc__, "prefill_ideal.md")
     ap.add_argument("--max-num-seqs", type=int, default=0, help="vLLM's max_num_seqs for every engine (0: its default)")
     ap.add_argument("--shards", type=int, default=4, help="shards of the input (shard_records = records / shards)")
-    ap.add_argument("--model", help="model directory (default: the tiny model, built here)")
-    ap.add_argument("--report", help="report path (default bench/reports/prefill_ideal.md)")
-    ap.add_argument("--raw-server", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.raw_server:
         return raw_server(args.model, args.blocks, args.max_num_seqs)

@@ -288,17 +288,22 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], wall: float, be
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def shape_arguments(doc: str, report: str) -> argparse.ArgumentParser:
+    """The options of a bench over these shapes (this one and ``bench/prefill_ideal.py``)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--records", type=int, default=240, help="records per shape (about)")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--output", type=int, default=32, help="output tokens per record")
-    ap.add_argument("--blocks", type=int, default=100, help="KV cache blocks (num_gpu_blocks_override)")
+    ap.add_argument("--blocks", type=int, default=100, help="KV cache blocks of every engine (num_gpu_blocks_override)")
     ap.add_argument("--model", help="model directory (default: the tiny model, built here)")
-    ap.add_argument("--report", help="report path (default bench/reports/workload_aware.md)")
+    ap.add_argument("--report", help=f"report path (default bench/reports/{report})")
     ap.add_argument("--raw-server", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = shape_arguments(__doc__, "workload_aware.md").parse_args()
     if args.raw_server:
         return raw_server(args.model, args.blocks)
     import importlib.util
