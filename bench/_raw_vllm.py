@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,19 @@ def write_report(path: Path, text: str, rows: list[dict[str, Any]]) -> None:
     path.write_text(text)
     path.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     print(text)
+
+
+def run_shape_bench(script: str, args: Any, prefix: str, measure: Callable[[Any, str, Path], Awaitable[list[dict[str, Any]]]],
+                    report: Callable[[Any, list[dict[str, Any]], float, float, float], str], default_report: Path) -> None:
+    """A shape bench's main (``workload_aware``, ``prefill_ideal``): in the vLLM venv, the
+    measurement in a temporary folder, the report given its wall time and the load before and after."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        reexec_in_vllm_env(script, "1")
+    t0, before = time.perf_counter(), load()
+    rows = measure_in_tmp(args, prefix, measure)
+    write_report(Path(args.report) if args.report else default_report, report(args, rows, time.perf_counter() - t0, before, load()), rows)
 
 
 def serve(handle: Callable[[dict[str, Any]], dict[str, Any]]) -> None:

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import _raw_vllm
-from _raw_vllm import load, reexec_in_vllm_env, serve
+from _raw_vllm import load, serve
 import workload_aware
 from workload_aware import build, encoded, write_input
 
@@ -272,14 +272,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.raw_server:
         return raw_server(args.model, args.blocks, args.max_num_seqs)
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        reexec_in_vllm_env(__file__, "1")
-    t0, before = time.perf_counter(), load()
-    rows = _raw_vllm.measure_in_tmp(args, "prefill-ideal-", measure)
-    text = report(args, rows, time.perf_counter() - t0, before, load())
-    _raw_vllm.write_report(Path(args.report) if args.report else REPORTS / "prefill_ideal.md", text, rows)
+    _raw_vllm.run_shape_bench(__file__, args, "prefill-ideal-", measure, report, REPORTS / "prefill_ideal.md")
 
 
 if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required

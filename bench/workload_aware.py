@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import _raw_vllm
-from _raw_vllm import load, reexec_in_vllm_env, serve
+from _raw_vllm import load, serve
 
 REPORTS = Path(__file__).resolve().parent / "reports"
 VOCAB = ("the quick brown fox jumps over a lazy dog while seven wizards quietly box near rivers "
@@ -306,14 +306,7 @@ def main() -> None:
     args = shape_arguments(__doc__, "workload_aware.md").parse_args()
     if args.raw_server:
         return raw_server(args.model, args.blocks)
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        reexec_in_vllm_env(__file__, "1")
-    t0, before = time.perf_counter(), load()
-    rows = _raw_vllm.measure_in_tmp(args, "workload-aware-", measure)
-    text = report(args, rows, time.perf_counter() - t0, before, load())
-    _raw_vllm.write_report(Path(args.report) if args.report else REPORTS / "workload_aware.md", text, rows)
+    _raw_vllm.run_shape_bench(__file__, args, "workload-aware-", measure, report, REPORTS / "workload_aware.md")
 
 
 if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
