@@ -30,7 +30,7 @@ import orjson
 import zstandard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from batch_inference.storage import JsonlDir, JsonlFile  # noqa: E402
+from batch_inference.storage import JsonlDir  # noqa: E402
 from batch_inference.storage import _io  # noqa: E402
 
 SHARD = 20_000
