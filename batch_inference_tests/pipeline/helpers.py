@@ -9,7 +9,9 @@ from typing import Any
 
 import orjson
 
+from batch_inference.pipeline import PipelineSpec, run_pipeline
 from batch_inference.pool.protocol import TaskFailed, TaskResult, TaskSpec
+from batch_inference.storage import JsonlDir
 
 
 def write_input(path: Path, n: int, *, with_ids: bool = False) -> Path:
@@ -101,3 +103,20 @@ class InstantRunner:
     async def run_task(self, spec: TaskSpec) -> TaskResult:
         counts = {"ok": 1, "error": 0} if spec.kind == "infer" else {"approved": 1, "rejected": 0}
         return TaskResult(task_id=spec.task_id, kind=spec.kind, worker="instant", counts=counts, records_in=1)
+
+
+async def run_infer_on_adapter_judge_on_base(spec: PipelineSpec, *, records: int, adapter: str) -> dict[str, dict[str, Any]]:
+    """Run ``spec`` (one round, infer on ``adapter``, an LLM judge on the base model) and
+    check what any engine must give: every record inferred without error, the ledger naming
+    the adapter for infer and none for the judge, which judged them all. Round 0's inferred
+    rows, by id."""
+    summary = await run_pipeline(spec)
+    assert summary.conservation["ok"] and summary.failed == 0
+    root = Path(spec.output) / spec.run
+    rows = {r["id"]: r for r in JsonlDir(str(root / "round-00" / "inferred")).iter_records_sync()}
+    assert len(rows) == records and all(r["error"] is None for r in rows.values())
+    ledger = root / "ledger"
+    assert orjson.loads((ledger / "round-00-infer.json").read_bytes())["ran_on"]["adapter"] == adapter
+    judge = orjson.loads((ledger / "round-00-judge.json").read_bytes())
+    assert judge["ran_on"]["adapter"] is None and judge["records_in"] == records and judge["tokens_out"] > 0
+    return rows

@@ -20,7 +20,7 @@ from batch_inference.pipeline import PipelineSpec, SpecError, run_pipeline
 from batch_inference.pipeline.preflight import preflight
 from batch_inference.prompting import RequestBuilder
 from batch_inference.storage import JsonlDir
-from batch_inference_tests.pipeline.helpers import spec_dict
+from batch_inference_tests.pipeline.helpers import run_infer_on_adapter_judge_on_base, spec_dict
 
 LORA = {"adapters": {"a1": "/unread/a1", "a2": "/unread/a2"}, "max_loras": 2}
 APPROVE_ALL = {"kind": "rule", "callable": "min_length", "kwargs": {"min_chars": 1}}
@@ -162,15 +162,7 @@ async def test_an_adapter_infer_phase_and_a_base_model_judge_on_transformers(tmp
         judge={"kind": "llm", "template": "{prompt} {result} Reply APPROVED or REJECTED:", "max_tokens": 4},
         max_rounds=1, shard_records=3, chunk_size=3, pool={"concurrency": 2, "batcher": {"batch_timeout_s": 0.01}},
     ))
-    summary = await run_pipeline(spec)
-    assert summary.conservation["ok"] and summary.failed == 0
-    root = Path(spec.output) / spec.run
-    rows = {r["id"]: r for r in JsonlDir(str(root / "round-00" / "inferred")).iter_records_sync()}
-    assert len(rows) == 6 and all(r["error"] is None for r in rows.values())
-    ledger = root / "ledger"
-    assert orjson.loads((ledger / "round-00-infer.json").read_bytes())["ran_on"]["adapter"] == "a1"
-    judge = orjson.loads((ledger / "round-00-judge.json").read_bytes())
-    assert judge["ran_on"]["adapter"] is None and judge["records_in"] == 6 and judge["tokens_out"] > 0
+    rows = await run_infer_on_adapter_judge_on_base(spec, records=6, adapter="a1")
     # every record's result is peft's own answer on that record's adapter (None: the plain base model)
     engine = build_engine(spec.engine)
     ids = [t.ids for t in engine.encode(prompts)]

@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from batch_inference.pipeline import PipelineSpec, run_pipeline  # noqa: E402
-from batch_inference.storage import JsonlDir  # noqa: E402
+from batch_inference.pipeline import PipelineSpec  # noqa: E402
+from batch_inference_tests.pipeline.helpers import run_infer_on_adapter_judge_on_base  # noqa: E402
 
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.timeout(900)]  # two engine loads on a shared CPU
 
@@ -49,15 +49,7 @@ async def test_an_adapter_infer_phase_and_a_base_model_judge_in_one_run(tmp_path
         "strategy": "rounds", "max_rounds": 1, "shard_records": 3, "chunk_size": 1,
         "pool": {"launcher": "inprocess", "concurrency": 1},
     })
-    summary = await run_pipeline(spec)
-    assert summary.conservation["ok"] and summary.failed == 0
-    root = Path(spec.output) / spec.run
-    rows = {r["id"]: r for r in JsonlDir(str(root / "round-00" / "inferred")).iter_records_sync()}
-    assert len(rows) == 6 and all(r["error"] is None for r in rows.values())
-    ledger = root / "ledger"
-    assert orjson.loads((ledger / "round-00-infer.json").read_bytes())["ran_on"]["adapter"] == "a1"
-    judge = orjson.loads((ledger / "round-00-judge.json").read_bytes())
-    assert judge["ran_on"]["adapter"] is None and judge["records_in"] == 6 and judge["tokens_out"] > 0
+    rows = await run_infer_on_adapter_judge_on_base(spec, records=6, adapter="a1")
 
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
