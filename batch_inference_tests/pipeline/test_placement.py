@@ -7,7 +7,6 @@ when order cannot pay; a driver killed mid shard pass resumes without loss.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
 import random
@@ -162,7 +161,6 @@ async def test_order_that_cannot_pay_is_not_written(tmp_path: Path) -> None:
                        ("preamble", workload(rng, docs=0, questions=0, singles=60, preamble=True))):
         src = write(tmp_path / f"{name}.jsonl", recs)
         spec = spec_for(tmp_path, src, run=name, prefix=True)
-        sharded = Path(RunLayout(spec.output, spec.run).sharded)
         p = (await PipelineRun(spec).shard()).layout
         assert p is not None and not p.applied and "kept input order" in p.reason, p
         assert sharded_ids(spec) == [f"{i:012d}" for i in range(len(recs))]

@@ -4,6 +4,7 @@ import asyncio
 import os
 import random
 import tracemalloc
+from pathlib import Path
 
 import orjson
 import pytest
