@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from batch_inference.engines.base import ChatPrompt
 from batch_inference.judges import LLMJudge, MissingFieldError, RuleJudge, build_judge
