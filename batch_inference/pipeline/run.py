@@ -14,22 +14,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any, Protocol
 
-from batch_inference.pipeline import affinity, inputs, passes, placement
+from batch_inference.pipeline import affinity, passes, placement
 from batch_inference.pipeline.fanout import FanOut, Item, NullReporter, Phase, Reporter
 from batch_inference.pipeline.layout import RunLayout, part
 from batch_inference.pipeline.ledger import ConservationError, IdSource, Ledger, check_conservation
 from batch_inference.pipeline.policy import decide_round
+from batch_inference.pipeline.resume import Resume
 from batch_inference.pipeline.runner import PoolPair
-from batch_inference.pipeline.spec import PipelineSpec, SpecChanged, result_changes
+from batch_inference.pipeline.spec import PipelineSpec
 from batch_inference.pipeline.summaries import (
     Decision,
     JudgedRound,
     PhaseSummary,
-    LayoutSummary,
     QuarantineEntry,
     RecompactSummary,
     RunSummary,
@@ -39,7 +38,7 @@ from batch_inference.pipeline.summaries import (
 from batch_inference.pool.protocol import JUDGE_POOL_OUTPUT, REVIEW_OUTPUT, SubmitOrder, TaskResult, TaskRunner, TaskSpec
 from batch_inference.prompting.prefix import PrefixSigner, default_block_size
 from batch_inference.review import lifecycle as review
-from batch_inference.storage import JsonlDir, JsonlFile, ReshardReport
+from batch_inference.storage import JsonlDir, JsonlFile
 from batch_inference.storage.urls import join
 
 log = logging.getLogger(__name__)
@@ -74,6 +73,7 @@ class PipelineRun:
         self.layout = RunLayout(spec.output, spec.run)
         self.storage_options = spec.storage_options or None
         self.ledger = Ledger(self.layout, spec.storage_options)
+        self.resume = Resume(spec, self.layout, self.ledger)
 
     # -- helpers --------------------------------------------------------------------
 
@@ -116,66 +116,15 @@ class PipelineRun:
     async def _fan_out(self, phase: Phase) -> PhaseSummary:
         return await self._fanout(phase).run()
 
-    # -- step: shard ----------------------------------------------------------------
+    # -- step: shard (pipeline.resume) ------------------------------------------------
 
     async def shard(self) -> ShardSummary:
         """Reshard the input once (CPU): ids assigned where missing, duplicate ids reported."""
-        if (done := await asyncio.to_thread(self._done_with_output, RunLayout.SHARD, self.layout.sharded)) is not None:
-            await asyncio.to_thread(self._check_resumed_spec)
-            return ShardSummary.from_dict({**done, "resumed": True})
-        await asyncio.to_thread(self.ledger.write, RunLayout.SPEC, self.spec.public_dict())
-        t0 = time.perf_counter()
-        report, fmt = await self._reshard_input()
-        laid_out = None
-        if self.spec.layout.prefix:
-            laid_out = await asyncio.to_thread(self._lay_out)
-        if report.malformed:
-            log.warning("run %s: %d malformed input line(s) quarantined: see %s", self.spec.run, report.malformed, self.layout.input_quarantine)
-        dups = report.duplicate_ids
-        if dups:
-            log.warning("run %s: %d duplicate input id(s), kept (not merged), e.g. %s", self.spec.run, len(dups), list(dups)[:5])
-        summary = ShardSummary(
-            input_url=self.spec.input, output_url=self.layout.sharded, records=report.records, shards=report.shards,
-            ids_assigned=report.ids_assigned, duplicate_ids=len(dups), duplicate_examples=list(dups)[:10],
-            wall_s=time.perf_counter() - t0, malformed=report.malformed, input_format=fmt, instance=uuid.uuid4().hex[:12],
-            layout=laid_out,
-        )
-        await asyncio.to_thread(self.ledger.write, RunLayout.SHARD, summary.as_dict())
-        return summary
-
-    async def _reshard_input(self) -> tuple[ReshardReport, str]:
-        """The input resharded into ``sharded/``, or what an interrupted shard step already
-        resharded (its ``shard-input`` entry, while ``sharded/`` is still committed)."""
-        done = await asyncio.to_thread(self._done_with_output, RunLayout.SHARD_INPUT, self.layout.sharded)
-        if done is not None:
-            return ReshardReport(**done["report"]), str(done["input_format"])
-        fmt, detected = await asyncio.to_thread(inputs.resolve_format, self.spec)
-        if detected:
-            log.info("run %s: %s is OpenAI Batch input (detected: input_format auto); converting at sharding", self.spec.run, self.spec.input)
-        reader = inputs.openai_reader(self.spec) if fmt == "openai_batch" else None
-        report = await asyncio.to_thread(
-            passes.shard_input, self.spec.input, self.layout.sharded,
-            records_per_shard=self.spec.shard_records, storage_options=self.storage_options,
-            quarantine_url=self.layout.input_quarantine, transform=reader.convert if reader else None,
-        )
-        if reader is not None:  # refused before any GPU time: the shard step is not recorded
-            inputs.check_openai_input(reader, report, self.spec.input)
-        await asyncio.to_thread(self.ledger.write, RunLayout.SHARD_INPUT, {"report": asdict(report), "input_format": fmt})
-        return report, fmt
+        return await self.resume.shard()
 
     def _signer(self) -> PrefixSigner:
         """The layout's signer: the shard step's and recompaction's."""
-        p = self.spec.layout
-        return PrefixSigner.for_engine(self.spec.engine, kind=p.signature, block_size=p.block_size, prefix_tokens=p.prefix_tokens)
-
-    def _lay_out(self) -> LayoutSummary:
-        """``sharded/`` in prefix order (``pipeline.placement``; blocking)."""
-        p = self.spec.layout
-        return placement.layout_by_prefix(
-            self.layout.sharded, signer=self._signer(), infer=self.spec.infer, records_per_shard=self.spec.shard_records,
-            spill_url=self.layout.layout_spill, storage_options=self.storage_options, min_gain=p.min_gain,
-            run_bytes=p.run_bytes,
-        )
+        return self.resume.signer()
 
     def _family_cuts(self) -> placement.FamilyCuts | None:
         """How recompaction cuts its shards: between families when the shard step laid the
@@ -192,27 +141,8 @@ class PipelineRun:
         """The run instance every task id of this run carries (drawn at sharding); every
         step that sends tasks asks for it, so each also checks the spec it resumes under."""
         instance = str(self._require(RunLayout.SHARD, "run shard() first").get("instance", ""))
-        self._check_resumed_spec()
+        self.resume.check_spec()
         return instance
-
-    def _check_resumed_spec(self) -> None:
-        """Refuse to go on under a spec whose result-deciding keys changed since the run
-        started: its output would hold two specs' results, and nothing would say so."""
-        recorded = self.ledger.read(RunLayout.SPEC)
-        if recorded is None:
-            return
-        changed = result_changes(recorded, self.spec.public_dict())
-        if changed:
-            raise SpecChanged(
-                f"run {self.spec.run!r} started under another spec: {', '.join(changed)} changed since "
-                f"{self.layout.ledger_file(RunLayout.SPEC)} was recorded. Resuming would mix the two specs' "
-                f"results. Give the spec a new `run` name, or delete {self.layout.root} to start over, or restore "
-                "those keys to resume.")
-
-    def _done_with_output(self, name: str, output_url: str) -> dict[str, Any] | None:
-        """The step's ledger entry if it finished and its output directory is committed."""
-        data = self.ledger.read(name)
-        return data if data is not None and self._dir(output_url).manifest() is not None else None
 
     def _families(self, items: list[Item]) -> dict[int, str]:
         """Each shard's prefix family for a pool of several workers (``pipeline.affinity``;
@@ -420,7 +350,7 @@ class PipelineRun:
     async def recompact(self, r: int) -> RecompactSummary:
         """rejected(r) -> pending(r + 1) in full shards."""
         name = self.layout.step_name(r + 1, "recompact")
-        if (data := await asyncio.to_thread(self._done_with_output, name, self.layout.pending(r + 1))) is not None:
+        if (data := await asyncio.to_thread(self.resume.done_with_output, name, self.layout.pending(r + 1))) is not None:
             return RecompactSummary.from_dict({**data, "resumed": True})
         await asyncio.to_thread(self._require, self.layout.step_name(r, "judge"), f"run judge({r}) first")
         t0 = time.perf_counter()

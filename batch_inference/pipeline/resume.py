@@ -1,0 +1,120 @@
+"""What a run resumes from: the shard step, and the checks every resumed step makes.
+
+A killed driver re-runs into a resume (``pipeline.run``): each step finds its own ledger
+entry and output and reuses them. That is only right under the spec the run started
+with, for the keys that decide results (``spec.result_changes``); ``Resume`` holds that
+check, the reuse of a step's finished output, and the shard step (the input resharded,
+then laid out in prefix order), whose intermediate ``shard-input`` entry is what an
+interrupted layout pass resumes from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import asdict
+from typing import Any
+
+from batch_inference.pipeline import inputs, passes, placement
+from batch_inference.pipeline.layout import RunLayout
+from batch_inference.pipeline.ledger import Ledger
+from batch_inference.pipeline.spec import PipelineSpec, SpecChanged, result_changes
+from batch_inference.pipeline.summaries import LayoutSummary, ShardSummary
+from batch_inference.prompting.prefix import PrefixSigner
+from batch_inference.storage import JsonlDir, ReshardReport
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Resume"]
+
+
+class Resume:
+    """The run's resume logic over its ledger: the spec check, reusable outputs, the shard step."""
+
+    def __init__(self, spec: PipelineSpec, layout: RunLayout, ledger: Ledger) -> None:
+        self.spec = spec
+        self.layout = layout
+        self.ledger = ledger
+        self.storage_options = spec.storage_options or None
+
+    def check_spec(self) -> None:
+        """Refuse to go on under a spec whose result-deciding keys changed since the run
+        started: its output would hold two specs' results, and nothing would say so."""
+        recorded = self.ledger.read(RunLayout.SPEC)
+        if recorded is None:
+            return
+        changed = result_changes(recorded, self.spec.public_dict())
+        if changed:
+            raise SpecChanged(
+                f"run {self.spec.run!r} started under another spec: {', '.join(changed)} changed since "
+                f"{self.layout.ledger_file(RunLayout.SPEC)} was recorded. Resuming would mix the two specs' "
+                f"results. Give the spec a new `run` name, or delete {self.layout.root} to start over, or restore "
+                "those keys to resume.")
+
+    def done_with_output(self, name: str, output_url: str) -> dict[str, Any] | None:
+        """The step's ledger entry if it finished and its output directory is committed."""
+        data = self.ledger.read(name)
+        return data if data is not None and JsonlDir(output_url, storage_options=self.storage_options).manifest() is not None else None
+
+    # -- the shard step -----------------------------------------------------------------
+
+    async def shard(self) -> ShardSummary:
+        """Reshard the input once (CPU): ids assigned where missing, duplicate ids reported."""
+        if (done := await asyncio.to_thread(self.done_with_output, RunLayout.SHARD, self.layout.sharded)) is not None:
+            await asyncio.to_thread(self.check_spec)
+            return ShardSummary.from_dict({**done, "resumed": True})
+        await asyncio.to_thread(self.ledger.write, RunLayout.SPEC, self.spec.public_dict())
+        t0 = time.perf_counter()
+        report, fmt = await self._reshard_input()
+        laid_out = None
+        if self.spec.layout.prefix:
+            laid_out = await asyncio.to_thread(self._lay_out)
+        if report.malformed:
+            log.warning("run %s: %d malformed input line(s) quarantined: see %s", self.spec.run, report.malformed, self.layout.input_quarantine)
+        dups = report.duplicate_ids
+        if dups:
+            log.warning("run %s: %d duplicate input id(s), kept (not merged), e.g. %s", self.spec.run, len(dups), list(dups)[:5])
+        summary = ShardSummary(
+            input_url=self.spec.input, output_url=self.layout.sharded, records=report.records, shards=report.shards,
+            ids_assigned=report.ids_assigned, duplicate_ids=len(dups), duplicate_examples=list(dups)[:10],
+            wall_s=time.perf_counter() - t0, malformed=report.malformed, input_format=fmt, instance=uuid.uuid4().hex[:12],
+            layout=laid_out,
+        )
+        await asyncio.to_thread(self.ledger.write, RunLayout.SHARD, summary.as_dict())
+        return summary
+
+    async def _reshard_input(self) -> tuple[ReshardReport, str]:
+        """The input resharded into ``sharded/``, or what an interrupted shard step already
+        resharded (its ``shard-input`` entry, while ``sharded/`` is still committed)."""
+        done = await asyncio.to_thread(self.done_with_output, RunLayout.SHARD_INPUT, self.layout.sharded)
+        if done is not None:
+            return ReshardReport(**done["report"]), str(done["input_format"])
+        fmt, detected = await asyncio.to_thread(inputs.resolve_format, self.spec)
+        if detected:
+            log.info("run %s: %s is OpenAI Batch input (detected: input_format auto); converting at sharding", self.spec.run, self.spec.input)
+        reader = inputs.openai_reader(self.spec) if fmt == "openai_batch" else None
+        report = await asyncio.to_thread(
+            passes.shard_input, self.spec.input, self.layout.sharded,
+            records_per_shard=self.spec.shard_records, storage_options=self.storage_options,
+            quarantine_url=self.layout.input_quarantine, transform=reader.convert if reader else None,
+        )
+        if reader is not None:  # refused before any GPU time: the shard step is not recorded
+            inputs.check_openai_input(reader, report, self.spec.input)
+        await asyncio.to_thread(self.ledger.write, RunLayout.SHARD_INPUT, {"report": asdict(report), "input_format": fmt})
+        return report, fmt
+
+    def signer(self) -> PrefixSigner:
+        """The layout's signer: the shard step's and recompaction's."""
+        p = self.spec.layout
+        return PrefixSigner.for_engine(self.spec.engine, kind=p.signature, block_size=p.block_size, prefix_tokens=p.prefix_tokens)
+
+    def _lay_out(self) -> LayoutSummary:
+        """``sharded/`` in prefix order (``pipeline.placement``; blocking)."""
+        p = self.spec.layout
+        return placement.layout_by_prefix(
+            self.layout.sharded, signer=self.signer(), infer=self.spec.infer, records_per_shard=self.spec.shard_records,
+            spill_url=self.layout.layout_spill, storage_options=self.storage_options, min_gain=p.min_gain,
+            run_bytes=p.run_bytes,
+        )
