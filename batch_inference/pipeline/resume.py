@@ -11,11 +11,14 @@ interrupted layout pass resumes from.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import uuid
 from dataclasses import asdict
 from typing import Any
+
+import orjson
 
 from batch_inference.pipeline import inputs, passes, placement
 from batch_inference.pipeline.layout import RunLayout
@@ -27,7 +30,11 @@ from batch_inference.storage import JsonlDir, ReshardReport
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Resume"]
+__all__ = ["Resume", "SHARD_INPUT_KEYS"]
+
+# The spec keys the resharded input (the ``shard-input`` entry and ``sharded/`` before the
+# layout pass) is made from: an entry made under other values is never reused.
+SHARD_INPUT_KEYS = ("input", "input_format", "openai_batch", "shard_records")
 
 
 class Resume:
@@ -61,11 +68,17 @@ class Resume:
     # -- the shard step -----------------------------------------------------------------
 
     async def shard(self) -> ShardSummary:
-        """Reshard the input once (CPU): ids assigned where missing, duplicate ids reported."""
+        """Reshard the input once (CPU): ids assigned where missing, duplicate ids reported.
+
+        The spec is checked before anything is written: a run that already resharded its
+        input (``shard-input``) or finished this step resumes only under the spec it
+        started with, and ``ledger/spec.json`` stays the one it started with. A step that
+        left nothing to resume from starts over under the spec it is given now.
+        """
         if (done := await asyncio.to_thread(self.done_with_output, RunLayout.SHARD, self.layout.sharded)) is not None:
             await asyncio.to_thread(self.check_spec)
             return ShardSummary.from_dict({**done, "resumed": True})
-        await asyncio.to_thread(self.ledger.write, RunLayout.SPEC, self.spec.public_dict())
+        await asyncio.to_thread(self._start)
         t0 = time.perf_counter()
         report, fmt = await self._reshard_input()
         laid_out = None
@@ -77,7 +90,8 @@ class Resume:
         if dups:
             log.warning("run %s: %d duplicate input id(s), kept (not merged), e.g. %s", self.spec.run, len(dups), list(dups)[:5])
         summary = ShardSummary(
-            input_url=self.spec.input, output_url=self.layout.sharded, records=report.records, shards=report.shards,
+            input_url=self.spec.input, output_url=self.layout.sharded, records=report.records,
+            shards=await asyncio.to_thread(self._committed_shards),  # the layout pass cuts its own shards
             ids_assigned=report.ids_assigned, duplicate_ids=len(dups), duplicate_examples=list(dups)[:10],
             wall_s=time.perf_counter() - t0, malformed=report.malformed, input_format=fmt, instance=uuid.uuid4().hex[:12],
             layout=laid_out,
@@ -85,12 +99,36 @@ class Resume:
         await asyncio.to_thread(self.ledger.write, RunLayout.SHARD, summary.as_dict())
         return summary
 
+    def _start(self) -> None:
+        """Check the spec against the recorded one when there is something to resume from,
+        else record it: the run starts (over) under this spec (blocking)."""
+        if self.ledger.read(RunLayout.SPEC) is not None and self.done_with_output(RunLayout.SHARD_INPUT, self.layout.sharded):
+            self.check_spec()
+            return
+        self.ledger.write(RunLayout.SPEC, self.spec.public_dict())
+
+    def _committed_shards(self) -> int:
+        """How many shards ``sharded/`` holds as committed (blocking)."""
+        man = JsonlDir(self.layout.sharded, storage_options=self.storage_options).manifest()
+        return len(man.shards) if man is not None else 0
+
+    def depends(self, keys: tuple[str, ...]) -> str:
+        """A fingerprint of the spec's ``keys``: what an intermediate ledger entry was made
+        from, so that it is reused only under the same values."""
+        data = self.spec.public_dict()
+        return hashlib.sha256(orjson.dumps({k: data.get(k) for k in keys}, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
     async def _reshard_input(self) -> tuple[ReshardReport, str]:
         """The input resharded into ``sharded/``, or what an interrupted shard step already
-        resharded (its ``shard-input`` entry, while ``sharded/`` is still committed)."""
+        resharded (its ``shard-input`` entry, while ``sharded/`` is still committed and the
+        entry was made from this spec's ``SHARD_INPUT_KEYS``)."""
+        spec_keys = self.depends(SHARD_INPUT_KEYS)
         done = await asyncio.to_thread(self.done_with_output, RunLayout.SHARD_INPUT, self.layout.sharded)
-        if done is not None:
+        if done is not None and done.get("spec") == spec_keys:
             return ReshardReport(**done["report"]), str(done["input_format"])
+        if done is not None:
+            log.info("run %s: %s was resharded under other %s: resharding it again", self.spec.run, self.layout.sharded,
+                     "/".join(SHARD_INPUT_KEYS))
         fmt, detected = await asyncio.to_thread(inputs.resolve_format, self.spec)
         if detected:
             log.info("run %s: %s is OpenAI Batch input (detected: input_format auto); converting at sharding", self.spec.run, self.spec.input)
@@ -102,7 +140,8 @@ class Resume:
         )
         if reader is not None:  # refused before any GPU time: the shard step is not recorded
             inputs.check_openai_input(reader, report, self.spec.input)
-        await asyncio.to_thread(self.ledger.write, RunLayout.SHARD_INPUT, {"report": asdict(report), "input_format": fmt})
+        await asyncio.to_thread(self.ledger.write, RunLayout.SHARD_INPUT,
+                                {"report": asdict(report), "input_format": fmt, "spec": spec_keys})
         return report, fmt
 
     def signer(self) -> PrefixSigner:

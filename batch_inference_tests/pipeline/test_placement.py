@@ -372,3 +372,14 @@ async def test_recompaction_cuts_its_shards_between_families(tmp_path: Path) -> 
         assert straddled > 0  # the workload has families a count cut would split
     assert outcomes[True] == outcomes[False]
     assert len(outcomes[True]) == len(recs)
+
+
+async def test_the_ledger_counts_the_shards_the_layout_committed(tmp_path: Path) -> None:
+    # 64 records resharded by 8 are 8 shards; cut between families of 6 they are 9 (issue 27 item 8)
+    src = write(tmp_path / "in.jsonl", workload(random.Random(11), docs=9, questions=6, singles=10, preamble=False))
+    spec = spec_for(tmp_path, src, run="count", prefix=True, shard_records=8)
+    shard = await PipelineRun(spec).shard()
+    committed = JsonlDir(RunLayout(spec.output, spec.run).sharded).manifest()
+    assert shard.layout is not None and shard.layout.applied
+    assert committed is not None and shard.shards == len(committed.shards) == 9
+    assert PipelineRun(spec).ledger.view().shard.shards == 9  # what `status` and the sharded asset show

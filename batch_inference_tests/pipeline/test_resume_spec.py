@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import orjson
 import pytest
 from click.testing import CliRunner
 
 from batch_inference.cli.main import cli
-from batch_inference.pipeline import run_pipeline
+from batch_inference.pipeline import PipelineRun, RunLayout, run_pipeline
 from batch_inference.pipeline.spec import SpecChanged, result_changes
+from batch_inference.storage import JsonlDir
+from batch_inference_tests.pipeline.helpers import write_input
 
 
 def test_result_changes_name_the_dotted_keys_that_decide_results() -> None:
@@ -60,3 +65,59 @@ def test_the_cli_names_the_changed_key(tmp_path, make_spec) -> None:
     path.write_text(yaml.safe_dump(make_spec(records=100, approval=1.0, engine={"seed": 3}).model_dump(mode="json")))
     res = CliRunner().invoke(cli, ["run", str(path)])
     assert res.exit_code != 0 and "engine.seed changed" in res.output and "SpecChanged" in res.output
+
+
+async def _stopped_in_the_layout_pass(spec, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the shard step until it has resharded and is inside the layout pass, and stop it
+    there (a killed driver leaves the same ledger: ``shard-input``, no ``shard``)."""
+    def killed(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt("killed in the layout pass")
+
+    with monkeypatch.context() as m:
+        m.setattr("batch_inference.pipeline.placement.layout_by_prefix", killed)
+        with pytest.raises(KeyboardInterrupt):
+            await PipelineRun(spec).shard()
+
+
+def _prompts(spec) -> list[str]:
+    return [r["prompt"] for r in JsonlDir(RunLayout(spec.output, spec.run).sharded).iter_records_sync()]
+
+
+async def test_a_shard_step_stopped_in_the_layout_pass_refuses_another_input(tmp_path: Path, make_spec,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    first = make_spec(records=50)
+    await _stopped_in_the_layout_pass(first, monkeypatch)
+    ledger = Path(RunLayout(first.output, first.run).ledger)
+    assert (ledger / "shard-input.json").exists() and not (ledger / "shard.json").exists()
+    other = write_input(tmp_path / "other.jsonl", 30)
+    edited = make_spec(records=50, input=str(other))
+    with pytest.raises(SpecChanged, match=r"input changed"):  # the spec is compared before anything is written
+        await PipelineRun(edited).shard()
+    assert orjson.loads((ledger / "spec.json").read_bytes())["input"] == first.input  # the spec the run started with
+    shard = await PipelineRun(first).shard()  # the spec it started with resumes
+    assert shard.records == 50
+
+
+async def test_a_resharded_input_is_reused_only_under_the_keys_it_was_made_from(tmp_path: Path, make_spec,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    first = make_spec(records=50)
+    await _stopped_in_the_layout_pass(first, monkeypatch)
+    # a ledger without the recorded spec (an older run's): the shard-input entry's own fingerprint decides
+    (Path(RunLayout(first.output, first.run).ledger) / "spec.json").unlink()
+    other = write_input(tmp_path / "other.jsonl", 30)
+    edited = make_spec(records=50, input=str(other))
+    shard = await PipelineRun(edited).shard()
+    assert shard.records == 30 and len(_prompts(edited)) == 30  # the new input's records, not the old ones
+    # a key that decides no result (shard_records) but made the entry: resharded too, and resumed without a complaint
+    smaller = make_spec(records=50, input=str(other), shard_records=10, run="smaller")
+    await _stopped_in_the_layout_pass(smaller, monkeypatch)
+    resumed = await PipelineRun(make_spec(records=50, input=str(other), shard_records=7, run="smaller")).shard()
+    assert resumed.records == 30 and resumed.shards == len(JsonlDir(RunLayout(smaller.output, "smaller").sharded).shards())
+
+
+async def test_a_start_that_left_nothing_to_resume_starts_over_under_the_edited_spec(tmp_path: Path, make_spec) -> None:
+    missing = make_spec(records=50, input=str(tmp_path / "nope.jsonl"))
+    with pytest.raises(Exception, match="nope.jsonl"):
+        await PipelineRun(missing).shard()
+    fixed = make_spec(records=50)
+    assert (await PipelineRun(fixed).shard()).records == 50
