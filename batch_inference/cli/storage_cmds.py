@@ -8,7 +8,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from batch_inference.storage import JsonlDir, JsonlFile, reshard
+from batch_inference.storage import JsonlDir, JsonlFile, ReshardReport, UnreadableInputError, input_format, reshard
+from batch_inference.storage.sources import READABLE
 from batch_inference.storage.directory import DEFAULT_MAX_BYTES
 
 
@@ -30,10 +31,13 @@ def shard(src: str, dst: str, records_per_shard: int, max_bytes_per_shard: int, 
     """
     console = Console(stderr=True)
     t0 = time.perf_counter()
-    report = reshard(
-        src, dst, records_per_shard=records_per_shard, max_bytes_per_shard=max_bytes_per_shard,
-        compression=None if compression == "none" else "zstd", assign_ids=not no_ids,
-    )
+    try:
+        report = reshard(
+            src, dst, records_per_shard=records_per_shard, max_bytes_per_shard=max_bytes_per_shard,
+            compression=None if compression == "none" else "zstd", assign_ids=not no_ids,
+        )
+    except (UnreadableInputError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from None
     wall = time.perf_counter() - t0
     console.print(
         f"[green]wrote[/] {report.records:,} records in {report.shards:,} shards to {JsonlDir(dst).url} "
@@ -48,9 +52,17 @@ def shard(src: str, dst: str, records_per_shard: int, max_bytes_per_shard: int, 
 @click.command()
 @click.argument("url")
 def inspect(url: str) -> None:
-    """Show shard count, record count, bytes and compression of a shard file or directory."""
+    """Show shard count, record count, bytes and compression of a shard file or directory.
+
+    Exits 1 on a folder holding files of no format the readers know (named by extension),
+    and on a file none of whose lines is a record.
+    """
     console = Console()
     probe = JsonlFile(url)
+    try:
+        input_format(url)
+    except (UnreadableInputError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from None
     if probe.fs.isdir(probe.path):
         d = JsonlDir(url)
         man = d.manifest()
@@ -62,11 +74,16 @@ def inspect(url: str) -> None:
             rows = [(s.name, sum(1 for _ in s.iter_records_sync()), None, s.fs.size(s.path)) for s in shards]
             source = "listing (no manifest: records counted by reading)"
         compression = sorted({"zstd" if s.compressed else "none" for s in shards}) or ["-"]
-    elif probe.exists_sync():
-        rows = [(probe.name, sum(1 for _ in probe.iter_records_sync()), None, probe.fs.size(probe.path))]
-        source, compression = "file", ["zstd" if probe.compressed else "none"]
     else:
-        raise click.ClickException(f"No such file or directory: {probe.url}")
+        bad = ReshardReport()
+        records = sum(1 for _ in probe.iter_records_sync(on_error="quarantine", quarantine=bad.count_malformed))
+        if bad.malformed and not records:
+            raise click.ClickException(f"{probe.url}: {bad.malformed} line(s), none of them a JSON object: "
+                                       f"not a format this input reads (it reads {READABLE})")
+        rows = [(probe.name, records, None, probe.fs.size(probe.path))]
+        source, compression = "file", ["zstd" if probe.compressed else "none"]
+        if bad.malformed:
+            source += f"; {bad.malformed} malformed line(s) not counted, e.g. line {bad.malformed_lines[0]['line']}"
 
     table = Table(title=f"{probe.url}  ({source})")
     for col in ("shard", "records", "bytes (raw)", "bytes (stored)"):

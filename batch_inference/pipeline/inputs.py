@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 from batch_inference.pipeline.spec import PipelineSpec, SpecError
 from batch_inference.prompting.openai_batch import OpenAIBatchReader, looks_like_openai_batch
-from batch_inference.storage import JsonlDir, JsonlFile, ReshardReport
+from batch_inference.storage import JsonlDir, JsonlFile, ReshardReport, UnreadableInputError, open_source
+from batch_inference.storage.sources import READABLE
 
 log = logging.getLogger(__name__)
 
@@ -32,16 +33,48 @@ def first_numbered(url: str, n: int, storage_options: dict[str, Any] | None = No
     """``first_records`` with each record's 0-based line number, the one sharding makes its id from."""
     if n <= 0:
         return []
-    probe = JsonlFile(url, storage_options=storage_options)
-    source: JsonlFile | JsonlDir = JsonlDir(url, storage_options=storage_options) if probe.fs.isdir(probe.path) else probe
-    if isinstance(source, JsonlFile) and not source.exists_sync():
-        raise InputError(f"input: {probe.url} does not exist")
+    source = open_input(url, storage_options)
     out: list[tuple[int, dict[str, Any]]] = []
     for item in source.iter_numbered_sync(on_error="quarantine", quarantine=lambda entry: None):
         out.append(item)
         if len(out) >= n:
             break
     return out
+
+
+def open_input(url: str, storage_options: dict[str, Any] | None = None) -> JsonlFile | JsonlDir:
+    """The input's reader (``storage.open_source``); an input that is not there, or a folder
+    of files no reader reads, is an ``InputError`` naming what was found."""
+    try:
+        return open_source(url, storage_options)
+    except UnreadableInputError as exc:
+        raise InputError(f"input: {exc}") from None
+    except FileNotFoundError:
+        raise InputError(f"input: {JsonlFile(url, storage_options=storage_options).url} does not exist") from None
+
+
+def check_records(spec: PipelineSpec, records: int, malformed: int | None = None) -> None:
+    """Refuse an input that yields no records: a run of nothing that ends "converged" hides
+    a wrong path or a format no reader reads. Lines that are none of them records (a
+    ``.csv`` read as JSONL) are always refused; a truly empty input runs only when the spec
+    says it may (``input: {url: ..., allow_empty: true}``). ``malformed``: the input's lines
+    that were not records, when the caller counted them (else counted here)."""
+    if records:
+        return
+    source = open_input(spec.input, spec.storage_options or None)
+    if malformed is None:
+        report = ReshardReport()
+        for _ in source.iter_numbered_sync(on_error="quarantine", quarantine=report.count_malformed):
+            pass
+        malformed = report.malformed
+    if malformed:
+        raise InputError(f"input: {source.url} yields no records: {malformed} line(s), none of them a JSON object: "
+                         f"not a format this input reads (it reads {READABLE})")
+    if spec.input_options.allow_empty:
+        return
+    what = "an empty folder" if isinstance(source, JsonlDir) else "an empty file"
+    raise InputError(f"input: {source.url} yields no records ({what}): nothing to run. If that is expected, say so: "
+                     f"input: {{url: {spec.input}, allow_empty: true}}")
 
 
 def resolve_format(spec: PipelineSpec, first: list[dict[str, Any]] | None = None) -> tuple[InputFormat, bool]:

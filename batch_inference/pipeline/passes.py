@@ -49,10 +49,10 @@ MAX_RAW_CHARS = 4096  # of a malformed line kept in its quarantine entry
 
 
 def shard_input(
-    src: str, dst: str, *, records_per_shard: int, storage_options: dict[str, Any] | None = None,
+    src: str | JsonlFile | JsonlDir, dst: str, *, records_per_shard: int, storage_options: dict[str, Any] | None = None,
     quarantine_url: str | None = None, transform: Callable[[dict, int], dict] | None = None,
 ) -> ReshardReport:
-    """Reshard ``src`` (a JSONL(.zst) file or a JsonlDir) into ``dst``; ids assigned when missing.
+    """Reshard ``src`` (a JSONL(.zst) file or a JsonlDir, or its reader) into ``dst``; ids assigned when missing.
 
     Duplicate input ids are reported (``report.duplicate_ids``), never merged. With
     ``quarantine_url``, malformed lines (bad JSON, bad UTF-8, not an object) are written

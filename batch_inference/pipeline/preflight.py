@@ -157,6 +157,8 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
         raise SpecError(f"{_prompt_key(spec)}: {exc}") from None
     so = spec.storage_options or None
     head = inputs.first_numbered(sharded or spec.input, max(spec.preflight_records, 1), so)
+    if not head and not sharded:
+        inputs.check_records(spec, 0)
     fmt, detected = ("jsonl", False) if sharded else inputs.resolve_format(spec, [rec for _, rec in head])
     openai = fmt == "openai_batch"
     if openai:  # lines with file-level problems are the full check's to report (the file is refused)

@@ -133,11 +133,13 @@ class Resume:
         if detected:
             log.info("run %s: %s is OpenAI Batch input (detected: input_format auto); converting at sharding", self.spec.run, self.spec.input)
         reader = inputs.openai_reader(self.spec) if fmt == "openai_batch" else None
+        source = await asyncio.to_thread(inputs.open_input, self.spec.input, self.storage_options)
         report = await asyncio.to_thread(
-            passes.shard_input, self.spec.input, self.layout.sharded,
+            passes.shard_input, source, self.layout.sharded,
             records_per_shard=self.spec.shard_records, storage_options=self.storage_options,
             quarantine_url=self.layout.input_quarantine, transform=reader.convert if reader else None,
         )
+        inputs.check_records(self.spec, report.records, report.malformed)  # refused, not recorded: nothing to run
         if reader is not None:  # refused before any GPU time: the shard step is not recorded
             inputs.check_openai_input(reader, report, self.spec.input)
         await asyncio.to_thread(self.ledger.write, RunLayout.SHARD_INPUT,

@@ -222,11 +222,19 @@ class OpenAIBatchOptions(_Strict):
     check_model: bool = Field(True, description="refuse requests naming another model (false: answer them all)")
 
 
+class InputOptions(_Strict):
+    """How the input is read, beyond its URL (``input: {url: ..., allow_empty: true}``)."""
+
+    allow_empty: bool = Field(False, description="an input with no records runs as an empty run (default: refused)")
+
+
 class PipelineSpec(_Strict):
     """Everything one pipeline run needs. ``PipelineSpec.load(path)`` reads YAML or TOML."""
 
     run: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", description="run name: the run's folder under output")
     input: str = Field(min_length=1, description="input JSONL(.zst) file or JsonlDir URL")
+    input_options: InputOptions = Field(
+        default_factory=InputOptions, description="written as `input: {url: ..., allow_empty: ...}`; recorded here")
     input_format: Literal["auto", "jsonl", "openai_batch"] = Field(
         "auto", description="auto: OpenAI Batch request lines are detected from the first record (and logged)")
     openai_batch: OpenAIBatchOptions = Field(default_factory=OpenAIBatchOptions)
@@ -246,6 +254,19 @@ class PipelineSpec(_Strict):
     review: ReviewPolicy = Field(default_factory=ReviewPolicy)
     layout: LayoutSpec = Field(default_factory=LayoutSpec)
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _input_mapping(cls, data: Any) -> Any:
+        """``input: {url: ..., allow_empty: true}`` is ``input: <url>`` plus its options."""
+        if isinstance(data, dict) and isinstance(data.get("input"), dict):
+            data = dict(data)
+            options = dict(data.pop("input"))
+            if "url" not in options:
+                raise ValueError("input.url: missing required key (input: {url: <file or folder>, allow_empty: true})")
+            data["input"] = options.pop("url")
+            data["input_options"] = {**(data.get("input_options") or {}), **options}
+        return data
 
     @model_validator(mode="after")
     def _check_structured_output(self) -> PipelineSpec:

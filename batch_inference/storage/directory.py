@@ -35,10 +35,10 @@ Compression = Literal["zstd"] | None
 
 MANIFEST_NAME = "_manifest.json"
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
-_SHARD_RE = re.compile(r"^[^._].*\.jsonl(\.zst)?$")
+SHARD_RE = re.compile(r"^[^._].*\.jsonl(\.zst)?$")
 
 
-def _natural_key(name: str) -> tuple:
+def natural_key(name: str) -> tuple:
     """Sort key that orders ``part-99999`` before ``part-100000`` (write order at any count)."""
     return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
 
@@ -113,8 +113,8 @@ class JsonlDir:
         man = self.manifest()
         if man is not None:
             return [self._file(s["name"]) for s in man.shards]
-        names = [n for n in self._listed_names() if _SHARD_RE.match(n)]
-        return [self._file(n) for n in sorted(names, key=_natural_key)]
+        names = [n for n in self._listed_names() if SHARD_RE.match(n)]
+        return [self._file(n) for n in sorted(names, key=natural_key)]
 
     def count_records(self) -> int:
         """From the manifest when present, else by streaming every shard."""
@@ -218,7 +218,7 @@ class _DirSession:
         try:
             fs, path = self.dir.fs, self.dir.path
             fs.invalidate_cache(path)
-            stale = [e for e in fs.ls(path, detail=False) if _SHARD_RE.match(urls.basename(e)) or urls.basename(e) == MANIFEST_NAME]
+            stale = [e for e in fs.ls(path, detail=False) if SHARD_RE.match(urls.basename(e)) or urls.basename(e) == MANIFEST_NAME]
             if stale:
                 fs.rm(sorted(stale, key=lambda e: urls.basename(e) != MANIFEST_NAME))  # manifest first
         except BaseException:

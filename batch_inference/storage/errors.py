@@ -25,3 +25,11 @@ class ConcurrentWriteError(RuntimeError):
     def __init__(self, url: str, holder: dict | None, reason: str) -> None:
         self.url, self.holder = url, holder
         super().__init__(f"{url}: {reason} (lock holder: {holder})")
+
+
+class UnreadableInputError(ValueError):
+    """An input of no format the readers know (a folder of ``.csv`` files): refused, never read as empty."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        self.url, self.reason = url, reason
+        super().__init__(f"{url}: {reason}")

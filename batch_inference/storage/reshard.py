@@ -18,6 +18,7 @@ from typing import Any
 
 from batch_inference.storage.directory import DEFAULT_MAX_BYTES, Compression, JsonlDir
 from batch_inference.storage.file import JsonlFile, OnError, QuarantineSink
+from batch_inference.storage.sources import open_source
 
 MALFORMED_EXAMPLES = 5  # malformed lines a report names by file and line
 BLOOM_BYTES = 64 * 1024 * 1024  # 512 Mi bits: ~0.1% false suspects at 100M ids (k=4)
@@ -66,14 +67,10 @@ def assigned_id(pos: int) -> str:
 
 
 def _source(src: str | JsonlFile | JsonlDir, storage_options: dict | None) -> JsonlFile | JsonlDir:
+    """The reader of ``src`` (``sources.open_source``: a folder of no known format is refused)."""
     if isinstance(src, (JsonlFile, JsonlDir)):
         return src
-    probe = JsonlFile(src, storage_options=storage_options)
-    if probe.fs.isdir(probe.path):
-        return JsonlDir(src, storage_options=storage_options)
-    if not probe.exists_sync():
-        raise FileNotFoundError(f"No such file or directory: {probe.url}")
-    return probe
+    return open_source(src, storage_options)
 
 
 def reshard(

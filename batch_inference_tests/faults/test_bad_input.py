@@ -14,6 +14,7 @@ import yaml
 import zstandard
 
 from batch_inference.pipeline import ConservationError, PipelineRun, PipelineSpec, RunLayout, SpecError, run_pipeline
+from batch_inference.pipeline.inputs import InputError
 from batch_inference.pipeline.preflight import preflight
 from batch_inference.storage import CorruptShardError, JsonlDir, JsonlFile
 from batch_inference_tests.faults.helpers import assert_conserved, make_spec, spec_data, terminal_states, write_input
@@ -158,13 +159,75 @@ async def test_duplicate_ids_are_reported_and_each_copy_conserved(tmp_path: Path
     assert Counter(len(s) for s in states.values()) == {1: 95, 2: 5}  # each copy exactly once
 
 
-async def test_empty_input_completes_with_nothing_to_do(tmp_path: Path) -> None:
+async def test_empty_input_is_refused_unless_the_spec_allows_it(tmp_path: Path) -> None:
+    """An input of no records is refused by validate and run (a wrong path, an export that
+    wrote nothing); ``input: {url, allow_empty: true}`` runs it as an empty, converged run."""
     src = tmp_path / "input.jsonl"
     src.write_bytes(b"")
+    empty_dir = tmp_path / "drop"
+    empty_dir.mkdir()
+    for where, what in ((src, "an empty file"), (empty_dir, "an empty folder")):
+        spec = make_spec(tmp_path, input=str(where), run="refused")
+        with pytest.raises(InputError, match=f"yields no records \\({what}\\).*allow_empty: true"):
+            preflight(spec)
+        with pytest.raises(InputError, match="yields no records"):
+            await run_pipeline(spec)
+        with pytest.raises(InputError, match="yields no records"):  # the Dagster shard step, without the preflight
+            await PipelineRun(spec).shard()
+        assert PipelineRun(spec).ledger.read(RunLayout.SHARD) is None
     for strategy in ("rounds", "in_place"):
-        spec = make_spec(tmp_path, input=str(src), strategy=strategy, run=f"empty-{strategy}")
+        spec = make_spec(tmp_path, input={"url": str(src), "allow_empty": True}, strategy=strategy, run=f"empty-{strategy}")
+        assert preflight(spec).checked_records == 0
         summary = await run_pipeline(spec)
         assert summary.records == 0 and summary.status == "converged" and summary.conservation["ok"]
+
+
+def _csv_folder(tmp_path: Path, n: int = 3, *, beside_jsonl: bool = False) -> Path:
+    folder = tmp_path / "csv"
+    folder.mkdir()
+    for i in range(n):
+        (folder / f"part-{i}.csv").write_text("id,prompt\n" + "".join(f"{i}-{j},question {j}\n" for j in range(500)))
+    (folder / "_SUCCESS").write_text("")  # metadata names (underscore, dot) are never data
+    if beside_jsonl:
+        write_input(folder / "part-9.jsonl", 5)
+    return folder
+
+
+@pytest.mark.parametrize("shape", ["folder", "file", "mixed"])
+async def test_input_of_no_known_format_is_refused_naming_what_was_found(tmp_path: Path, shape: str) -> None:
+    """A folder of CSV files, a single CSV file, or CSV files beside JSONL shards: refused by
+    validate, run and the shard step, naming the files, never run as an empty (or partial) run."""
+    folder = _csv_folder(tmp_path, beside_jsonl=shape == "mixed")
+    src = folder / "part-0.csv" if shape == "file" else folder
+    expected = {"folder": "3 files \\*.csv: not a format this input reads",
+                "mixed": "3 files \\*.csv: not a format this input reads beside 1 it reads",
+                "file": "part-0.csv yields no records: 501 line\\(s\\), none of them a JSON object: not a format this input reads"}[shape]
+    spec = make_spec(tmp_path, input={"url": str(src), "allow_empty": True})  # allowing empty input does not allow these
+    with pytest.raises(InputError, match=expected):
+        preflight(spec)
+    with pytest.raises(InputError, match=expected):
+        await run_pipeline(spec)
+    with pytest.raises(InputError, match=expected):
+        await PipelineRun(spec).shard()
+    assert PipelineRun(spec).ledger.read(RunLayout.SHARD) is None
+
+
+def test_validate_and_inspect_exit_non_zero_on_a_folder_of_no_known_format(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from batch_inference.cli.pipeline_cmds import validate
+    from batch_inference.cli.storage_cmds import inspect
+
+    folder = _csv_folder(tmp_path)
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(spec_data(tmp_path, input=str(folder))))
+    checked = CliRunner().invoke(validate, [str(spec_path)], terminal_width=200)
+    assert checked.exit_code == 1 and "3 files *.csv: not a format this input reads" in checked.output, checked.output
+    assert "can run" not in checked.output
+    shown = CliRunner().invoke(inspect, [str(folder)], terminal_width=200)
+    assert shown.exit_code == 1 and "3 files *.csv" in shown.output, shown.output
+    one = CliRunner().invoke(inspect, [str(folder / "part-1.csv")], terminal_width=200)
+    assert one.exit_code == 1 and "none of them a JSON object" in one.output, one.output
 
 
 @pytest.mark.process

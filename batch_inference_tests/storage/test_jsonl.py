@@ -358,7 +358,7 @@ def test_names_sort_in_write_order_across_digit_widths() -> None:
     assert names[6:8] == ["part-99999.jsonl.zst", "part-100000.jsonl.zst"]
     shuffled = names[:]
     random.Random(1).shuffle(shuffled)
-    assert sorted(shuffled, key=directory._natural_key) == names
+    assert sorted(shuffled, key=directory.natural_key) == names
 
 
 async def test_dir_rewrite_drops_old_shards_and_failed_write_leaves_nothing(base_url: str) -> None:
