@@ -32,6 +32,8 @@ _EXPORTS: dict[str, str] = {
     "status": "batch_inference.review.lifecycle",
     "open_queue": "batch_inference.review.lifecycle",
     "queue_rows": "batch_inference.review.lifecycle",
+    "keyed_rows": "batch_inference.review.lifecycle",
+    "review_keys": "batch_inference.review.lifecycle",
     "resolve": "batch_inference.review.lifecycle",
     "ReviewQueue": "batch_inference.review.queue",
     "Item": "batch_inference.review.queue",

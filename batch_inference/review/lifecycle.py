@@ -11,7 +11,11 @@ server reads to tell a reviewer whether a verdict that landed meanwhile counted:
 clock of either machine is compared), applies the timeout policy to what is still waiting, and writes
 approved rows into ``results/round-NN-review-part-i`` and rejected rows beside the
 judge's in ``round-NN/rejected/review-part-i``, so the next round, the tail and the
-checks read them like any other.
+checks read them like any other. What it read is checked before it is sealed: a record an
+undo handed back meanwhile reopens the round instead.
+
+Every queue row is decided on its own, named by its key (:func:`review_keys`): an input
+may repeat an id.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from batch_inference.pipeline.layout import RunLayout
 from batch_inference.pipeline.ledger import Ledger
 from batch_inference.pipeline.spec import PipelineSpec
 from batch_inference.pipeline.summaries import ReviewSummary, _Summary  # ReviewSummary: read by the ledger view too
-from batch_inference.review.verdicts import ReviewLog, fold
+from batch_inference.review.verdicts import Fold, ReviewLog, fold
 from batch_inference.storage import JsonlDir, JsonlFile
 
 AWAITING_REVIEW = Status.AWAITING_REVIEW.value
@@ -55,8 +59,13 @@ def ledger_seal(r: int) -> str:
 
 
 def closing(ledger: Ledger, r: int) -> bool:
-    """Whether round ``r``'s review is closing or closed: no verdict is taken any more."""
-    return ledger.read(ledger_closing(r)) is not None
+    """Whether round ``r``'s review is closing or closed: no verdict is taken any more.
+
+    A close that finds a record undecided in what it read (an undo landed as it began)
+    does not seal: it overwrites its marker with ``reopened`` and the round is open again.
+    """
+    marker = ledger.read(ledger_closing(r))
+    return marker is not None and not marker.get("reopened")
 
 
 def ledger_resolved(r: int) -> str:
@@ -145,10 +154,45 @@ def queue_rows(layout: RunLayout, r: int, storage_options: dict[str, Any] | None
             yield index, row
 
 
+def review_keys(ids: list[str]) -> list[str]:
+    """A key per queue row, unique in the round, in queue order: the record's id, or
+    ``id#2``, ``id#3``... for a later row with the same id (an input may repeat an id, and
+    each row is decided). A suffix another row's id already holds is skipped, so keys never
+    collide; the queue is written once, so its order, and every key, is stable."""
+    taken = set(ids)
+    seen: set[str] = set()
+    keys = []
+    for rid in ids:
+        key, n = rid, 1
+        while key in seen or (n > 1 and key in taken):
+            n += 1
+            key = f"{rid}#{n}"
+        seen.add(key)
+        keys.append(key)
+    return keys
+
+
+def keyed_rows(layout: RunLayout, r: int, storage_options: dict[str, Any] | None) -> Iterator[tuple[str, int, dict[str, Any]]]:
+    """(review key, judge shard index, row) of every record in round ``r``'s review queue:
+    a verdict, a lease and the fold name a row by its key (:func:`review_keys`)."""
+    keys = review_keys([str(row.get("id")) for _, row in queue_rows(layout, r, storage_options)])
+    for key, (index, row) in zip(keys, queue_rows(layout, r, storage_options), strict=True):
+        yield key, index, row
+
+
+def _undecided(f: Fold, layout: RunLayout, r: int, opts: dict[str, Any] | None, policy: str | None) -> list[str]:
+    """Keys of the queue's rows that neither a verdict in ``f`` nor ``policy`` decides."""
+    if policy in ("approve", "reject"):
+        return []
+    return [key for key, _, _ in keyed_rows(layout, r, opts) if key not in f.decided]
+
+
 def resolve(spec: PipelineSpec, layout: RunLayout, ledger: Ledger, r: int, *, now: float | None = None) -> ReviewSummary:
     """Close round ``r``'s review (blocking, idempotent): seal, apply the policy, write the outcome.
 
-    Raises :class:`ReviewPending` while records wait and the policy does not decide them.
+    Raises :class:`ReviewPending` while records wait and the policy does not decide them,
+    also when an undo landed as the close began: what the close read is checked before it
+    is sealed, and a round it cannot decide is reopened, never sealed.
     """
     if (done := ledger.read(ledger_resolved(r))) is not None:
         return ReviewSummary.from_dict(done)
@@ -158,17 +202,24 @@ def resolve(spec: PipelineSpec, layout: RunLayout, ledger: Ledger, r: int, *, no
     seal = ledger.read(ledger_seal(r))
     if seal is None:
         marked = ledger.read(ledger_closing(r))
-        if marked is None:
+        if marked is None or marked.get("reopened"):
             st = status(spec, layout, ledger, r, now=now)
             if not st.resolvable:
                 raise ReviewPending(f"run {spec.run!r} round {r}: {st.text}")
             marked = {"round": r, "at": time.time() if now is None else now, "due": st.due}
             ledger.write(ledger_closing(r), marked)
-        # Read after the marker: every verdict whose write finished before a server saw the
-        # marker is in the log now, and no server writes one after seeing it. The snapshot,
-        # not a segment list or a time: a server may compact the log, and clocks differ.
+        # Read after the marker: every verdict (or undo) whose write finished before a server
+        # saw the marker is in the log now, and no server writes one after seeing it. The
+        # snapshot, not a segment list or a time: a server may compact the log, and clocks differ.
         segments = len(log.segment_names())
         entries = log.entries()
+        undecided = _undecided(fold(entries), layout, r, opts, spec.review.then if marked["due"] else None)
+        if undecided:
+            # An undo landed between the status read and the marker: the server told its
+            # reviewer the record is theirs again, so the close must not decide without it.
+            ledger.write(ledger_closing(r), {"round": r, "reopened": True, "at": time.time(), "undecided": undecided[:50]})
+            raise ReviewPending(f"run {spec.run!r} round {r}: the review was reopened as it closed: {len(undecided)} record(s) "
+                                f"undone meanwhile wait again (e.g. {undecided[0]!r})")
         log.write_sealed(entries)
         seal = {"round": r, "at": float(marked["at"]), "entries": len(entries), "segments": segments, "due": marked["due"]}
         ledger.write(ledger_seal(r), seal)
@@ -181,13 +232,14 @@ def resolve(spec: PipelineSpec, layout: RunLayout, ledger: Ledger, r: int, *, no
     by_reviewer: Counter[str] = Counter()
     by_verdict: Counter[str] = Counter()
     timed_out = records = 0
-    for index, row in queue_rows(layout, r, opts):
+    for key, index, row in keyed_rows(layout, r, opts):
         records += 1
         yes, no = by_index.setdefault(index, ([], []))
-        e = f.decided.get(str(row.get("id")))
+        e = f.decided.get(key)
         if e is None:
-            if policy not in ("approve", "reject"):  # sealed on an empty queue: cannot happen unless edited
-                raise ReviewPending(f"run {spec.run!r} round {r}: record {row.get('id')!r} has no verdict and no policy decides it")
+            if policy not in ("approve", "reject"):  # checked before the seal: cannot happen unless edited
+                raise ReviewClosed(f"run {spec.run!r} round {r}: record {row.get('id')!r} has no verdict in the sealed "
+                                   f"snapshot and no policy decides it")
             timed_out += 1
             e = {"verdict": policy, "reviewer": TIMEOUT_REVIEWER, "reason": f"review timed out after {spec.review.after:g}s",
                  "at_ns": int(float(seal["at"]) * 1e9), "entry": None, "edited_result": None}

@@ -7,9 +7,10 @@ external assets). The queue, the verdict log and the leases are
 Routes: ``GET /`` (the page), ``GET /static/*``, ``GET /health``; the API, all JSON:
 ``GET /api/progress`` (done, left, per reviewer, rate, ETA, rounds, reasons; ``?round=``,
 ``?reason=``), ``POST /api/next`` ``{round?, reason?, skip?}`` -> the next record (leased
-to you) or ``{"record": null}``, ``POST /api/verdict`` ``{round, id, verdict, reason?,
+to you) or ``{"record": null}``, ``POST /api/verdict`` ``{round, key, verdict, reason?,
 edited_result?}`` -> ``{"result": "decided" | "conflict", ...}`` (409 once the round's
-review is closed), ``POST /api/release`` ``{round, id}`` (skip), ``POST /api/undo``.
+review is closed), ``POST /api/release`` ``{round, key}`` (skip), ``POST /api/undo``. A
+record is named by its ``key`` (``id`` is taken where no key is given): docs/review.md.
 
 Who reviews: with a reviewers file (``name: token`` per reviewer) every API call needs
 ``Authorization: Bearer <token>`` and the name comes from the token; without one the
@@ -151,6 +152,12 @@ def create_app(queue: ReviewQueue, *, reviewers: dict[str, str] | None = None, d
         except (TypeError, ValueError):
             raise web.HTTPBadRequest(text=f"round must be a number, got {value!r}") from None
 
+    def _key(data: dict[str, Any]) -> str | None:
+        """The queue row a request names: ``key`` as ``/api/next`` gave it, else ``id`` (the same
+        for every record whose id the input does not repeat)."""
+        value = data.get("key") if data.get("key") is not None else data.get("id")
+        return None if value is None else str(value)
+
     async def body(request: web.Request) -> dict[str, Any]:
         try:
             data = orjson.loads(await request.read() or b"{}")
@@ -168,7 +175,7 @@ def create_app(queue: ReviewQueue, *, reviewers: dict[str, str] | None = None, d
         data = await body(request)
         skip = data.get("skip") or []
         if not isinstance(skip, list):
-            raise web.HTTPBadRequest(text="skip must be a list of record ids")
+            raise web.HTTPBadRequest(text="skip must be a list of record keys")
         claim = await queue.next(request[REVIEWER], round=_round(data.get("round")), reason=data.get("reason") or None,
                                  skip=[str(s) for s in skip])
         return _json({"record": queue.view(*claim) if claim else None})
@@ -181,11 +188,11 @@ def create_app(queue: ReviewQueue, *, reviewers: dict[str, str] | None = None, d
         for key in ("reason", "edited_result"):
             if data.get(key) is not None and not isinstance(data[key], str):
                 raise web.HTTPBadRequest(text=f"{key} must be a string")
-        r = _round(data.get("round"))
-        if r is None or "id" not in data:
-            raise web.HTTPBadRequest(text="a verdict needs round and id")
+        r, key = _round(data.get("round")), _key(data)
+        if r is None or key is None:
+            raise web.HTTPBadRequest(text="a verdict needs round and key (or id)")
         try:
-            outcome = await queue.decide(request[REVIEWER], r, str(data["id"]), kind, reason=data.get("reason") or None,
+            outcome = await queue.decide(request[REVIEWER], r, key, kind, reason=data.get("reason") or None,
                                          edited_result=data.get("edited_result"))
         except ReviewClosed as exc:
             return _error(409, str(exc))
@@ -195,10 +202,10 @@ def create_app(queue: ReviewQueue, *, reviewers: dict[str, str] | None = None, d
 
     async def release(request: web.Request) -> web.Response:
         data = await body(request)
-        r = _round(data.get("round"))
-        if r is None or "id" not in data:
-            raise web.HTTPBadRequest(text="release needs round and id")
-        await queue.release(request[REVIEWER], r, str(data["id"]))
+        r, key = _round(data.get("round")), _key(data)
+        if r is None or key is None:
+            raise web.HTTPBadRequest(text="release needs round and key (or id)")
+        await queue.release(request[REVIEWER], r, key)
         return _json({"ok": True})
 
     async def undo(request: web.Request) -> web.Response:

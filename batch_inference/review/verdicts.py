@@ -36,8 +36,8 @@ COMPACT_EVERY = 200  # verdict segments a review server lets pile up before fold
 VerdictKind = Literal["approve", "reject"]
 
 
-def _lease_name(rid: str) -> str:
-    return hashlib.blake2b(rid.encode(), digest_size=12).hexdigest() + ".json"
+def _lease_name(key: str) -> str:
+    return hashlib.blake2b(key.encode(), digest_size=12).hexdigest() + ".json"
 
 
 
@@ -115,18 +115,19 @@ class ReviewLog:
 
     # -- leases -------------------------------------------------------------------
     def put_lease(self, lease: dict[str, Any]) -> None:
-        path = f"{self.lease_path}/{_lease_name(str(lease['id']))}"
+        path = f"{self.lease_path}/{_lease_name(str(lease['key']))}"
         self.fs.makedirs(self.lease_path, exist_ok=True)
         self.fs.pipe_file(path, orjson.dumps(lease))
 
-    def drop_lease(self, rid: str) -> None:
-        path = f"{self.lease_path}/{_lease_name(rid)}"
+    def drop_lease(self, key: str) -> None:
+        path = f"{self.lease_path}/{_lease_name(key)}"
         try:
             self.fs.rm(path)
         except FileNotFoundError:
             pass
 
     def leases(self) -> dict[str, dict[str, Any]]:
+        """The stored leases by the queue row's key (a lease written before keys names it ``id``)."""
         try:
             self.fs.invalidate_cache(self.lease_path)
             paths = self.fs.ls(self.lease_path, detail=False)
@@ -138,7 +139,7 @@ class ReviewLog:
                 lease = orjson.loads(self.fs.cat_file(p))
             except (FileNotFoundError, orjson.JSONDecodeError):
                 continue  # dropped meanwhile, or a torn write of a local temp: no lease
-            out[str(lease["id"])] = lease
+            out[str(lease.get("key") or lease["id"])] = lease
         return out
 
 
@@ -152,7 +153,7 @@ class Fold:
 
     def add(self, e: dict[str, Any]) -> str:
         """Apply one entry; returns ``decided``, ``conflict``, ``undone`` or ``ignored``."""
-        rid = str(e.get("id"))
+        rid = entry_key(e)
         if e.get("kind") == "undo":
             kept = self.decided.get(rid)
             if kept is not None and kept.get("entry") == e.get("target") and kept.get("reviewer") == e.get("reviewer"):
@@ -172,6 +173,12 @@ def _brief(e: dict[str, Any]) -> dict[str, Any]:
     return {k: e.get(k) for k in ("entry", "reviewer", "verdict", "reason", "at_ns")}
 
 
+def entry_key(e: dict[str, Any]) -> str:
+    """The queue row an entry decides: its ``key`` (``lifecycle.review_keys``), or its ``id``
+    where the two are the same (every row whose id is not repeated; logs written before keys)."""
+    return str(e.get("key") or e.get("id"))
+
+
 def fold(entries: Iterable[dict[str, Any]]) -> Fold:
     f = Fold()
     for e in entries:
@@ -180,14 +187,15 @@ def fold(entries: Iterable[dict[str, Any]]) -> Fold:
 
 
 def verdict_entry(rid: str, verdict: VerdictKind, reviewer: str, *, reason: str | None = None,
-                  edited_result: str | None = None, round: int, at_ns: int | None = None) -> dict[str, Any]:
+                  edited_result: str | None = None, round: int, at_ns: int | None = None, key: str | None = None) -> dict[str, Any]:
+    """A verdict on record ``rid``; ``key`` names its queue row where the id is repeated."""
     if verdict not in ("approve", "reject"):
         raise ValueError(f"record {rid!r}: verdict must be 'approve' or 'reject', got {verdict!r}")
-    return {"entry": uuid.uuid4().hex, "kind": "verdict", "id": rid, "round": round, "verdict": verdict,
+    return {"entry": uuid.uuid4().hex, "kind": "verdict", "id": rid, "key": key or rid, "round": round, "verdict": verdict,
             "reason": reason or None, "edited_result": edited_result, "reviewer": reviewer,
             "at_ns": at_ns if at_ns is not None else time.time_ns()}
 
 
 def undo_entry(kept: dict[str, Any], reviewer: str) -> dict[str, Any]:
-    return {"entry": uuid.uuid4().hex, "kind": "undo", "id": kept["id"], "round": kept.get("round"),
+    return {"entry": uuid.uuid4().hex, "kind": "undo", "id": kept["id"], "key": entry_key(kept), "round": kept.get("round"),
             "target": kept["entry"], "reviewer": reviewer, "at_ns": time.time_ns()}

@@ -170,3 +170,39 @@ def test_the_page_picks_up_a_newly_opened_round_by_itself(review_spec, review_se
             return shown
 
     assert asyncio.run(go())
+
+
+def test_duplicate_ids_are_each_decided_with_the_keyboard_and_the_round_closes(review_spec, review_server, tmp_path) -> None:
+    """Ids a, b, a (duplicates are kept): each of the three rows is shown and decided, so the
+    round closes under the default policy (wait for people), which waited forever on one."""
+    src = tmp_path / "input.jsonl"
+    src.write_bytes(b"".join(orjson.dumps({"id": rid, "prompt": f"question {n}"}) + b"\n" for n, rid in enumerate("aba")))
+    spec, spec_path = review_spec(records=3)
+    assert spec.review.after is None
+    run = PipelineRun(spec)
+    assert run.review_status(0).left == 3
+    server = review_server(spec_path, "--as", "erin")
+
+    async def go() -> list[tuple[str, str]]:
+        shown = []
+        async with Browser() as b:
+            await b.goto(server.url + "/")
+            rid = await b.wait_for(SHOWN)
+            while rid != "<empty>":
+                shown.append((rid, await b.eval("document.getElementById('prompt').textContent")))
+                await b.press("r" if len(shown) == 2 else "a")
+                rid = await shows_next(b, rid)
+            assert await b.wait_for("document.getElementById('left').textContent === '0' && document.getElementById('done').textContent") == "3"
+            assert not [c for c in b.console if c.get("method") == "Runtime.exceptionThrown"]
+        return shown
+
+    shown = asyncio.run(go())
+    assert sorted(shown) == [("a", "question 0"), ("a#2", "question 2"), ("b", "question 1")]
+    st = run.review_status(0)
+    assert (st.decided, st.left, st.resolvable) == (3, 0, True)
+    summary = asyncio.run(run.resolve_review(0))
+    assert (summary.records, summary.approved, summary.rejected, summary.by_reviewer) == (3, 2, 1, {"erin": 3})
+    c = balanced(run, 0)
+    assert (c["approved"], c["rejected"], c["awaiting"]) == (2, 1, 0)
+    approved = sorted((r["id"], r["prompt"]) for r in JsonlDir(run.layout.results).iter_records_sync())
+    assert approved == sorted((key.split("#")[0], prompt) for key, prompt in (shown[0], shown[2]))

@@ -65,7 +65,7 @@
     $("card").hidden = !rec;
     $("empty").hidden = !!rec;
     if (!rec) return;
-    text($("rid"), rec.id);
+    text($("rid"), rec.key || rec.id);  // the key: "a#2" for the second record with id "a"
     text($("rround"), String(rec.round));
     text($("rattempts"), rec.attempts === undefined ? "" : String(rec.attempts));
     text($("prompt"), rec.prompt);
@@ -139,8 +139,8 @@
     const rec = current;
     try {
       const edit = $("edit").value;
-      const res = await api("/api/verdict", { round: rec.round, id: rec.id, verdict: verdict, reason: $("why").value || null, edited_result: edit ? edit : null });
-      say(res.result === "conflict" ? "already decided by " + res.kept.reviewer + ": your verdict is kept in the log as a conflict" : (verdict === "approve" ? "approved " : "rejected ") + rec.id);
+      const res = await api("/api/verdict", { round: rec.round, key: rec.key, verdict: verdict, reason: $("why").value || null, edited_result: edit ? edit : null });
+      say(res.result === "conflict" ? "already decided by " + res.kept.reviewer + ": your verdict is kept in the log as a conflict" : (verdict === "approve" ? "approved " : "rejected ") + rec.key);
       await next();
     } catch (err) {
       say(err.message, true);
@@ -153,9 +153,9 @@
     if (!current || busy) return;
     setBusy(true);
     try {
-      skipped.push(current.id);
-      await api("/api/release", { round: current.round, id: current.id });
-      say("skipped " + current.id);
+      skipped.push(current.key);
+      await api("/api/release", { round: current.round, key: current.key });
+      say("skipped " + current.key);
       await next();
     } catch (err) {
       say(err.message, true);
@@ -170,9 +170,9 @@
     try {
       const data = await api("/api/undo", {});
       if (data.record) {
-        skipped = skipped.filter((id) => id !== data.record.id);
+        skipped = skipped.filter((key) => key !== data.record.key);
         show(data.record);
-        say("undone: " + data.record.id + " is yours again");
+        say("undone: " + data.record.key + " is yours again");
       } else say("nothing to undo");
       await progress();
     } catch (err) {
