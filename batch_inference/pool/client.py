@@ -54,7 +54,7 @@ class PoolClient:
         timeout_s: float = 3600.0,
         connect_timeout_s: float = 5.0,
         token: str | None = None,
-        max_refusals: int = 100,
+        max_refusals: int | None = 100,  # None: refused (busy) tasks wait as long as it takes
         down_cooldown_s: float = 5.0,
         refresh: RefreshFn | None = None,
     ) -> None:
@@ -182,7 +182,7 @@ class PoolClient:
                 message = _message(payload)
                 if status in (429, 503):
                     refusals += 1
-                    if refusals > self.max_refusals:
+                    if self.max_refusals is not None and refusals > self.max_refusals:
                         raise TaskFailed(spec, [*errors, f"{endpoint}: {status} {message} (refused {refusals} times)"])
                     await asyncio.sleep(self._backoff(min(refusals, 5)))
                     continue

@@ -14,7 +14,8 @@ from typing import Any
 from batch_inference.engines import EngineConfig, EngineDeadError
 from batch_inference.pool.engine_host import BatcherOptions, EngineHost
 from batch_inference.pool.protocol import TaskConflict, TaskFailed, TaskResult, TaskRunner, TaskSpec
-from batch_inference.pool.runtime import EngineDead, Refused, SpecConflict, WorkerRuntime, is_machine_error
+from batch_inference.pool.failures import is_machine_error
+from batch_inference.pool.runtime import EngineDead, Refused, SpecConflict, WorkerRuntime
 from batch_inference.pool.context import TaskInputError
 
 log = logging.getLogger(__name__)
@@ -26,8 +27,10 @@ class InProcessPool:
     ``retries`` re-runs a failed task that many times (input errors are not retried),
     waiting ``backoff_s`` (doubling) between tries so that a storage blip of a few
     seconds is ridden out, as PoolClient does; then ``TaskFailed`` is raised for the
-    caller to quarantine. ``judge_runner`` is the judge's own pool, where retry tasks
-    with a ``judge_pool`` output send their judge waves.
+    caller to quarantine. A task that finds every slot taken waits for one (there is no
+    other worker to go to): a judge pool smaller than the retry tasks that send it their
+    waves is waited for, never failed. ``judge_runner`` is the judge's own pool, where
+    retry tasks with a ``judge_pool`` output send their judge waves.
     """
 
     def __init__(
@@ -73,7 +76,7 @@ class InProcessPool:
         errors: list[str] = []
         for attempt in range(self.retries + 1):
             try:
-                return await self.runtime.run(spec)
+                return await self.runtime.run(spec, wait=True)  # no other worker here: a busy one is waited for
             except (EngineDeadError, EngineDead) as exc:
                 # The engine is gone and there is no other worker here: never the shard's
                 # fault (no quarantine, no failed records). The run stops with this error;
@@ -81,6 +84,8 @@ class InProcessPool:
                 raise EngineDeadError(f"task {spec.task_id}: {exc}") from exc
             except SpecConflict as exc:  # the user's to resolve: never a quarantine
                 raise TaskConflict(spec, str(exc)) from exc
+            except TaskConflict:  # the judge pool's, for one of this task's waves: the same
+                raise
             except (Refused, TaskInputError, ValueError) as exc:
                 # bad input or config, a conflicting spec, or a refusal: there is no other
                 # worker here to try, and the same call would fail the same way

@@ -4,9 +4,10 @@ own pool (``PoolJudging``, a judge with a model of its own), one wave of rows at
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from batch_inference.engines import (
@@ -14,6 +15,7 @@ from batch_inference.engines import (
 )
 from batch_inference.judges import JudgeConfig, LLMJudge, Verdict, build_judge
 from batch_inference.pool.context import TaskContext, TaskInputError
+from batch_inference.pool.failures import JudgePoolError, is_machine_error
 from batch_inference.pool.protocol import JUDGE_POOL_OUTPUT, TaskFailed, TaskSpec
 from batch_inference.prompting import Request
 from batch_inference.rows import ErrorKind, strip_results
@@ -23,11 +25,6 @@ log = logging.getLogger(__name__)
 
 # The automated "verdict" of a human judge: nothing decided yet.
 HUMAN_REVIEW = "human_review"
-
-
-class JudgePoolError(RuntimeError):
-    """The judge pool could not judge a retry task's wave: the task fails as a whole (its
-    checkpoints keep every record's progress), never a record."""
 
 
 class Judging:
@@ -115,23 +112,37 @@ class PoolJudging:
             judge=self.config, chunk_size=ctx.spec.chunk_size, round=ctx.spec.round,
             storage_options_ref=ctx.spec.storage_options_ref, dedup_scope=ctx.spec.dedup_scope,
         )
-        async with ctx.file(task.input_url).writer() as w:
-            await w.write_many(rows)
+        async with _wave_files(ctx.spec.task_id, f"writing the wave of {len(rows)} to {task.input_url}"):
+            async with ctx.file(task.input_url).writer() as w:
+                await w.write_many(rows)
         try:
+            # TaskConflict, a judge worker's full disk (OSError ENOSPC) and a dead judge engine
+            # go up as they are: the run stops, as when the infer pool raises them
             result = await self.runner.run_task(task)
         except TaskFailed as exc:
             raise JudgePoolError(f"task {ctx.spec.task_id}: the judge pool failed a wave of {len(rows)}: {exc}") from exc
-        verdicts: list[Verdict | None] = [None] * len(rows)
-        for key in ("approved", "rejected"):
-            async for row in ctx.file(task.outputs[key]).iter_records():
-                v = row.get("verdict")
-                verdicts[int(row[_WAVE_POS])] = Verdict(**v) if v else Verdict(False, row.get("rejection") or "no_verdict")
-        if any(v is None for v in verdicts):
-            raise JudgePoolError(f"task {ctx.spec.task_id}: the judge pool returned {sum(v is not None for v in verdicts)} "
-                                 f"of {len(rows)} verdicts for {folder}")
+        try:
+            verdicts = await self._read(task, len(rows), folder)
+        except JudgePoolError:
+            # the judge pool would answer a replay of this wave from the same files: gone, it judges it again
+            await asyncio.to_thread(self._remove, folder)
+            raise
         ctx.meter.tokens_in += result.tokens_in
         ctx.meter.tokens_out += result.tokens_out
         await asyncio.to_thread(self._remove, folder)
+        return verdicts
+
+    async def _read(self, task: TaskSpec, n: int, folder: str) -> list[Verdict]:
+        """The wave's verdicts by position, from the judge task's approved / rejected split."""
+        verdicts: list[Verdict | None] = [None] * n
+        async with _wave_files(self.ctx.spec.task_id, f"reading the verdicts of a wave of {n} under {folder}"):
+            for key in ("approved", "rejected"):
+                async for row in self.ctx.file(task.outputs[key]).iter_records():
+                    v = row.get("verdict")
+                    verdicts[int(row[_WAVE_POS])] = Verdict(**v) if v else Verdict(False, row.get("rejection") or "no_verdict")
+        if any(v is None for v in verdicts):
+            raise JudgePoolError(f"task {self.ctx.spec.task_id}: the judge pool returned {sum(v is not None for v in verdicts)} "
+                                 f"of {n} verdicts for {folder}")
         return verdicts  # type: ignore[return-value]
 
     def _remove(self, folder: str) -> None:
@@ -140,6 +151,22 @@ class PoolJudging:
             fs.rm(path, recursive=True)
         except (OSError, ValueError) as exc:  # scratch only: the verdicts are read
             log.warning("could not remove the judge wave folder %s: %s", folder, exc)
+
+
+@contextlib.asynccontextmanager
+async def _wave_files(task_id: str, doing: str) -> AsyncIterator[None]:
+    """A wave's scratch files are the infrastructure's, never the task's input: an error
+    writing or reading them (missing, corrupt, storage down) is a ``JudgePoolError`` (the
+    task is retried), not the 422 of an unusable input; a full disk stays what it is (the
+    run stops, ``failures.is_machine_error``)."""
+    try:
+        yield
+    except OSError as exc:
+        if is_machine_error(exc):
+            raise
+        raise JudgePoolError(f"task {task_id}: {doing}: {type(exc).__name__}: {exc}") from exc
+    except (ValueError, KeyError, TypeError) as exc:  # a corrupt shard, a malformed row or verdict
+        raise JudgePoolError(f"task {task_id}: {doing}: {type(exc).__name__}: {exc}") from exc
 
 
 def judge_error(exc: BaseException) -> str:

@@ -10,7 +10,6 @@ so the pipeline's fast tests run exactly the code a real worker runs.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import time
@@ -26,16 +25,6 @@ from batch_inference.pool.tasks import run_task
 from batch_inference.storage import JsonlFile
 
 log = logging.getLogger(__name__)
-
-# Disk full, quota exceeded, read-only filesystem, I/O error: the machine's fault, not the
-# shard's. Retrying cannot help and quarantining would blame the data: the run stops with
-# the error instead (in-process: re-raised; over HTTP: 507), and resumes once it is fixed.
-MACHINE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
-
-
-def is_machine_error(exc: BaseException) -> bool:
-    return isinstance(exc, OSError) and exc.errno in MACHINE_ERRNOS
-
 
 class Refused(Exception):
     """The worker will not run this task now; ``retryable`` says whether elsewhere/later may work."""
@@ -98,6 +87,7 @@ class WorkerRuntime:
         self.result_cache = result_cache
         self.judge_runner = judge_runner  # the judge's own pool, for retry tasks that judge there
         self.running: dict[str, tuple[TaskSpec, asyncio.Task[TaskResult]]] = {}
+        self._slot_freed = asyncio.Event()  # set as each task ends: callers that wait for a slot look again
         self.finished: OrderedDict[str, tuple[TaskSpec, TaskResult]] = OrderedDict()
         self.draining = False
         # Set once the engine died: the worker is unhealthy, refuses new tasks and exits
@@ -121,8 +111,25 @@ class WorkerRuntime:
             raise UnknownStorageProfile(f"task {spec.task_id}: unknown storage profile {ref!r} (configured: {sorted(self.storage_profiles)})")
         return self.storage_profiles[ref]
 
-    async def run(self, spec: TaskSpec) -> TaskResult:
-        """Run ``spec`` (or join/replay it); raises ``Refused`` subclasses or the task's error."""
+    async def run(self, spec: TaskSpec, *, wait: bool = False) -> TaskResult:
+        """Run ``spec`` (or join/replay it); raises ``Refused`` subclasses or the task's error.
+
+        ``wait``: with every slot taken, wait for one instead of refusing with ``Busy`` (a
+        caller with no other worker to go to: ``InProcessPool``)."""
+        while True:
+            try:
+                claimed = await self._claim(spec)
+                break
+            except Busy:
+                if not wait:
+                    self.counters["refused"] += 1
+                    raise
+            self._slot_freed.clear()  # no await since the slots were counted: a slot freed later sets it
+            await self._slot_freed.wait()
+        return claimed if isinstance(claimed, TaskResult) else await self._join(claimed)
+
+    async def _claim(self, spec: TaskSpec) -> TaskResult | asyncio.Task[TaskResult]:
+        """A finished task's cached result, or the running task to join (started here, in a free slot)."""
         if spec.task_id in self.finished:
             done_spec, result = self.finished[spec.task_id]
             if done_spec != spec:
@@ -138,7 +145,7 @@ class WorkerRuntime:
             run_spec, task = self.running[spec.task_id]
             if run_spec != spec:
                 raise SpecConflict(f"task {spec.task_id} is running with a different spec")
-            return await self._join(task)
+            return task
         if self.engine_dead is not None:
             self.counters["refused"] += 1
             raise EngineDead(f"worker {self.name}: engine dead ({self.engine_dead})")
@@ -146,7 +153,6 @@ class WorkerRuntime:
             self.counters["refused"] += 1
             raise Draining(f"worker {self.name} is shutting down")
         if len(self.running) >= self.concurrency:
-            self.counters["refused"] += 1
             raise Busy(f"worker {self.name}: all {self.concurrency} slots busy")
         options = self.storage_options(spec)
         task = asyncio.create_task(self._execute(spec, options), name=f"task-{spec.task_id}")
@@ -155,7 +161,7 @@ class WorkerRuntime:
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         self.running[spec.task_id] = (spec, task)
         self.last_activity = time.monotonic()
-        return await self._join(task)
+        return task
 
     async def _outputs_exist(self, spec: TaskSpec) -> bool:
         options = self.storage_options(spec)
@@ -192,6 +198,7 @@ class WorkerRuntime:
         finally:
             self.running.pop(spec.task_id, None)
             self.last_activity = time.monotonic()
+            self._slot_freed.set()
         m = ctx.meter
         result = TaskResult(
             task_id=spec.task_id, kind=spec.kind, worker=self.name, counts=counts,

@@ -17,10 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batch_inference import rows
-from batch_inference.engines import (
-    Completion,
-    EngineDeadError,
-)
+from batch_inference.engines import Completion
 from batch_inference.judges import Verdict
 from batch_inference.pool.context import (
     TaskContext,
@@ -30,7 +27,8 @@ from batch_inference.pool.context import (
     error_text,
     prior_attempts,
 )
-from batch_inference.pool.judging import JudgePoolError, Judging, PoolJudging
+from batch_inference.pool.failures import JudgePoolError
+from batch_inference.pool.judging import Judging, PoolJudging
 from batch_inference.pool.protocol import (
     JUDGE_POOL_OUTPUT,
     PERMANENT_ERRORS,
@@ -257,14 +255,9 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
 
     async def infer_wave(wave: list[_Sample], ckpt: CheckpointBuffer) -> None:
         prompts = [attempt_request(builder, s.record, s.prior + s.attempt) for s in wave]
-        try:
-            done = await ctx.generate(prompts, [s.prior + s.attempt for s in wave])
-        except EngineDeadError:
-            raise  # the worker's fault: the task is retried elsewhere and resumes from its checkpoints
-        except Exception as exc:  # e.g. the tokenizer failed for the wave: each sample's own error
-            for s in wave:
-                s.error(error_text(exc))
-            return
+        # what is raised for the wave (a dead engine, a tokenizer that fails the batch) fails the
+        # task, as in an infer task (pool.failures); a record's own failure comes back per item
+        done = await ctx.generate(prompts, [s.prior + s.attempt for s in wave])
         for s, prompt, res in zip(wave, prompts, done):
             if isinstance(prompt, BaseException):
                 s.error(error_text(prompt))
@@ -283,15 +276,12 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
                 ckpt.add({"id": s.rid, "attempt": s.attempt, "last_result": s.result})
 
     async def judge_wave(wave: list[_Sample], ckpt: CheckpointBuffer) -> None:
-        try:
-            verdicts = await judging.verdicts([s.record for s in wave], [s.result for s in wave],  # type: ignore[misc]
-                                              [s.prior + s.attempt for s in wave])
-        except (EngineDeadError, JudgePoolError):
-            raise  # the infrastructure's fault: the task is retried and resumes from its checkpoints
-        except Exception as exc:
-            for s in wave:
-                s.error(error_text(exc))
-            return
+        # A record's own failure comes back as its verdict (a judge_error rejection); anything
+        # raised for the wave (the engine or the judge pool gone, its disk full, a task id held
+        # with another spec, the wave's files unwritable) is the infrastructure's: the task fails
+        # with it as an infer task does, and a retried task resumes from the checkpoints.
+        verdicts = await judging.verdicts([s.record for s in wave], [s.result for s in wave],  # type: ignore[misc]
+                                          [s.prior + s.attempt for s in wave])
         for s, verdict in zip(wave, verdicts):
             if verdict.approved and judging.escalated(verdict):
                 # No round boundary here for a person to decide at: an approval the spec

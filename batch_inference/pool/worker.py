@@ -35,10 +35,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from batch_inference._net import is_loopback
 from batch_inference.engines import EngineConfig, EngineDeadError
 from batch_inference.judges.rules import BUILTIN_RULES
+from batch_inference.pool.client import PoolClient
 from batch_inference.pool.engine_host import BatcherOptions, EngineHost
 from batch_inference.pool.metrics import prometheus_text
-from batch_inference.pool.protocol import TaskSpec
-from batch_inference.pool.runtime import Refused, WorkerRuntime, is_machine_error
+from batch_inference.pool.protocol import TaskConflict, TaskSpec
+from batch_inference.pool.failures import is_machine_error
+from batch_inference.pool.runtime import Refused, WorkerRuntime
 from batch_inference.pool.context import TaskInputError
 from batch_inference.storage import CorruptShardError, MalformedRecordError, is_under, urls
 
@@ -159,6 +161,8 @@ def create_app(runtime: WorkerRuntime, settings: WorkerSettings, *, config_id: s
             return _error(503, f"task {spec.task_id}: worker {runtime.name} engine dead: {exc}", retryable=True)
         except Refused as exc:
             return _error(exc.status, str(exc), retryable=exc.retryable)
+        except TaskConflict as exc:  # the judge pool holds one of its waves' ids with another spec
+            return _error(409, str(exc), retryable=False)
         except (TaskInputError, MalformedRecordError, CorruptShardError, FileNotFoundError) as exc:
             return _error(422, f"task {spec.task_id}: {type(exc).__name__}: {exc}", retryable=False)
         except OSError as exc:
@@ -221,12 +225,7 @@ async def serve(
     host = EngineHost(engine_config, batcher)
     await host.start()
     log.info("engine %s loaded in %.2fs", host.engine.name if host.engine else "?", host.load_time_s)
-    judge_pool = None
-    if settings.judge_endpoints:
-        from batch_inference.pool.client import PoolClient
-
-        judge_pool = PoolClient(settings.judge_endpoints, concurrency=settings.judge_concurrency, token=settings.judge_token,
-                                timeout_s=settings.judge_timeout_s)
+    judge_pool = judge_pool_client(settings) if settings.judge_endpoints else None
     runtime = WorkerRuntime(host, concurrency=settings.concurrency, storage_profiles=storage_profiles,
                             checkpoint_interval_s=settings.checkpoint_interval_s, judge_runner=judge_pool)
     runner = web.AppRunner(create_app(runtime, settings, config_id=config_id), access_log=None,
@@ -269,6 +268,15 @@ async def serve(
         await host.close()
     if runtime.engine_dead:
         raise SystemExit(f"worker {runtime.name}: engine dead ({runtime.engine_dead})")
+
+
+def judge_pool_client(settings: WorkerSettings) -> PoolClient:
+    """The client this worker's retry tasks send their judge waves through. A busy judge pool
+    (429: its slots taken by other workers' waves) is waited for, however long, never failed:
+    its slots are sized apart from the infer pool's, and a wave refused for a while is no
+    fault of its shard's (docs/pool.md "The judge's own pool")."""
+    return PoolClient(settings.judge_endpoints, concurrency=settings.judge_concurrency, token=settings.judge_token,
+                      timeout_s=settings.judge_timeout_s, max_refusals=None)
 
 
 async def _idle_watch(runtime: WorkerRuntime, ttl_s: float, request_stop: Any) -> None:

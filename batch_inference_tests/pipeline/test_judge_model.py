@@ -111,6 +111,18 @@ async def test_a_tail_task_the_judge_pool_fails_is_quarantined_with_its_judge_wa
     assert not (waves / "part-00001").exists()
 
 
+async def test_a_judge_pool_smaller_than_the_tails_tasks_is_waited_for_not_failed(tmp_path: Path) -> None:
+    """Four retry tasks in flight on the infer pool, one slot on the judge pool: every wave
+    that finds the judge pool busy waits for its slot; no shard is quarantined."""
+    spec = PipelineSpec.parse(two_model_spec(tmp_path, 0.5, records=400, strategy="in_place", max_attempts=6,
+                                             pool={"launcher": "inprocess", "concurrency": 4},
+                                             judge={"pool": {"concurrency": 1}}))
+    summary = await run_pipeline(spec)
+    assert summary.failed == 0 and summary.quarantined == 0, summary
+    assert summary.approved + summary.max_attempts == 400 and summary.approved > 300
+    assert ledger(spec, "tail")["shards_run"] == 4
+
+
 # -- through the CLI, on local worker pools ----------------------------------------
 
 

@@ -1,19 +1,27 @@
 """Retry tasks whose judge has its own model: each wave is judged on the judge pool.
 
 The infer engine never approves as a judge (approval 0) and the judge engine always does
-(approval 1), so where a verdict came from shows in the verdict itself.
+(approval 1), so where a verdict came from shows in the verdict itself. The ``process``
+tests put HTTP between the infer worker and the judge pool: a busy judge pool is waited
+for, and its infrastructure errors reach the driver as the infer pool's own do.
 """
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from batch_inference.judges import JudgeConfig
-from batch_inference.pool import InferConfig, SamplingConfig, TaskFailed, TaskSpec
+from batch_inference.pool import InferConfig, PoolClient, SamplingConfig, TaskConflict, TaskFailed, TaskResult, TaskSpec
+from batch_inference.pool.engine_host import BatcherOptions, EngineHost
 from batch_inference.pool.protocol import JUDGE_POOL_OUTPUT
+from batch_inference.pool.runtime import WorkerRuntime
+from batch_inference.pool.worker import WorkerSettings, create_app
 from batch_inference.storage import CheckpointStore, JsonlFile
 from batch_inference_tests.fixtures.pool import read_rows, write_shard
 
@@ -145,3 +153,145 @@ async def test_the_tail_generates_on_the_infer_pool_while_the_judge_pool_judges(
     assert seen[0][1] > 0, seen  # ... went to the judge while the second chunk was generating
     assert sum(n for n, _ in seen) == sum(r["attempts"] for r in rows if r["status"] == "approved") + sum(
         3 for r in rows if r["status"] == "max_attempts")  # every attempt judged once, never twice
+
+
+@pytest.mark.parametrize("failure", ["disk_full", "conflict"])
+async def test_an_infrastructure_error_of_the_judge_pool_fails_the_task_never_a_record(
+        tmp_path: Path, inprocess_pool, failure: str) -> None:
+    """A judge worker's disk full (507: OSError ENOSPC) or a task id held with another spec
+    (409: TaskConflict) is the infrastructure's, not the records': the task stops the run as
+    the same error does on the infer side (no retry can help, no quarantine), no row is
+    written with it, and the checkpoints keep every inferred result for the resumed task."""
+    ids = write_shard(tmp_path / "in.jsonl.zst", 6)
+    async with inprocess_pool(ALWAYS) as judge, inprocess_pool(NEVER, judge_runner=judge, retries=1, backoff_s=0.01) as infer:
+        real = judge.run_task
+
+        async def broken(spec: TaskSpec) -> Any:
+            if failure == "disk_full":
+                raise OSError(errno.ENOSPC, "No space left on device (judge worker: HTTP 507)")
+            raise TaskConflict(spec, "HTTP 409: held with a different spec")
+
+        judge.run_task = broken  # type: ignore[method-assign]
+        want = OSError if failure == "disk_full" else TaskConflict
+        with pytest.raises(want) as raised:
+            await infer.run_task(retry_spec(tmp_path, judge_pool=True))
+        assert not isinstance(raised.value, TaskFailed)  # never the shard's fault: no quarantine
+        if failure == "disk_full":
+            assert raised.value.errno == errno.ENOSPC
+        assert not JsonlFile(str(tmp_path / "out.jsonl.zst")).exists_sync()  # no record ends with it
+        states = await CheckpointStore(str(tmp_path / "ckpt")).load()
+        assert sorted(states) == ids and all(s["last_result"] and "final" not in s for s in states.values())
+        judge.run_task = real  # type: ignore[method-assign]
+        result = await infer.run_task(retry_spec(tmp_path, judge_pool=True, task_id="run/r00/retry/0-again"))
+    assert result.counts == {"approved": 6, "max_attempts": 0, "error": 0}
+
+
+async def test_a_busy_in_process_judge_pool_is_waited_for(tmp_path: Path, inprocess_pool) -> None:
+    """Four retry tasks on an infer pool of 4 slots send their waves to a judge pool of 1 slot:
+    a wave that finds it busy waits for the slot, never fails its task."""
+    import asyncio
+
+    for s in range(4):
+        write_shard(tmp_path / f"in{s}.jsonl.zst", 20, prefix=f"s{s}-")
+    slow_judge = {**ALWAYS, "simulated": {**ALWAYS["simulated"], "latency_a_s": 0.01}}
+    async with inprocess_pool(slow_judge, concurrency=1) as judge, \
+            inprocess_pool(NEVER, concurrency=4, judge_runner=judge) as infer:
+        specs = [retry_spec(tmp_path / f"t{s}", judge_pool=True, task_id=f"run/tail/{s}", chunk_size=5).model_copy(
+            update={"input_url": str(tmp_path / f"in{s}.jsonl.zst")}) for s in range(4)]
+        for s in range(4):
+            (tmp_path / f"t{s}").mkdir()
+        results = await asyncio.gather(*(infer.run_task(spec) for spec in specs))
+        judged = await judge.stats()
+    assert [r.counts for r in results] == [{"approved": 20, "max_attempts": 0, "error": 0}] * 4
+    assert judged["tasks_completed"] == 16 and judged["tasks_refused"] == 0  # 4 waves per task, each waited for
+
+
+async def test_a_wave_whose_verdicts_cannot_be_read_fails_the_task_which_is_retried(tmp_path: Path, inprocess_pool) -> None:
+    """The judge pool's split of a wave is read back from storage; a corrupt (or missing)
+    file there is a storage failure, not the records' and not an unusable input: the task
+    is retried, the wave judged again (its unreadable files removed), and every record judged."""
+    write_shard(tmp_path / "in.jsonl.zst", 6)
+    async with inprocess_pool(ALWAYS) as judge, inprocess_pool(NEVER, judge_runner=judge, retries=1, backoff_s=0.01) as infer:
+        real, calls = judge.run_task, {"n": 0}
+
+        async def corrupting(spec: TaskSpec) -> Any:
+            result = await real(spec)
+            calls["n"] += 1
+            if calls["n"] == 1:
+                Path(spec.outputs["approved"]).write_bytes(b"\x28\xb5\x2f\xfd not a zstd frame")
+            return result
+
+        judge.run_task = corrupting  # type: ignore[method-assign]
+        result = await infer.run_task(retry_spec(tmp_path, judge_pool=True))
+        assert infer.retried == 1 and calls["n"] == 2
+    assert result.counts == {"approved": 6, "max_attempts": 0, "error": 0}
+    assert all(r["status"] == "approved" and r["error"] is None for r in read_rows(tmp_path / "out.jsonl.zst"))
+
+
+def _url(server: TestServer) -> str:
+    return str(server.make_url("")).rstrip("/")
+
+
+@pytest.mark.process  # served by aiohttp on 127.0.0.1
+async def test_over_http_the_workers_judge_client_waits_out_a_busy_judge_pool() -> None:
+    """More refusals than a driver's client takes (100): a judge pool whose slots other
+    workers' waves hold is waited for, then the wave runs."""
+    from batch_inference.pool.worker import judge_pool_client
+
+    refusals = {"left": 150}
+
+    async def busy_then_done(request: web.Request) -> web.Response:
+        spec = TaskSpec.model_validate_json(await request.read())
+        if refusals["left"]:
+            refusals["left"] -= 1
+            return web.json_response({"error": "all 8 slots busy", "retryable": True}, status=429)
+        result = TaskResult(task_id=spec.task_id, kind="judge", worker="judge", counts={"approved": 1}, records_in=1)
+        return web.Response(body=result.model_dump_json(), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/tasks", busy_then_done)
+    wave = retry_spec(Path("/data"), judge_pool=True).model_copy(update={"task_id": "run/tail/0/judge/ab"})
+    async with TestServer(app, host="127.0.0.1") as server:
+        client = judge_pool_client(WorkerSettings(judge_endpoints=[_url(server)]))
+        client.backoff_s = client.max_backoff_s = 0.0005  # the policy under test is how many, not how long
+        async with client:
+            result = await client.run_task(wave)
+    assert result.counts == {"approved": 1} and refusals["left"] == 0 and client.retried == 0
+
+
+class _BrokenJudgePool:
+    """A judge pool that answers every wave with ``error`` (what PoolClient raises for a 409 or a 507)."""
+
+    limit, retried = 4, 0
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+    async def run_task(self, spec: TaskSpec) -> TaskResult:
+        if self.error == "disk_full":
+            raise OSError(errno.ENOSPC, "http://judge:8001: No space left on device")
+        raise TaskConflict(spec, "http://judge:8001: HTTP 409: already finished with a different spec")
+
+    async def stats(self) -> dict[str, Any]:
+        return {}
+
+
+@pytest.mark.process  # a worker app served by aiohttp on 127.0.0.1
+@pytest.mark.parametrize("error", ["disk_full", "conflict"])
+async def test_over_http_an_infrastructure_error_of_the_judge_pool_reaches_the_driver_as_the_infer_pools_own(
+        tmp_path: Path, error: str) -> None:
+    write_shard(tmp_path / "in.jsonl.zst", 6)
+    host = EngineHost(NEVER, BatcherOptions())
+    await host.start()
+    try:
+        runtime = WorkerRuntime(host, concurrency=2, judge_runner=_BrokenJudgePool(error))  # type: ignore[arg-type]
+        app = create_app(runtime, WorkerSettings(storage_roots=[str(tmp_path)]))
+        async with TestServer(app, host="127.0.0.1") as server, PoolClient([_url(server)], retries=2, backoff_s=0.01) as driver:
+            with pytest.raises(OSError if error == "disk_full" else TaskConflict) as raised:
+                await driver.run_task(retry_spec(tmp_path, judge_pool=True))
+    finally:
+        await host.close()
+    assert not isinstance(raised.value, TaskFailed) and driver.retried == 0  # stops the run: never retried, never quarantined
+    if error == "disk_full":
+        assert raised.value.errno == errno.ENOSPC
+    assert not JsonlFile(str(tmp_path / "out.jsonl.zst")).exists_sync()  # no record ends with the error

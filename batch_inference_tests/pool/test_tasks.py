@@ -126,6 +126,26 @@ async def test_retry_resumes_each_record_at_its_checkpointed_attempt(tmp_path: P
     assert state["r000000"]["final"]["status"] == "max_attempts" and state["r000003"]["attempt"] == 5
 
 
+@pytest.mark.parametrize("kind", ["infer", "retry"])
+async def test_an_error_raised_for_a_whole_wave_fails_the_task_in_both_kinds(tmp_path: Path, inprocess_pool, kind: str) -> None:
+    """The engine host raising for a wave (here its tokenizer pass) is not a record's failure:
+    an infer task fails with it, and an in-place retry task the same way, writing no row
+    (before, the retry task ended every record of the wave ``error`` and succeeded)."""
+    write_shard(tmp_path / "in.jsonl", 8)
+    spec = TaskSpec(task_id=f"wave-{kind}", kind=kind, input_url=str(tmp_path / "in.jsonl"), max_attempts=2, judge=LLM_JUDGE,
+                    infer=InferConfig(template="{q}", sampling=SamplingConfig(temperature=1.0)),
+                    outputs={"output": str(tmp_path / "out.jsonl"), **({"checkpoint": str(tmp_path / "ckpt")} if kind == "retry" else {})})
+    async with inprocess_pool() as pool:
+
+        async def broken_encode(prompts: list) -> list:
+            raise RuntimeError("tokenizer pass failed for the batch")
+
+        pool.host.encode = broken_encode  # type: ignore[method-assign]
+        with pytest.raises(TaskFailed, match="tokenizer pass failed for the batch"):
+            await pool.run_task(spec)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 async def test_retry_flushes_checkpoints_once_per_chunk_not_per_sample(tmp_path: Path, inprocess_pool) -> None:
     write_shard(tmp_path / "in.jsonl", 30)
     ckpt = str(tmp_path / "ckpt")
