@@ -62,7 +62,7 @@ def _say_input_format(console: object, spec: object) -> None:
         fmt, detected = resolve_format(spec)  # type: ignore[arg-type]
     except (SpecError, OSError):  # a resumed run's drop may be gone: the run itself says what matters
         return
-    if detected:
+    if detected and fmt == "openai_batch":
         console.print(f"input {spec.input} is an OpenAI Batch file (detected; input_format auto): "  # type: ignore[attr-defined]
                       "custom_id becomes the record id; `batch-inference export` writes the output + error files")
 
@@ -146,14 +146,28 @@ def _run_of(target: str, storage_options: str | None) -> object:
 
 @click.command("export")
 @click.argument("target", metavar="RUN_URL_OR_SPEC")
-@click.option("--format", "fmt", type=click.Choice(["openai_batch"]), default="openai_batch", show_default=True)
-@click.option("--out", help="folder for output.jsonl and errors.jsonl (default <run>/export/openai_batch)")
+@click.option("--format", "fmt", type=click.Choice(["openai_batch", "parquet"]), default="openai_batch", show_default=True)
+@click.option("--out", help="folder for the files (default <run>/export/openai_batch or <run>/export/parquet)")
 @click.option("--storage-options", "storage_options", help="JSON fsspec options for a RUN_URL")
 def export(target: str, fmt: str, out: str | None, storage_options: str | None) -> None:
-    """Write a finished run's results as OpenAI Batch output + error files (every request in one of them)."""
+    """Write a finished run's results: OpenAI Batch output + error files (every request in one of
+    them), or Parquet (every input record once, its columns with their types, plus status, result,
+    error and attempts)."""
     from batch_inference.pipeline import SpecError, StepOrderError
     from batch_inference.pipeline.export import ExportError, export_openai_batch
 
+    if fmt == "parquet":
+        from batch_inference.pipeline.parquet_export import export_parquet
+
+        try:
+            done = export_parquet(_run_of(target, storage_options), out)  # type: ignore[arg-type]
+        except (SpecError, StepOrderError, ExportError) as exc:
+            raise click.ClickException(str(exc)) from None
+        click.echo(f"{done.records} records -> {done.out_url} ({len(done.files)} file(s): "
+                   f"{', '.join(f'{k} {v}' for k, v in done.by_status.items())})")
+        if done.replaced:
+            click.echo(f"input columns {done.replaced} were replaced by the run's own of the same name")
+        return
     try:
         summary = export_openai_batch(_run_of(target, storage_options), out)  # type: ignore[arg-type]
     except (SpecError, StepOrderError, ExportError) as exc:

@@ -1,8 +1,10 @@
-"""The run's input as the pipeline sees it: its format (native JSONL or OpenAI Batch) and
-its first records, for detection and the preflight.
+"""The run's input as the pipeline sees it: its format (native JSONL, OpenAI Batch or
+Parquet) and its first records, for detection and the preflight.
 
 OpenAI Batch files are converted to native records in the one sharding pass
-(``prompting.openai_batch.OpenAIBatchReader``); every later step sees native records only.
+(``prompting.openai_batch.OpenAIBatchReader``), and so are Parquet rows
+(``storage.parquet``: each row a record, each column a field; the input's Arrow schema
+is recorded in the ledger for the Parquet export); every later step sees native records only.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from typing import Any, Literal
 
 from batch_inference.pipeline.spec import PipelineSpec, SpecError
 from batch_inference.prompting.openai_batch import OpenAIBatchReader, looks_like_openai_batch
-from batch_inference.storage import JsonlDir, JsonlFile, ReshardReport, UnreadableInputError, open_source
+from batch_inference.storage import JsonlDir, JsonlFile, ReshardReport, UnreadableInputError, input_format, open_source
+from batch_inference.storage.parquet import ParquetSource, schema_to_text
+from batch_inference.storage.reshard import Source
 from batch_inference.storage.sources import READABLE
 
 log = logging.getLogger(__name__)
 
-InputFormat = Literal["jsonl", "openai_batch"]
+InputFormat = Literal["jsonl", "openai_batch", "parquet"]
 
 
 class InputError(SpecError):
@@ -42,9 +46,10 @@ def first_numbered(url: str, n: int, storage_options: dict[str, Any] | None = No
     return out
 
 
-def open_input(url: str, storage_options: dict[str, Any] | None = None) -> JsonlFile | JsonlDir:
+def open_input(url: str, storage_options: dict[str, Any] | None = None) -> Source:
     """The input's reader (``storage.open_source``); an input that is not there, or a folder
-    of files no reader reads, is an ``InputError`` naming what was found."""
+    of files no reader reads, or a Parquet file that is not one, is an ``InputError`` naming
+    what was found."""
     try:
         return open_source(url, storage_options)
     except UnreadableInputError as exc:
@@ -77,14 +82,42 @@ def check_records(spec: PipelineSpec, records: int, malformed: int | None = None
                      f"input: {{url: {spec.input}, allow_empty: true}}")
 
 
+def stored_format(spec: PipelineSpec) -> Literal["jsonl", "parquet"]:
+    """How the input is stored (``storage.input_format``), as an ``InputError`` when it cannot be read."""
+    try:
+        return input_format(spec.input, spec.storage_options or None)  # type: ignore[return-value]
+    except UnreadableInputError as exc:
+        raise InputError(f"input: {exc}") from None
+    except FileNotFoundError:
+        raise InputError(f"input: {JsonlFile(spec.input).url} does not exist") from None
+
+
 def resolve_format(spec: PipelineSpec, first: list[dict[str, Any]] | None = None) -> tuple[InputFormat, bool]:
-    """``(format, detected)``: the spec's ``input_format``, or for ``auto`` what the first record looks like."""
+    """``(format, detected)``: the spec's ``input_format``, or for ``auto`` what the input is:
+    Parquet by its files, OpenAI Batch by what the first record looks like."""
+    stored = stored_format(spec)
+    if stored == "parquet" or spec.input_format == "parquet":
+        if stored != "parquet" or spec.input_format not in ("auto", "parquet"):
+            raise InputError(f"input_format: {spec.input_format}, but {spec.input} is "
+                             f"{'Parquet' if stored == 'parquet' else 'not a Parquet file or folder'} "
+                             "(leave input_format auto to read it as it is)")
+        return "parquet", spec.input_format == "auto"
     if spec.input_format != "auto":
         return spec.input_format, False
     if first is None:
         first = first_records(spec.input, 1, spec.storage_options or None)
     fmt: InputFormat = "openai_batch" if first and looks_like_openai_batch(first[0]) else "jsonl"
     return fmt, fmt == "openai_batch"
+
+
+def schema_entry(source: Source) -> dict[str, Any]:
+    """What the ledger records of the input's schema at sharding (``RunLayout.INPUT_SCHEMA``):
+    a Parquet input's Arrow schema (what the Parquet export restores the columns' types from),
+    else only the format."""
+    if not isinstance(source, ParquetSource):
+        return {"format": "jsonl", "arrow_schema": None}
+    return {"format": "parquet", "arrow_schema": schema_to_text(source.schema), "files": len(source.files),
+            "rows": source.rows, "columns": [f"{f.name}: {f.type}" for f in source.schema]}
 
 
 def openai_reader(spec: PipelineSpec) -> OpenAIBatchReader:

@@ -36,6 +36,7 @@ class RunLayout:
     TAIL: ClassVar[str] = "tail"
     RUN: ClassVar[str] = "run"
     SPEC: ClassVar[str] = "spec"
+    INPUT_SCHEMA: ClassVar[str] = "input-schema"  # the input's format and (Parquet) Arrow schema, recorded at sharding
     PLAN: ClassVar[str] = "plan"  # what the planner expected (batch-inference plan --record, the Dagster start job)
 
     def __post_init__(self) -> None:
@@ -169,6 +170,11 @@ class RunLayout:
     def exhausted(self) -> str:
         """Records still rejected when ``max_rounds`` was hit (rounds strategy)."""
         return join(self.root, "exhausted")
+
+    @property
+    def parquet_export(self) -> str:
+        """``batch-inference export --format parquet``: part-NNNNN.parquet files."""
+        return join(self.root, "export", "parquet")
 
     @property
     def openai_export(self) -> str:

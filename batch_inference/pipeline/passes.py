@@ -14,6 +14,7 @@ from batch_inference import rows
 from batch_inference.pipeline.placement import FamilyCuts, shard_limit
 from batch_inference.rows import Status, permanent_error
 from batch_inference.storage import JsonlDir, JsonlFile, ReshardReport, reshard
+from batch_inference.storage.reshard import Source
 
 # A record with a permanent error (rows.PERMANENT: it would fail the same way on every
 # attempt) ends ``failed`` with its reason at once instead of burning every remaining round.
@@ -49,10 +50,10 @@ MAX_RAW_CHARS = 4096  # of a malformed line kept in its quarantine entry
 
 
 def shard_input(
-    src: str | JsonlFile | JsonlDir, dst: str, *, records_per_shard: int, storage_options: dict[str, Any] | None = None,
+    src: str | Source, dst: str, *, records_per_shard: int, storage_options: dict[str, Any] | None = None,
     quarantine_url: str | None = None, transform: Callable[[dict, int], dict] | None = None,
 ) -> ReshardReport:
-    """Reshard ``src`` (a JSONL(.zst) file or a JsonlDir, or its reader) into ``dst``; ids assigned when missing.
+    """Reshard ``src`` (a JSONL(.zst) or Parquet file or folder, or its reader) into ``dst``; ids assigned when missing.
 
     Duplicate input ids are reported (``report.duplicate_ids``), never merged. With
     ``quarantine_url``, malformed lines (bad JSON, bad UTF-8, not an object) are written

@@ -224,11 +224,7 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
 
 def _count(spec: PipelineSpec, reader: OpenAIBatchReader | None) -> int:
     """Records in the whole input; for OpenAI Batch the sharding pass's file checks too."""
-    from batch_inference.storage import JsonlDir, JsonlFile
-
-    so = spec.storage_options or None
-    probe = JsonlFile(spec.input, storage_options=so)
-    source = JsonlDir(spec.input, storage_options=so) if probe.fs.isdir(probe.path) else probe
+    source = inputs.open_input(spec.input, spec.storage_options or None)
     report = ReshardReport()
 
     seen: set[str] = set()

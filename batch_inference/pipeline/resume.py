@@ -131,7 +131,8 @@ class Resume:
                      "/".join(SHARD_INPUT_KEYS))
         fmt, detected = await asyncio.to_thread(inputs.resolve_format, self.spec)
         if detected:
-            log.info("run %s: %s is OpenAI Batch input (detected: input_format auto); converting at sharding", self.spec.run, self.spec.input)
+            log.info("run %s: %s is %s input (detected: input_format auto); converting at sharding", self.spec.run, self.spec.input,
+                     "OpenAI Batch" if fmt == "openai_batch" else "Parquet")
         reader = inputs.openai_reader(self.spec) if fmt == "openai_batch" else None
         source = await asyncio.to_thread(inputs.open_input, self.spec.input, self.storage_options)
         report = await asyncio.to_thread(
@@ -142,6 +143,7 @@ class Resume:
         inputs.check_records(self.spec, report.records, report.malformed)  # refused, not recorded: nothing to run
         if reader is not None:  # refused before any GPU time: the shard step is not recorded
             inputs.check_openai_input(reader, report, self.spec.input)
+        await asyncio.to_thread(self.ledger.write, RunLayout.INPUT_SCHEMA, inputs.schema_entry(source))  # the Parquet export's types
         await asyncio.to_thread(self.ledger.write, RunLayout.SHARD_INPUT,
                                 {"report": asdict(report), "input_format": fmt, "spec": spec_keys})
         return report, fmt

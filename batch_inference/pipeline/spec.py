@@ -232,11 +232,11 @@ class PipelineSpec(_Strict):
     """Everything one pipeline run needs. ``PipelineSpec.load(path)`` reads YAML or TOML."""
 
     run: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", description="run name: the run's folder under output")
-    input: str = Field(min_length=1, description="input JSONL(.zst) file or JsonlDir URL")
+    input: str = Field(min_length=1, description="input: a JSONL(.zst) or Parquet file, or a folder (prefix) of them")
     input_options: InputOptions = Field(
         default_factory=InputOptions, description="written as `input: {url: ..., allow_empty: ...}`; recorded here")
-    input_format: Literal["auto", "jsonl", "openai_batch"] = Field(
-        "auto", description="auto: OpenAI Batch request lines are detected from the first record (and logged)")
+    input_format: Literal["auto", "jsonl", "openai_batch", "parquet"] = Field(
+        "auto", description="auto: Parquet by its files; OpenAI Batch request lines from the first record (and logged)")
     openai_batch: OpenAIBatchOptions = Field(default_factory=OpenAIBatchOptions)
     preflight_records: int = Field(8, ge=0, description="records rendered through the infer and judge paths before the run (0: off)")
     output: str = Field(min_length=1, description="base URL; the run writes under <output>/<run>/")

@@ -5,17 +5,30 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
+from itertools import islice
 from dataclasses import dataclass
 from typing import Any
 
 from batch_inference.pipeline.spec import PipelineSpec
-from batch_inference.storage import JsonlDir, JsonlFile
+from batch_inference.storage import JsonlDir, JsonlFile, input_format, open_source
+from batch_inference.storage.parquet import ParquetSource
+
+
+PARQUET_SAMPLE_ROWS = 200_000  # rows of a Parquet input read for the sample (its count is the footers')
+
+
+def _parquet(spec: PipelineSpec) -> ParquetSource | None:
+    """The input's Parquet reader when it is Parquet (its footers read), else None."""
+    if input_format(spec.input, spec.storage_options or None) != "parquet":
+        return None
+    source = open_source(spec.input, spec.storage_options or None)
+    return source if isinstance(source, ParquetSource) else None
 
 
 @dataclass(frozen=True)
 class InputSize:
     records: int
-    how: str  # "manifest" | "counted" | "estimated from N records"
+    how: str  # "manifest" | "counted" | "Parquet footers" | "estimated from N records"
     sample: list[dict[str, Any]]
     sampled: str = "the whole input"  # where the sample was drawn from
 
@@ -70,6 +83,10 @@ def input_size(spec: PipelineSpec, *, sample: int = 500, count_limit_bytes: int 
     across the whole input (uniformly where the input is read whole anyway)."""
     opts = spec.storage_options or None
     src = spec.input
+    if (pq_src := _parquet(spec)) is not None:  # rows from the footers; the sample from the first rows read
+        n_read, records = _reservoir(islice(pq_src.iter_records_sync(), PARQUET_SAMPLE_ROWS), sample)
+        where = "the whole input" if n_read == pq_src.rows else f"the first {n_read:,} rows"
+        return InputSize(pq_src.rows, "Parquet footers", records, where)
     d = JsonlDir(src, storage_options=opts)
     if d.exists_sync() and not src.endswith((".jsonl", ".jsonl.zst")):
         man = d.manifest()
@@ -158,7 +175,10 @@ def prefix_windows(spec: PipelineSpec, k: int = PREFIX_SAMPLE, *, windows: int |
         windows = max(1, min(PREFIX_WINDOWS, k // PREFIX_WINDOW_RECORDS))
     per = max(1, -(-k // windows))
     d = JsonlDir(spec.input, storage_options=opts)
-    if d.exists_sync() and not spec.input.endswith((".jsonl", ".jsonl.zst")):
+    pq_src = _parquet(spec)
+    if pq_src is not None:
+        src: JsonlDir | JsonlFile | ParquetSource = pq_src
+    elif d.exists_sync() and not spec.input.endswith((".jsonl", ".jsonl.zst")):
         man = d.manifest()
         if man is not None:
             shards = d.shards()
@@ -170,7 +190,7 @@ def prefix_windows(spec: PipelineSpec, k: int = PREFIX_SAMPLE, *, windows: int |
             where = (f"the heads of {len(chosen)} of {len(shards)} shards, evenly spaced" if len(chosen) < len(shards)
                      else f"the heads of all {len(shards)} shards")
             return out[:k], where
-        src: JsonlDir | JsonlFile = d
+        src = d
     else:
         src = JsonlFile(spec.input, storage_options=opts)
         import fsspec
@@ -179,7 +199,7 @@ def prefix_windows(spec: PipelineSpec, k: int = PREFIX_SAMPLE, *, windows: int |
         if int(fs.size(path)) > count_limit_bytes:
             head = [r for _, r in zip(range(k), src.iter_records_sync())]
             return head, f"the input's first {len(head):,} records (a single file too large to count: shard it for a spread)"
-    n = sum(1 for _ in src.iter_records_sync())
+    n = pq_src.rows if pq_src is not None else sum(1 for _ in src.iter_records_sync())
     if n <= k:
         return list(src.iter_records_sync()), "the whole input"
     starts = _evenly_spaced(n - per + 1, windows)

@@ -122,7 +122,7 @@ def _shard_blocks(list_shards: Callable[[], list[JsonlFile]]) -> Iterator[tuple[
         yield from shard._blocks()
 
 
-def _sync_sink(on_error: str, quarantine: QuarantineSink | None) -> Callable[[dict], None]:
+def sync_sink(on_error: str, quarantine: QuarantineSink | None) -> Callable[[dict], None]:
     check_sink(on_error, quarantine)
 
     def on_bad(entry: dict) -> None:
@@ -135,7 +135,7 @@ def _sync_sink(on_error: str, quarantine: QuarantineSink | None) -> Callable[[di
 def sync_records(
     list_shards: Callable[[], list[JsonlFile]], on_error: str, quarantine: QuarantineSink | None
 ) -> Iterator[dict]:
-    return _io.parse_blocks(_shard_blocks(list_shards), on_error, _sync_sink(on_error, quarantine))  # one generator level per record
+    return _io.parse_blocks(_shard_blocks(list_shards), on_error, sync_sink(on_error, quarantine))  # one generator level per record
 
 
 def parsed_lines(list_shards: Callable[[], list[JsonlFile]]) -> Iterator[tuple[dict, bytes]]:
@@ -160,7 +160,7 @@ def numbered_records(
     list_shards: Callable[[], list[JsonlFile]], on_error: str, quarantine: QuarantineSink | None
 ) -> Iterator[tuple[int, dict]]:
     """``(0-based line number across the shards, record)``: blank and malformed lines count."""
-    return _io.parse_numbered_blocks(_shard_blocks(list_shards), on_error, _sync_sink(on_error, quarantine))
+    return _io.parse_numbered_blocks(_shard_blocks(list_shards), on_error, sync_sink(on_error, quarantine))
 
 
 async def aiter_records(

@@ -1,4 +1,4 @@
-"""reshard: stream one JSONL file (or a JsonlDir) into a JsonlDir of even shards, in constant memory.
+"""reshard: stream one JSONL file (or a JsonlDir, or Parquet) into a JsonlDir of even shards, in constant memory.
 
 Also the place where records get their stable ``id``: a record without one gets
 ``f"{line:012d}"``, the 0-based number of its line in the source (blank and malformed
@@ -18,6 +18,7 @@ from typing import Any
 
 from batch_inference.storage.directory import DEFAULT_MAX_BYTES, Compression, JsonlDir
 from batch_inference.storage.file import JsonlFile, OnError, QuarantineSink
+from batch_inference.storage.parquet import ParquetSource
 from batch_inference.storage.sources import open_source
 
 MALFORMED_EXAMPLES = 5  # malformed lines a report names by file and line
@@ -66,15 +67,18 @@ def assigned_id(pos: int) -> str:
     return f"{pos:012d}"
 
 
-def _source(src: str | JsonlFile | JsonlDir, storage_options: dict | None) -> JsonlFile | JsonlDir:
+Source = JsonlFile | JsonlDir | ParquetSource
+
+
+def _source(src: str | Source, storage_options: dict | None) -> Source:
     """The reader of ``src`` (``sources.open_source``: a folder of no known format is refused)."""
-    if isinstance(src, (JsonlFile, JsonlDir)):
-        return src
-    return open_source(src, storage_options)
+    if isinstance(src, str):
+        return open_source(src, storage_options)
+    return src
 
 
 def reshard(
-    src: str | JsonlFile | JsonlDir,
+    src: str | Source,
     dst: str | JsonlDir,
     *,
     records_per_shard: int | None,

@@ -20,9 +20,10 @@ from batch_inference.storage import urls
 from batch_inference.storage.directory import SHARD_RE, JsonlDir, natural_key
 from batch_inference.storage.errors import UnreadableInputError
 from batch_inference.storage.file import JsonlFile
+from batch_inference.storage.parquet import ParquetSource
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
-READABLE = "JSONL (.jsonl, .jsonl.zst)"
+READABLE = "JSONL (.jsonl, .jsonl.zst) or Parquet (.parquet)"
 
 
 def is_parquet_name(name: str) -> bool:
@@ -95,13 +96,16 @@ def input_format(url: str, storage_options: dict[str, Any] | None = None) -> str
     return "parquet" if is_parquet_name(probe.name) else "jsonl"
 
 
-def open_source(url: str, storage_options: dict[str, Any] | None = None) -> JsonlFile | JsonlDir:
-    """The reader of the input at ``url`` (see the module docstring)."""
+def open_source(url: str, storage_options: dict[str, Any] | None = None) -> JsonlFile | JsonlDir | ParquetSource:
+    """The reader of the input at ``url`` (see the module docstring). A Parquet source reads
+    every file's footer as it opens: a file that is not Parquet is refused here, named."""
     fmt = input_format(url, storage_options)
     probe = JsonlFile(url, storage_options=storage_options)
+    folder = probe.fs.isdir(probe.path)
     if fmt == "parquet":
-        raise UnreadableInputError(probe.url, f"Parquet: not a format this input reads ({READABLE.split(' or ')[0]})")
-    return JsonlDir(url, storage_options=storage_options) if probe.fs.isdir(probe.path) else probe
+        files = classify_folder(url, storage_options)[1] if folder else [probe.url]
+        return ParquetSource(url, files, storage_options=storage_options)
+    return JsonlDir(url, storage_options=storage_options) if folder else probe
 
 
 __all__ = ["PARQUET_SUFFIXES", "UnreadableInputError", "classify_folder", "describe_unread",
