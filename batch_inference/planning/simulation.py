@@ -30,7 +30,7 @@ from batch_inference.planning.clock import run_virtual
 from batch_inference.planning.cluster import Cluster, ClusterSim, Overheads, TaskQuarantined
 from batch_inference.planning.rates import EngineRates, Workload
 from batch_inference.pool.dispatch import dispatch_bounded
-from batch_inference.pool.tasks import TAIL_CHUNKS_IN_FLIGHT
+from batch_inference.pool.constants import TAIL_CHUNKS_IN_FLIGHT
 
 
 @dataclass
@@ -125,7 +125,7 @@ def simulate(
     at ``judge_rates.judge_s``, and a tail task does its generation on the infer pool and
     its judge waves on the judge pool at once when its shard has more than one chunk: a
     retry task keeps ``TAIL_CHUNKS_IN_FLIGHT`` chunks in flight, the next generating while
-    the one before is judged (pool.tasks), so its judging starts once its first chunk's
+    the one before is judged (pool.retry), so its judging starts once its first chunk's
     first generation is done and then runs beside its generation; the task ends when both
     parts have. A one-chunk shard's parts take turns (bench/reports/judge_model.md
     measures both).

@@ -49,7 +49,7 @@ def test_the_judge_phase_runs_on_the_judge_pool_and_each_pool_is_priced() -> Non
 
 
 def test_the_tails_generation_and_judging_overlap_on_the_two_pools() -> None:
-    """A retry task keeps two chunks in flight (pool.tasks.TAIL_CHUNKS_IN_FLIGHT), the next
+    """A retry task keeps two chunks in flight (pool.constants.TAIL_CHUNKS_IN_FLIGHT), the next
     generating while the one before is judged, so its judging on the judge pool runs beside
     its generation on the infer pool: with both models at the same cost the tail on two
     pools takes about half the wall of one pool's (each pool does half the work), plus the

@@ -265,7 +265,7 @@ class _FlakyStore:
 
 
 async def test_a_failing_periodic_checkpoint_flush_is_reported_and_ticking_goes_on() -> None:
-    from batch_inference.pool.tasks import CheckpointBuffer
+    from batch_inference.pool.retry import CheckpointBuffer
 
     store = _FlakyStore(fail=2)
     async with CheckpointBuffer(store, interval_s=0.01) as ckpt:  # type: ignore[arg-type]
