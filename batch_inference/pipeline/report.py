@@ -6,6 +6,7 @@ Kept apart from the CLI so a script or notebook can use them too.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from rich.cells import cell_len
@@ -28,6 +29,7 @@ from batch_inference.pipeline.summaries import LedgerView, rate
 
 
 OFF_TTY_WIDTH = 160  # the ledger table's columns fit without wrapping
+REVIEW_LINE_EVERY_S = 30.0  # while a round waits for people: a new "N left" line at most this often
 
 
 def output_console() -> Console:
@@ -63,7 +65,8 @@ class RichReporter:
     """A progress bar per phase: records done / total, records/s, output tokens/s, approval so
     far, elapsed and the phase's ETA (from its measured throughput); after each round, the
     run's ETA (``round_decided``: the decision's ``eta_run_s``, the remaining pending set
-    simulated at the round's measured throughput) and the plan's figure when one was recorded."""
+    simulated at the round's measured throughput) and the plan's figure when one was recorded;
+    while a round waits for people, "round R: waiting for review (N left)" (``review_waiting``)."""
 
     def __init__(self, console: Console | None = None) -> None:
         self.progress = Progress(
@@ -71,6 +74,7 @@ class RichReporter:
             _ApprovalColumn(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), console=console, transient=False,
         )
         self._tasks: dict[str, Any] = {}
+        self._review_said: dict[int, tuple[str, float]] = {}  # round -> (last line's text, when)
 
     def __enter__(self) -> RichReporter:
         self.progress.start()
@@ -106,6 +110,18 @@ class RichReporter:
         if planned is not None:
             text += f" (planned run wall {_clock(float(planned))})"
         self.progress.console.print(text)
+
+
+    def review_waiting(self, r: int, text: str, url: str) -> None:
+        """Called at each look while round ``r`` waits for people; prints a line when the text
+        changed, the first at once and then at most every ``REVIEW_LINE_EVERY_S``."""
+        last, at = self._review_said.get(r, (None, 0.0))
+        now = time.monotonic()
+        if text == last or (last is not None and now - at < REVIEW_LINE_EVERY_S):
+            return
+        self._review_said[r] = (text, now)
+        hint = f"; review at {url} (`batch-inference review SPEC` serves it)" if last is None else ""
+        self.progress.console.print(f"round {r}: {text}{hint}")
 
 
 def _clock(seconds: float) -> str:

@@ -267,15 +267,27 @@ class PipelineRun:
         return await asyncio.to_thread(review.resolve, self.spec, self.layout, self.ledger, r, now=now)
 
     async def wait_for_review(self, r: int) -> review.ReviewSummary:
-        """Poll (``review.poll_s``) until round ``r``'s review can close, then close it."""
+        """Poll (``review.poll_s``) until round ``r``'s review can close, then close it.
+
+        Each look goes to the reporter too (``review_waiting(r, text, url)``, optional): the CLI
+        prints "waiting for review (N left)". A close that reopens the round (an undo landed
+        as it began) is waited on again.
+        """
         said = None
         while True:
             st = await asyncio.to_thread(self.review_status, r)
             if st.resolved or st.resolvable:
-                return await self.resolve_review(r)
+                try:
+                    return await self.resolve_review(r)
+                except review.ReviewPending as exc:
+                    log.info("run %s round %d: %s", self.spec.run, r, exc)
+                    await asyncio.sleep(self.spec.review.poll_s)
+                    continue
             if st.text != said:
                 log.info("run %s round %d: %s (review page: `batch-inference review`)", self.spec.run, r, st.text)
                 said = st.text
+            if (waiting := getattr(self.reporter, "review_waiting", None)) is not None:
+                waiting(r, st.text, self.spec.review.url)
             await asyncio.sleep(self.spec.review.poll_s)
 
     def round_counts(self, r: int) -> dict[str, int]:

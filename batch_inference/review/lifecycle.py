@@ -91,6 +91,7 @@ class ReviewStatus(_Summary):
     due: bool  # the timeout has passed and the policy decides the rest
     resolvable: bool  # resolve() would close the round now
     resolved: bool
+    reopened: int = 0  # times a close found an undo in what it read and reopened the round
 
     @property
     def text(self) -> str:
@@ -120,10 +121,11 @@ def status(spec: PipelineSpec, layout: RunLayout, ledger: Ledger, r: int, *, now
         raise ReviewPending(f"run {spec.run!r} round {r}: no review queue was opened (judge({r}) sent nobody to review)")
     total = int(info["records"])
     opened_at = float(info["opened_at"])
+    reopened = int((ledger.read(ledger_closing(r)) or {}).get("reopens", 0))
     done = ledger.read(ledger_resolved(r))
     if done is not None:
         return ReviewStatus(r, total, total, 0, int(done["approved"]), int(done["rejected"]), dict(done["by_reviewer"]),
-                            int(done["conflicts"]), opened_at, 0.0, _policy_text(spec), False, False, True)
+                            int(done["conflicts"]), opened_at, 0.0, _policy_text(spec), False, False, True, reopened)
     f = fold(ReviewLog(layout, r, spec.storage_options).entries())
     decided = len(f.decided)
     left = max(0, total - decided)
@@ -134,7 +136,7 @@ def status(spec: PipelineSpec, layout: RunLayout, ledger: Ledger, r: int, *, now
     resolvable = left == 0 or (due and p.then != "keep_waiting")
     return ReviewStatus(r, total, decided, left, verdicts.get("approve", 0), verdicts.get("reject", 0), dict(by_reviewer),
                         len(f.conflicts), opened_at, (now - opened_at) if left else 0.0, _policy_text(spec), due,
-                        resolvable, False)
+                        resolvable, False, reopened)
 
 
 def open_queue(ledger: Ledger, r: int, records: int) -> None:
@@ -206,7 +208,7 @@ def resolve(spec: PipelineSpec, layout: RunLayout, ledger: Ledger, r: int, *, no
             st = status(spec, layout, ledger, r, now=now)
             if not st.resolvable:
                 raise ReviewPending(f"run {spec.run!r} round {r}: {st.text}")
-            marked = {"round": r, "at": time.time() if now is None else now, "due": st.due}
+            marked = {"round": r, "at": time.time() if now is None else now, "due": st.due, "reopens": st.reopened}
             ledger.write(ledger_closing(r), marked)
         # Read after the marker: every verdict (or undo) whose write finished before a server
         # saw the marker is in the log now, and no server writes one after seeing it. The
@@ -217,7 +219,8 @@ def resolve(spec: PipelineSpec, layout: RunLayout, ledger: Ledger, r: int, *, no
         if undecided:
             # An undo landed between the status read and the marker: the server told its
             # reviewer the record is theirs again, so the close must not decide without it.
-            ledger.write(ledger_closing(r), {"round": r, "reopened": True, "at": time.time(), "undecided": undecided[:50]})
+            ledger.write(ledger_closing(r), {"round": r, "reopened": True, "reopens": int(marked.get("reopens", 0)) + 1,
+                                             "at": time.time(), "undecided": undecided[:50]})
             raise ReviewPending(f"run {spec.run!r} round {r}: the review was reopened as it closed: {len(undecided)} record(s) "
                                 f"undone meanwhile wait again (e.g. {undecided[0]!r})")
         log.write_sealed(entries)

@@ -99,7 +99,10 @@ def create_app(queue: ReviewQueue, *, reviewers: dict[str, str] | None = None, d
         try:
             response = await _guarded(request, handler)
         except web.HTTPException as exc:
-            response = exc
+            # the API answers JSON, errors included ({"error": ...}: a bad request, an unknown
+            # route, a body over the size limit); the page's routes keep aiohttp's own
+            api_error = request.path.startswith("/api/") and exc.status >= 400
+            response = _error(exc.status, exc.text or exc.reason) if api_error else exc
         response.headers.update(SECURITY_HEADERS)
         return response
 

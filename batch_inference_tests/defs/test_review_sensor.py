@@ -11,7 +11,7 @@ from batch_inference import review as rv
 from batch_inference.defs.driver import drive, start_run, tick
 from batch_inference.defs.keys import REJECTED, RESULTS, REVIEWED
 from batch_inference.defs.runs.jobs import start_run_config
-from batch_inference.pipeline import PipelineRun, PipelineSpec
+from batch_inference.pipeline import Ledger, PipelineRun, PipelineSpec
 from batch_inference_tests.defs.helpers import check_results, history, latest
 
 
@@ -91,6 +91,47 @@ def test_sensor_waits_for_review_then_advances(defs, instance, write_spec) -> No
     for r in (0, 1):
         c = PipelineRun(spec).round_counts(r)
         assert c["inferred"] == c["approved"] + c["rejected"] + c["awaiting"] and c["awaiting"] == 0
+
+
+def test_a_round_whose_close_reopens_is_waited_on_and_closed_by_a_later_review_job(defs, instance, write_spec, monkeypatch) -> None:
+    """An undo lands between the close's status read and its marker: review_job fails (the close
+    reopened the round instead of sealing it undecided); the sensor waits on the round again and,
+    once the record is decided, requests the close once more under a new run key."""
+    spec_path = write_spec("reo", records=4, max_rounds=1, judge={"kind": "human"})
+    spec = PipelineSpec.load(spec_path)
+    assert start_run(defs, instance, start_run_config(str(spec_path))).success
+    first = drive(defs, instance)
+    q = rv.ReviewQueue(spec)
+
+    async def approve_all() -> None:
+        await q.refresh()
+        while (claim := await q.claim("alice")) is not None:
+            await q.decide("alice", 0, claim[0].key, "approve")
+
+    asyncio.run(approve_all())
+    undone: list = []
+    real_write = Ledger.write
+
+    def undo_before_the_marker(self: Ledger, name: str, data: dict) -> None:
+        if name == rv.ledger_closing(0) and not data.get("reopened") and not undone:
+            undone.append(asyncio.run(q.undo("alice")))
+        real_write(self, name, data)
+
+    monkeypatch.setattr(Ledger, "write", undo_before_the_marker)
+    rest = drive(defs, instance, cursor=first.cursor)
+    assert [(r.job_name, r.run_key, r.success) for r in rest.launched] == [("review_job", "reo|r00:review", False)]
+    assert "reopened" in (rest.launched[0].error or "")
+    data = tick(defs, instance, rest.cursor)
+    assert not data.run_requests and data.skip_reason.skip_message == "reo|r00: waiting for review (1 left)"
+    item, _ = undone[0]
+    asyncio.run(q.decide("alice", 0, item.key, "reject", reason="second look"))
+    final = drive(defs, instance, cursor=data.cursor)
+    assert [(r.job_name, r.run_key) for r in final.launched][:1] == [("review_job", "reo|r00:review-reopened-1")]
+    assert history(final)[-1] == ("results_job", "reo")
+    reviewed = latest(instance, REVIEWED, "reo|r00")
+    assert (reviewed["review_approved"], reviewed["review_rejected"]) == (3, 1)
+    c = PipelineRun(spec).round_counts(0)
+    assert c["inferred"] == c["approved"] + c["rejected"] + c["awaiting"] == 4 and c["awaiting"] == 0
 
 
 @pytest.mark.process

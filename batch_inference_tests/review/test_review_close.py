@@ -7,12 +7,14 @@ runs the same way every time. Conservation is recounted from storage at the end.
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
 from batch_inference import review as rv
-from batch_inference.pipeline import PipelineRun
+from batch_inference.pipeline import Ledger, PipelineRun
+from batch_inference.pipeline.fanout import NullReporter
 from batch_inference.review import lifecycle
 
 
@@ -108,3 +110,35 @@ def test_an_undo_that_lands_after_the_close_read_the_log_does_not_count(review_s
     assert decided[-1].key in rv.fold(log.sealed_entries() or []).decided
     assert asyncio.run(run.resolve_review(0)) == closed[0]
     assert balanced(run)["approved"] == 3
+
+
+def test_the_driver_waits_again_when_its_close_reopens_the_round(review_spec, monkeypatch) -> None:
+    """run_pipeline's wait: the close reopens the round (an undo landed before its marker); the
+    driver says "waiting for review (1 left)" to its reporter and closes once it is decided."""
+    spec, _ = review_spec(records=3, review={"poll_s": 0.05})
+    q = rv.ReviewQueue(spec)
+    decide_all(q, "alice")
+    undone: list[tuple[rv.Item, rv.Lease] | None] = []
+    real_write = Ledger.write
+
+    def undo_before_the_marker(self: Ledger, name: str, data: dict[str, Any]) -> None:
+        if name == rv.ledger_closing(0) and not data.get("reopened") and not undone:
+            undone.append(asyncio.run(q.undo("alice")))
+        real_write(self, name, data)
+
+    said: list[tuple[int, str, str]] = []
+
+    class Watch(NullReporter):
+        def review_waiting(self, r: int, text: str, url: str) -> None:
+            said.append((r, text, url))
+            if len(said) == 1:  # a reviewer decides the record the undo handed back
+                item, _ = undone[0] or (None, None)
+                assert item is not None
+                with ThreadPoolExecutor(1) as pool:
+                    pool.submit(asyncio.run, q.decide("alice", 0, item.key, "reject", reason="second look")).result()
+
+    monkeypatch.setattr(Ledger, "write", undo_before_the_marker)
+    summary = asyncio.run(PipelineRun(spec, reporter=Watch()).wait_for_review(0))
+    assert said == [(0, "waiting for review (1 left)", spec.review.url)]
+    assert (summary.records, summary.approved, summary.rejected) == (3, 2, 1)
+    assert PipelineRun(spec).review_status(0).reopened == 1

@@ -28,7 +28,7 @@ from batch_inference.defs.storage.resources import StorageResource
 class ReviewTick:
     """One tick's outcome: rounds ready to close, events to report, what the sensor says."""
 
-    ready: list[tuple[str, str, str]] = field(default_factory=list)  # (partition, run, reason)
+    ready: list[tuple[str, str, str, int]] = field(default_factory=list)  # (partition, run, reason, times reopened)
     events: list[Any] = field(default_factory=list)
     said: list[str] = field(default_factory=list)
     waiting: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -49,7 +49,12 @@ def review_tick(instance: dg.DagsterInstance, waiting: dict[str, dict[str, Any]]
             out.waiting[partition] = seen
             continue
         if status.resolved or status.resolvable:
-            out.ready.append((partition, key.run, status.text))
+            out.ready.append((partition, key.run, status.text, status.reopened))
+            if not status.resolved:
+                # Kept until the close is recorded: a close that finds an undo in what it read
+                # reopens the round (its review_job fails), and the round waits again; the next
+                # close is another run (its run key counts the reopenings).
+                out.waiting[partition] = seen
             continue
         out.said.append(f"{partition}: {status.text}")
         data = status.as_dict()

@@ -168,9 +168,11 @@ def pipeline_of(partition_key: str) -> str:
     return partition_key.rpartition("|")[0] or partition_key
 
 
-def review_action(partition_key: str, run: str, reason: str) -> Action:
-    """Close a round's review (its queue is empty or the timeout policy applies)."""
-    return Action(review_job.name, partition_key, f"{partition_key}:review", run, reason)
+def review_action(partition_key: str, run: str, reason: str, reopened: int = 0) -> Action:
+    """Close a round's review (its queue is empty or the timeout policy applies); once more
+    (a new run key) after each time a close reopened it."""
+    suffix = f"-reopened-{reopened}" if reopened else ""
+    return Action(review_job.name, partition_key, f"{partition_key}:review{suffix}", run, reason)
 
 
 def _records_since(instance: dg.DagsterInstance, after: int, skip: frozenset[int] | set[int] = frozenset()) -> list[dg.EventLogRecord]:
@@ -250,8 +252,8 @@ def round_sensor(context: dg.SensorEvaluationContext, storage: StorageResource) 
     cursor.advance((r.storage_id for r in records), complete=len(records) < MAX_EVENTS_PER_TICK)
     reviews = review_tick(instance, cursor.review, storage)
     cursor.review = reviews.waiting
-    for partition, run_name, why in reviews.ready:
-        action = review_action(partition, run_name, why)
+    for partition, run_name, why, reopened in reviews.ready:
+        action = review_action(partition, run_name, why, reopened)
         if action.run_key not in requested:
             requested.add(action.run_key)
             context.log.info(f"{partition} -> {action.job_name}[{partition}]: {why}")
