@@ -9,9 +9,12 @@ rewrites the directory in that order, cut into shards of about ``shard_records``
 ends at the boundary between two families nearest its size, within ``SHARD_SLACK`` of it
 (``shard_cuts``), so that a family smaller than a shard sits in one shard, and so on one
 worker (``pipeline.affinity`` names a shard by its first record's family: a family cut in
-two could go to two workers and be computed on each). Sorting by the chain is a
-depth-first walk of the prefix tree: every family of records sharing a prefix is
-contiguous, and within it the sub-families sharing a longer one.
+two could go to two workers and be computed on each). A family is
+``prompting.prefix``'s: records sharing a block past the ``common`` blocks every record
+shares (a template's preamble, however long), the one definition the cuts and the pool's
+dispatch use. Sorting by the chain is a depth-first walk of the prefix tree: every family
+of records sharing a prefix is contiguous, and within it the sub-families sharing a
+longer one.
 
 The records are only moved: ids, attempts and every field stay as they are, so
 conservation holds by construction (and is checked: as many records out as in). It runs
@@ -39,6 +42,7 @@ from typing import Any
 import orjson
 
 from batch_inference.engines.base import Prompt
+from batch_inference.engines.blocks import BLOCK_HASH_BYTES
 from batch_inference.pipeline.summaries import LayoutSummary
 from batch_inference.prompting import InferConfig, RequestBuilder
 from batch_inference.prompting.prefix import CharTokens, PrefixSigner, shared_blocks
@@ -79,6 +83,7 @@ class _Pass:
     blocks: int = 0
     shared_input: int = 0
     shared_sorted: int = 0
+    common: int = 0  # blocks every record shares (prompting.prefix.common_blocks): a family lies past them
     sign_s: float = 0.0
 
     @property
@@ -102,8 +107,11 @@ def _sign_pass(d: JsonlDir, signer: PrefixSigner, builder: RequestBuilder, sort:
         p.records += len(batch)
     sort.finish()
     prev = b""
-    for key, _ in sort.iter_sorted():
-        p.shared_sorted += shared_blocks(prev, key)
+    for n, (key, _) in enumerate(sort.iter_sorted()):
+        shared = shared_blocks(prev, key)
+        p.shared_sorted += shared
+        # in sorted order the blocks every record shares are the fewest two neighbours share
+        p.common = len(key) // BLOCK_HASH_BYTES if n == 0 else min(p.common, shared)
         prev = key
     return p
 
@@ -160,7 +168,7 @@ def layout_by_prefix(
         block_size=signer.block_size, max_blocks=signer.max_blocks, records=final.records, blocks=final.blocks,
         shared_input=final.shared_input, shared_sorted=final.shared_sorted, gain=round(final.gain, 4),
         sign_s=round(sign_s, 3), sort_s=round(time.perf_counter() - t0 - sign_s, 3), runs=runs, merge_levels=levels,
-        text_gain=round(gate.gain, 4), cuts_shared=cuts_shared,
+        text_gain=round(gate.gain, 4), cuts_shared=cuts_shared, common_blocks=final.common,
     )
     log.info("layout %s: %s (%d records, %d blocks, signing %.1f s, sorting %.1f s)",
              d.url, reason, summary.records, summary.blocks, summary.sign_s, summary.sort_s)
@@ -172,7 +180,8 @@ def shard_cuts(keys: Iterable[bytes], per: int, slack: int) -> Iterator[tuple[in
 
     A shard holds ``per`` records give or take ``slack``, and ends at the boundary in that
     window where the records either side share the fewest leading blocks (ties: the one
-    nearest ``per``): between two families when the window holds one (0 shared blocks),
+    nearest ``per``): between two families when the window holds one (no more than the
+    blocks every record shares: ``prompting.prefix``),
     so that a family smaller than a shard sits in one shard, whose task and whose worker
     compute its prefix once; a family larger than a shard is cut at ``per``. Streams: it
     holds one window of depths, never the records. The last shard reports 0.
@@ -214,11 +223,12 @@ def signed_lines(signer: PrefixSigner, builder: RequestBuilder, records: Iterabl
             yield sig.blocks, line
 
 
-def write_cut(w: Any, items: Iterable[tuple[bytes, bytes]], records_per_shard: int) -> int:
+def write_cut(w: Any, items: Iterable[tuple[bytes, bytes]], records_per_shard: int, common: int = 0) -> int:
     """Write ``(signature blocks, line)`` pairs, in prefix order, to the directory writer
     ``w`` (opened with ``max_records_per_shard=shard_limit(records_per_shard)``), ending each
-    shard where ``shard_cuts`` says; returns the cuts whose records either side share a
-    leading block (a family larger than the window, or a preamble every record has).
+    shard where ``shard_cuts`` says; returns the cuts inside a family (the records either
+    side share more than the ``common`` blocks every record does: a family larger than the
+    window).
 
     Memory: lines wait only while a cut could still fall before them (the window); the
     ones certain to sit before the shard's earliest cut are written as they come.
@@ -245,7 +255,7 @@ def write_cut(w: Any, items: Iterable[tuple[bytes, bytes]], records_per_shard: i
         del pending[:rest]
         w.cut()
         written = 0
-        inside += shared > 0
+        inside += shared > common
     return inside
 
 
@@ -253,21 +263,23 @@ def write_cut(w: Any, items: Iterable[tuple[bytes, bytes]], records_per_shard: i
 class FamilyCuts:
     """Shards cut between families for a pass that rewrites records already in prefix order
     (recompaction: a round's rejected records, concatenated in shard order, are a
-    subsequence of the laid-out order), with the layout's own signer and cuts."""
+    subsequence of the laid-out order), with the layout's own signer and cuts; ``common``:
+    the blocks every record of the layout shares (``LayoutSummary.common_blocks``)."""
 
     signer: PrefixSigner
     infer: InferConfig
+    common: int = 0
 
     def write(self, w: Any, records: Iterable[dict[str, Any]], records_per_shard: int) -> int:
         """Write ``records`` to ``w`` (opened with ``shard_limit``) cut by ``write_cut``; returns its count."""
         lines = ((rec, orjson.dumps(rec, option=orjson.OPT_APPEND_NEWLINE)) for rec in records)
-        return write_cut(w, signed_lines(self.signer, RequestBuilder(self.infer), lines), records_per_shard)
+        return write_cut(w, signed_lines(self.signer, RequestBuilder(self.infer), lines), records_per_shard, self.common)
 
 
 def _rewrite(d: JsonlDir, p: _Pass, records_per_shard: int, compression: Any) -> int:
     """Write the sorted records over ``d``, cut between families (``write_cut``); returns its count."""
     with d.writer_sync(max_records_per_shard=shard_limit(records_per_shard), compression=compression) as w:
-        inside = write_cut(w, p.sort.iter_sorted(), records_per_shard)
+        inside = write_cut(w, p.sort.iter_sorted(), records_per_shard, p.common)
     if w.records != p.records:  # pragma: no cover - the sort hands back what it took
         raise PlacementError(f"{d.url}: rewrote {w.records} of {p.records} records")
     return inside

@@ -36,7 +36,7 @@ from batch_inference.pipeline.summaries import (
     StepOutcome,
 )
 from batch_inference.pool.protocol import JUDGE_POOL_OUTPUT, REVIEW_OUTPUT, SubmitOrder, TaskResult, TaskRunner, TaskSpec
-from batch_inference.prompting.prefix import PrefixSigner, default_block_size
+from batch_inference.prompting.prefix import PrefixSigner
 from batch_inference.review import lifecycle as review
 from batch_inference.storage import JsonlDir, JsonlFile
 from batch_inference.storage.urls import join
@@ -74,6 +74,7 @@ class PipelineRun:
         self.storage_options = spec.storage_options or None
         self.ledger = Ledger(self.layout, spec.storage_options)
         self.resume = Resume(spec, self.layout, self.ledger)
+        self._signer_made: PrefixSigner | None = None
 
     # -- helpers --------------------------------------------------------------------
 
@@ -123,8 +124,19 @@ class PipelineRun:
         return await self.resume.shard()
 
     def _signer(self) -> PrefixSigner:
-        """The layout's signer: the shard step's and recompaction's."""
-        return self.resume.signer()
+        """The layout's signer: the shard step's, recompaction's and the dispatch's (its
+        tokenizer loaded once a run)."""
+        if self._signer_made is None:
+            self._signer_made = self.resume.signer()
+        return self._signer_made
+
+    def _layout_common(self, signer: PrefixSigner) -> int | None:
+        """The blocks every input record shares, as the shard step's layout pass counted them
+        with this signer (None: no pass, or one that signed otherwise; blocking)."""
+        laid = (self.ledger.read(RunLayout.SHARD) or {}).get("layout") or {}
+        if laid.get("signature") != signer.tokenizer.name or laid.get("block_size") != signer.block_size:
+            return None
+        return int(laid.get("common_blocks", 0))
 
     def _family_cuts(self) -> placement.FamilyCuts | None:
         """How recompaction cuts its shards: between families when the shard step laid the
@@ -135,7 +147,8 @@ class PipelineRun:
         shard = self.ledger.read(RunLayout.SHARD) or {}
         if not (shard.get("layout") or {}).get("applied"):
             return None
-        return placement.FamilyCuts(self._signer(), self.spec.infer)
+        signer = self._signer()
+        return placement.FamilyCuts(signer, self.spec.infer, common=self._layout_common(signer) or 0)
 
     def _instance(self) -> str:
         """The run instance every task id of this run carries (drawn at sharding); every
@@ -145,13 +158,14 @@ class PipelineRun:
         return instance
 
     def _families(self, items: list[Item]) -> dict[int, str]:
-        """Each shard's prefix family for a pool of several workers (``pipeline.affinity``;
-        blocking); none in process, where one engine serves every task, or with it off."""
+        """Each shard's prefix family for a pool of several workers (``pipeline.affinity``,
+        with the layout's signer and the layout's common prefix; blocking); none in
+        process, where one engine serves every task, or with it off."""
         pool = self.spec.pool
         if not pool.affinity or (pool.launcher == "inprocess" and not pool.endpoints):
             return {}
-        block = self.spec.layout.block_size or default_block_size(self.spec.engine)
-        return affinity.shard_families(items, self.spec.infer, block_size=block)
+        signer = self._signer()
+        return affinity.shard_families(items, self.spec.infer, signer, common=self._layout_common(signer))
 
     def _dedup_scope(self, r: int, kind: str, instance: str) -> str | None:
         """The phase within which identical requests run once (None: the spec turned it off)."""

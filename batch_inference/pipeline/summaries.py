@@ -103,9 +103,10 @@ class LayoutSummary(_Summary):
     runs: int  # spilled sorted runs (0: the records sorted in memory)
     merge_levels: int
     text_gain: float = 0.0  # the first pass's gain, signing by text: below min_gain nothing is tokenised
-    # shard boundaries whose records either side share a leading block (placement.shard_cuts:
-    # a family larger than its window, or a preamble every record has)
+    # shard boundaries inside a prefix family: the records either side share more than the
+    # blocks every record shares (placement.shard_cuts: a family larger than its window)
     cuts_shared: int = 0
+    common_blocks: int = 0  # leading blocks every record shares (a preamble): families lie past them
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,18 @@
 """``PoolClient``: the TaskRunner over HTTP workers.
 
 It spreads tasks over the workers (least in-flight first), so ``limit`` =
-replicas x concurrency tasks can be in flight. A task with a prefix family
+replicas x concurrency tasks can be in flight. Load balance comes first, prefix affinity
+second: the tasks that ask for a worker at once (a phase's first wave, the ones a round of
+finished tasks frees) are placed together, each worker taking the share least-in-flight-
+first placement would give it (``_pick_many``), so no worker sits idle while another runs
+two tasks more for the sake of a cache. Within those shares a task with a prefix family
 (``TaskSpec.affinity``) goes to the family's worker, so one family's shards meet the cache
 that holds its prefix. A family gets its worker with its first task: the least-loaded live
 worker with a free slot, ties broken by the family's rendezvous order (each worker scored by
 a hash of family and endpoint), so new families spread over idle workers instead of
-piling on the one a hash prefers. A full worker passes the task to the next worker with a
-free slot in rendezvous order, and a dead one hands its families to a live worker chosen
-the same way: no worker waits idle for a family (bounded by its ``concurrency`` slots). A task whose worker dies, times out or
+piling on the one a hash prefers. A task its family's worker has no share for goes to the
+worker with the most share left (ties: the family's rendezvous order), and a dead worker
+hands its families to a live one chosen the same way. A task whose worker dies, times out or
 answers 5xx is retried on another worker with exponential backoff, up to ``retries``
 times; "busy"/"shutting down" refusals (429/503) wait and go elsewhere without using a
 retry. A deterministic refusal (400/401/403/409/413/422) or exhausted retries raise
@@ -78,6 +82,7 @@ class PoolClient:
         self.homes: dict[str, str] = {}  # family -> the worker that holds its prefix
         self._session: aiohttp.ClientSession | None = None
         self._refreshing: asyncio.Task[None] | None = None
+        self._asking: list[tuple[dict[str, int], str | None, asyncio.Future[str]]] = []  # placed together
 
     @property
     def limit(self) -> int:
@@ -105,33 +110,137 @@ class PoolClient:
     # -- choosing a worker ------------------------------------------------------
 
     def _pick(self, tried: dict[str, int], family: str | None = None) -> str:
-        """Among live workers this task has not tried (else the one tried longest ago): the
-        family's worker while it has a free slot, else the next with one in the family's
-        rendezvous order; a task without a family, or with every worker full, goes to the
-        least in flight."""
+        """One task's worker (``_pick_many`` of one)."""
+        return self._pick_many([(tried, family)])[0]
+
+    def _candidates(self, tried: dict[str, int]) -> list[str]:
+        """Live workers this task has not tried (else those it tried longest ago)."""
         now = time.monotonic()
         up = [e for e in self.endpoints if self.down_until.get(e, 0) <= now] or list(self.endpoints)
         pool = [e for e in up if e not in tried]
         if not pool:
             oldest = min(tried.get(e, -1) for e in up)
             pool = [e for e in up if tried.get(e, -1) == oldest]
-        free = [e for e in pool if self.in_flight.get(e, 0) < self.concurrency]
-        if family is not None and free:
-            home = self.homes.get(family)
-            if home not in up:  # a new family, or its worker is down or gone
-                least = min(self.in_flight.get(e, 0) for e in free)
-                home = max((e for e in free if self.in_flight.get(e, 0) == least), key=lambda e: rendezvous(family, e))
-                self.homes.pop(family, None)
-                self.homes[family] = home
-                if len(self.homes) > MAX_HOMES:
-                    del self.homes[next(iter(self.homes))]
-            if home in free:
+        return pool
+
+    def _pick_many(self, asks: list[tuple[dict[str, int], str | None]]) -> list[str]:
+        """Workers for tasks that ask at once (``(tried, family)`` each), counted in flight.
+
+        Balance first: the fresh tasks (none tried yet) fill the free slots to the level
+        placing them one by one on the least in flight would reach (``_shares``: each
+        worker's room; which workers take the odd tasks of an uneven split is open).
+        Affinity within it: a task goes to its family's worker while that has room, else
+        to the worker with the most room (ties: the family's rendezvous order), which
+        becomes the worker of a family it is the first of. Tasks of families that already
+        have a worker are placed first. A retried task, or any left when every slot is
+        taken, goes to the least in flight among the workers it has not tried.
+        """
+        picks: list[str | None] = [None] * len(asks)
+        up = self._candidates({})
+        fresh = [i for i, (tried, _) in enumerate(asks) if not tried]
+        base, odd, extra = self._shares(up, len(fresh))
+        given = dict.fromkeys(base, 0)
+        odd_left = [extra]
+
+        def room(e: str) -> int:
+            return base[e] - given[e] + (1 if odd_left[0] > 0 and e in odd and given[e] <= base[e] else 0)
+
+        def place(i: int, e: str) -> None:
+            given[e] += 1
+            if given[e] > base[e]:
+                odd_left[0] -= 1
+            picks[i] = e
+
+        known = {f for _, f in asks if f is not None and self.homes.get(f) in up}
+        for i in fresh:  # families with a worker already: to it while it has room
+            home = self.homes.get(asks[i][1]) if asks[i][1] in known else None
+            if home is not None and room(home) > 0:
+                place(i, home)
                 self.affinity_kept += 1
-                return home
+        for i in fresh:  # the rest, in order: a new family's first task settles its worker
+            if picks[i] is not None or not base or not any(room(e) > 0 for e in base):
+                continue
+            family = asks[i][1]
+            home = self.homes.get(family) if family is not None else None
+            if home in given and room(home) > 0:  # a family settled earlier in this call
+                place(i, home)  # type: ignore[arg-type]
+                self.affinity_kept += 1
+                continue
+            most = max(room(e) for e in base)
+            place(i, self._settle(family, [e for e in base if room(e) == most], up))
+        for e in picks:
+            if e is not None:
+                self.in_flight[e] = self.in_flight.get(e, 0) + 1
+        for i, (tried, family) in enumerate(asks):  # retried, or no free slot left anywhere
+            if picks[i] is None:
+                pool = self._candidates(tried)
+                roomy = [e for e in pool if self.in_flight.get(e, 0) < self.concurrency] or pool
+                least = min(self.in_flight.get(e, 0) for e in roomy)
+                e = picks[i] = self._settle(family, [e for e in roomy if self.in_flight.get(e, 0) == least], up)
+                self.in_flight[e] = self.in_flight.get(e, 0) + 1
+        return picks  # type: ignore[return-value]
+
+    def _settle(self, family: str | None, best: list[str], up: list[str]) -> str:
+        """Among equally good workers: the family's when it is one of them, else the first
+        in its rendezvous order, which becomes the family's worker when it has none alive."""
+        if family is None:
+            return random.choice(best)
+        home = self.homes.get(family)
+        if home in best:
+            self.affinity_kept += 1
+            return home  # type: ignore[return-value]
+        e = max(best, key=lambda e: rendezvous(family, e))
+        if home in up:
             self.affinity_moved += 1
-            return max(free, key=lambda e: rendezvous(family, e))
-        least = min(self.in_flight.get(e, 0) for e in pool)
-        return random.choice([e for e in pool if self.in_flight.get(e, 0) == least])
+        else:  # a new family, or its worker is down or gone
+            self.homes.pop(family, None)
+            self.homes[family] = e
+            if len(self.homes) > MAX_HOMES:
+                del self.homes[next(iter(self.homes))]
+            self.affinity_kept += 1
+        return e
+
+    def _shares(self, up: list[str], tasks: int) -> tuple[dict[str, int], set[str], int]:
+        """How many of ``tasks`` fresh tasks each live worker with a free slot takes, as
+        least-in-flight-first placement would: ``(base, odd, extra)``: every worker takes
+        its ``base``, and ``extra`` workers of ``odd`` one more (the odd tasks of an uneven
+        split: which of those workers take them changes no load but the shape of a tie)."""
+        load = {e: self.in_flight.get(e, 0) for e in up if self.in_flight.get(e, 0) < self.concurrency}
+        n = min(tasks, sum(self.concurrency - v for v in load.values()))
+        if n <= 0:
+            return {}, set(), 0
+
+        def upto(level: int) -> dict[str, int]:
+            return {e: min(self.concurrency - v, max(0, level - v)) for e, v in load.items()}
+
+        level = min(load.values()) + 1
+        while sum(upto(level).values()) < n:
+            level += 1
+        base, most = upto(level - 1), upto(level)
+        return base, {e for e in base if most[e] > base[e]}, n - sum(base.values())
+
+    async def _choose(self, tried: dict[str, int], family: str | None) -> str:
+        """This task's worker, counted in flight: placed with every task that asks in the
+        same turn of the event loop (a dispatcher starting many at once), by ``_pick_many``."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[str] = loop.create_future()
+        self._asking.append((tried, family, fut))
+        if len(self._asking) == 1:
+            loop.call_soon(self._answer)  # after the tasks already scheduled in this turn have asked
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # placed, then cancelled before it resumed
+                self.in_flight[fut.result()] -= 1
+            raise
+
+    def _answer(self) -> None:
+        asking, self._asking = self._asking, []
+        live = [a for a in asking if not a[2].done()]
+        if not live:
+            return
+        for (_, _, fut), endpoint in zip(live, self._pick_many([(tried, family) for tried, family, _ in live])):
+            fut.set_result(endpoint)
 
     def _mark_down(self, endpoint: str) -> None:
         self.down_until[endpoint] = time.monotonic() + self.down_cooldown_s
@@ -163,9 +272,8 @@ class PoolClient:
         failures = refusals = 0
         tried: dict[str, int] = {}  # endpoint -> the step at which this task last went there
         for step in itertools.count():
-            endpoint = self._pick(tried, spec.affinity)
+            endpoint = await self._choose(tried, spec.affinity)
             tried[endpoint] = step
-            self.in_flight[endpoint] = self.in_flight.get(endpoint, 0) + 1
             try:
                 async with session.post(f"{endpoint}/tasks", data=body, headers={"Content-Type": "application/json"}) as resp:
                     status, payload = resp.status, await resp.read()

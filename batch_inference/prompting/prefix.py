@@ -21,8 +21,9 @@ Tokens come from a ``PrefixTokenizer``:
 
 Only the first ``max_blocks`` blocks count (a signature's size is bounded); tokens are
 packed into bytes (``width`` bytes per token) so hashing never loops over tokens in Python.
-Shared by the layout pass (pipeline.placement), in-worker submission order and figures
-that predict the cache (``lru_blocks_computed``, ``distinct_blocks``).
+Shared by the layout pass (pipeline.placement), the prefix families the layout cuts
+between and the pool dispatches by (``common_blocks``, ``family_key``), in-worker
+submission order and figures that predict the cache (``lru_blocks_computed``, ``distinct_blocks``).
 """
 
 from __future__ import annotations
@@ -77,6 +78,39 @@ def shared_blocks(a: bytes, b: bytes) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+# ------------------------------------------------------------------ prefix families
+#
+# One definition for the layout's cuts (pipeline.placement) and the pool's dispatch
+# (pipeline.affinity, pool.client): records belong to one *prefix family* when they share
+# a block past the ``common`` blocks every record at hand shares (a template's preamble,
+# however long). A family is named by the chain hash of its first block past them, which
+# names the whole prefix up to there; a boundary between two sorted records is between
+# families when they share no more than ``common`` blocks.
+
+
+def common_blocks(signatures: Iterable[bytes]) -> int:
+    """Leading blocks every one of these signatures shares (0 for none): the prefix every
+    request at hand has, cached once whatever the order or the worker."""
+    first: bytes | None = None
+    common = 0
+    for blocks in signatures:
+        if first is None:
+            first, common = blocks, len(blocks) // BLOCK_HASH_BYTES
+        else:
+            common = min(common, shared_blocks(first, blocks))
+        if common == 0:
+            break
+    return common
+
+
+def family_key(blocks: bytes, common: int) -> str | None:
+    """The prefix family of a request signed ``blocks``, among requests sharing ``common``
+    blocks: the hex hash of its first block past them; None when it has none (its prompt
+    ends within the common prefix: nothing of its own to keep cached)."""
+    end = (common + 1) * BLOCK_HASH_BYTES
+    return blocks[end - BLOCK_HASH_BYTES:end].hex() if len(blocks) >= end else None
 
 
 # ------------------------------------------------------------------ tokenizers

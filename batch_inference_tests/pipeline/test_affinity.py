@@ -63,6 +63,27 @@ async def test_every_shard_names_its_family_for_infer_and_judge_alike(tmp_path: 
     assert sum(1 for a, b in zip(keys, keys[1:]) if a == b) == len(keys) - DOCS
 
 
+async def test_a_long_shared_preamble_names_no_family_the_documents_behind_it_do(tmp_path: Path, inprocess_pool) -> None:
+    # 8 shards of 8 different documents, each behind the same 3 KB instruction preamble:
+    # longer than any fixed prefix a family could be named by, it is what every record shares
+    preamble = "Instructions: read the document below with care, then answer the question about it. " * 36
+    assert len(preamble) > 3000
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    with open(tmp_path / "input.jsonl", "wb") as f:
+        for d in range(8):
+            for q in range(10):
+                f.write(orjson.dumps({"prompt": preamble + f"document {d}: " + f"fact {d} is known. " * 40 + f"question {q}?"}) + b"\n")
+    data = spec_dict(tmp_path, shard_records=10, chunk_size=10, max_rounds=1,
+                     pool={"concurrency": 8, "endpoints": ["http://127.0.0.1:9"]})
+    spec = PipelineSpec.parse(data)
+    async with inprocess_pool(spec.engine, concurrency=8) as pool:
+        runner = Recording(pool)
+        await run_pipeline(spec, runner=runner)
+    infer = {s.task_id: s.affinity for s in runner.specs if s.kind == "infer"}
+    assert len(infer) == 8 and all(infer.values())
+    assert len(set(infer.values())) == 8  # one family a document, not one for the preamble
+
+
 async def test_affinity_off_or_in_process_names_no_family(tmp_path: Path, inprocess_pool) -> None:
     for pool_opts in ({"endpoints": ["http://127.0.0.1:9"], "affinity": False}, {}):
         spec = _spec(tmp_path / str(len(pool_opts)), **pool_opts)

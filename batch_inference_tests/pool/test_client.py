@@ -185,6 +185,22 @@ async def test_new_families_spread_over_idle_workers_and_keep_theirs(serve) -> N
     assert max(w.peak for w in workers) <= 4
 
 
+async def test_a_family_never_piles_on_its_worker_while_another_has_room(serve) -> None:
+    # issue 27 item 7: tasks of one family dispatched at once went to its worker until its
+    # slots were full, the other worker idle; balance comes first, the family's worker takes its share
+    workers = [Scripted(n, [], delay_s=0.2) for n in "ab"]
+    urls = [await serve(w) for w in workers]
+    async with PoolClient(urls, concurrency=8) as pool:
+        ran = await asyncio.gather(*(pool.run_task(_family_spec(i, "preamble")) for i in range(8)))
+        assert sorted(r.worker for r in ran) == ["a"] * 4 + ["b"] * 4
+        assert (pool.affinity_kept, pool.affinity_moved) == (4, 4)
+        # the tail: two tasks, two idle workers: one each, the family's worker among them
+        home = {u: w.name for u, w in zip(urls, workers)}[pool.homes["preamble"]]
+        tail = await asyncio.gather(*(pool.run_task(_family_spec(i, "preamble")) for i in (8, 9)))
+        assert sorted(r.worker for r in tail) == ["a", "b"] and tail[0].worker == home
+    assert max(w.peak for w in workers) == 4
+
+
 async def test_affinity_falls_back_when_its_worker_dies_and_stays_on_the_fallback(serve) -> None:
     from batch_inference.pool.client import rendezvous
 
