@@ -8,7 +8,14 @@ Five workload shapes, built in code, each a few hundred records on the tiny mode
 - ``multi_turn``: conversations (chat, the model's chat template) whose every turn is a
   request extending the one before, interleaved turn by turn;
 - ``repeats``: exact repeats at greedy sampling, interleaved;
-- ``control``: distinct prompts, nothing shared.
+- ``control``: distinct prompts, nothing shared;
+- ``preamble_docs``: a ~2.4 KB instruction preamble every record has (longer than a prefix
+  family's name was allowed to be: 512 tokens of 4 characters), then one of 30 short
+  documents and a question about it, interleaved. It runs on a pool of **2 local workers**
+  instead (``affinity``: ``pool.affinity`` on, the default; ``no_affinity``: off), each
+  measurement on a pool started for it (a worker's prefix cache cannot be emptied from
+  outside), to check that prefix affinity never costs load balance: a preamble every
+  record shares must not name one family and pile the shards on one worker.
 
 vLLM-CPU's KV cache is limited with ``num_gpu_blocks_override`` (``--blocks``, default 100
 blocks of 128 tokens) so the distinct prefixes do not fit, as on a GPU at scale. For each
@@ -46,6 +53,7 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +63,8 @@ from _raw_vllm import load, serve
 REPORTS = Path(__file__).resolve().parent / "reports"
 VOCAB = ("the quick brown fox jumps over a lazy dog while seven wizards quietly box near rivers "
          "mountains and old cities under pale sky bright cold warm river stone field house light").split()
-SHAPES = ("docs_questions", "few_shot", "multi_turn", "repeats", "control")
+SHAPES = ("docs_questions", "few_shot", "multi_turn", "repeats", "control", "preamble_docs")
+POOL_SHAPES = ("preamble_docs",)  # measured on 2 local workers, affinity on and off
 CPU_BLOCK = 128
 
 
@@ -90,6 +99,12 @@ def build(shape: str, n: int, rng: random.Random) -> list[dict[str, Any]]:
         recs = [{"prompt": p} for _ in range(copies) for p in distinct]
     elif shape == "control":  # nothing shared: every prompt its own from its first token
         recs = [{"prompt": f"{rng.randrange(10**9)} {words(rng, 300)}\nAnswer:"} for _ in range(n)]
+    elif shape == "preamble_docs":  # one ~2.4 KB preamble, then 30 short documents, 8 questions each, interleaved
+        questions = 8
+        preamble = f"Instructions. {words(random.Random('preamble'), 420)}\n\n"
+        docs = [f"Document {d}: {words(rng, 90)}" for d in range(max(1, n // questions))]
+        asks = [f"Question {q}: {words(rng, 5)}?" for q in range(questions)]
+        recs = [{"prompt": f"{preamble}{doc}\n\n{ask}\nAnswer:"} for ask in asks for doc in docs]
     else:
         raise ValueError(shape)
     return [{"id": f"r{i:06d}", **r} for i, r in enumerate(recs)]
@@ -183,19 +198,66 @@ def write_input(path: Path, records: list[dict[str, Any]], output: int) -> None:
     path.write_bytes(b"".join(orjson.dumps({**r, "sampling": {"max_tokens": output, "min_tokens": output}}) + b"\n" for r in records))
 
 
+async def run_on_two_workers(args: argparse.Namespace, model: str, root: Path, run: str, data: Path, records: int,
+                             affinity: bool) -> dict[str, Any]:
+    """The infer phase on a pool of 2 local workers started for this measurement (so each
+    starts with an empty prefix cache), ``pool.affinity`` on or off; the tasks each worker ran."""
+    from batch_inference.pipeline import Ledger, RunLayout, run_pipeline
+    from batch_inference.pool.launchers.local import LocalLauncher
+
+    spec = _raw_vllm.pipeline_spec(
+        engine=engine_config(model, args.blocks), root=root, run=run, data=data, shard_records=max(1, records // 4),
+        infer={"sampling": {"max_tokens": args.output, "temperature": 0.0}}, launcher="local", concurrency=10)
+    spec = spec.model_copy(update={"pool": spec.pool.model_copy(update={"affinity": affinity, "replicas": 2})})
+    launcher = LocalLauncher(spec.engine, replicas=2, concurrency=10, storage_roots=[str(root)], name=run,
+                             state_dir=root / "pools", idle_ttl_s=None, grace_s=10.0, start_timeout_s=600.0)
+    try:
+        client = await asyncio.to_thread(launcher.client)
+        async with client:
+            summary = await run_pipeline(spec, runner=client)
+        ledger = Ledger(RunLayout(spec.output, spec.run), spec.storage_options)
+        view = ledger.view()
+        infer = view.rounds[0].infer
+        assert infer is not None and summary.conservation["ok"]
+        step = RunLayout(spec.output, spec.run).step_name(0, "infer")
+        ran = ledger.progress(step, list(range(infer.shards)))
+        per_worker = sorted(Counter(str(rec["worker"]) for rec in ran.values()).values(), reverse=True)
+        return {"records": infer.records_in, "tokens": infer.tokens_out, "prompt_tokens": infer.tokens_in,
+                "seconds": infer.wall_s, "shards": len(ran), "per_worker": per_worker + [0] * (2 - len(per_worker)),
+                "kept_moved": [client.affinity_kept, client.affinity_moved]}
+    finally:
+        await asyncio.to_thread(launcher.down)
+
+
 async def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict[str, Any]]:
     from batch_inference.pool import InProcessPool
 
-    raw = await asyncio.to_thread(RawProcess, model, args.blocks)
-    pool = await InProcessPool(engine_config(model, args.blocks), concurrency=10).__aenter__()
+    shapes = args.shapes.split(",")
+    in_process = [x for x in shapes if x not in POOL_SHAPES]
+    raw = await asyncio.to_thread(RawProcess, model, args.blocks) if in_process else None
+    pool = await InProcessPool(engine_config(model, args.blocks), concurrency=10).__aenter__() if in_process else None
     rows: list[dict[str, Any]] = []
     try:
         for rep in range(args.repeats):
-            for shape in args.shapes.split(","):
+            for shape in shapes:
                 records = build(shape, args.records, random.Random(f"{shape}-{rep}"))
                 data = root / f"in-{shape}-{rep}.jsonl"
                 write_input(data, records, args.output)
                 row: dict[str, Any] = {"shape": shape, "repeat": rep, "records": len(records)}
+                if shape in POOL_SHAPES:
+                    for path in (["affinity", "no_affinity"] if rep % 2 == 0 else ["no_affinity", "affinity"]):
+                        before = load()
+                        res = await run_on_two_workers(args, model, root, f"{shape}-{rep}-{path}", data, len(records),
+                                                       affinity=path == "affinity")
+                        res.update(records_s=res["records"] / res["seconds"], load=[before, load()])
+                        row[path] = res
+                    row["affinity"]["vs_off"] = row["affinity"]["records_s"] / row["no_affinity"]["records_s"]
+                    rows.append(row)
+                    print(json.dumps({"shape": shape, "repeat": rep, **{p: round(row[p]["records_s"], 1) for p in ("affinity", "no_affinity")},
+                                      "affinity/off": round(row["affinity"]["vs_off"], 3),
+                                      "per_worker": {p: row[p]["per_worker"] for p in ("affinity", "no_affinity")}}), flush=True)
+                    continue
+                assert raw is not None and pool is not None
                 paths = ["raw", "limit", "on", "off"] if rep % 2 == 0 else ["raw", "limit", "off", "on"]
                 for path in paths:
                     before = load()
@@ -218,12 +280,15 @@ async def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict
                                   "on/raw": round(row["on"]["vs_raw"], 3), "off/raw": round(row["off"]["vs_raw"], 3),
                                   "on/limit": round(row["on"]["of_limit"], 3)}), flush=True)
     finally:
-        await pool.__aexit__(None, None, None)
-        raw.close()
+        if pool is not None:
+            await pool.__aexit__(None, None, None)
+        if raw is not None:
+            raw.close()
     return rows
 
 
-def report(args: argparse.Namespace, rows: list[dict[str, Any]], wall: float, before: float, after: float) -> str:
+def report(args: argparse.Namespace, all_rows: list[dict[str, Any]], wall: float, before: float, after: float) -> str:
+    rows = [r for r in all_rows if r["shape"] not in POOL_SHAPES]
     lines = ["# Workload-aware order: the pipeline against raw vLLM on prefix-heavy workloads", "",
              f"`{' '.join(sys.argv)}` on {platform.node()} ({os.cpu_count()} CPUs, shared with other sessions), "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {wall:.0f} s in all; 1-min load average "
@@ -285,7 +350,33 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], wall: float, be
         lay = r["on"]["layout"] or {}
         lines.append(f"| {r['shape']} | {r['repeat']} | {lay.get('applied')} | {lay.get('blocks')} | {lay.get('gain', 0):.1%} | "
                      f"{lay.get('cuts_shared')} | {lay.get('sign_s')} | {lay.get('sort_s')} | {r['on']['shard_s']:.2f} | {r['off']['shard_s']:.2f} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + pool_report(args, [r for r in all_rows if r["shape"] in POOL_SHAPES])) + "\n"
+
+
+def pool_report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]:
+    """The section of the shapes run on 2 local workers: affinity on against off."""
+    if not rows:
+        return []
+    lines = ["", "## Prefix affinity on 2 workers: a long preamble over distinct documents", "",
+             "`preamble_docs`: a ~2.4 KB instruction preamble every record has, then one of "
+             f"{max(1, args.records // 8)} short documents and one of 8 questions about it (interleaved). The pipeline's "
+             "infer phase (one round, `layout.prefix` on, shard_records = records / 4) on a pool of 2 local workers "
+             "(`LocalLauncher`, 10 slots each, the same vLLM-CPU engine and cache limit as above), each measurement on a "
+             "pool started for it so every worker starts with an empty prefix cache; `pool.affinity` on (the default) "
+             "against off (the least-loaded worker, ties at random), in alternating order. Before issue 27 item 7 a "
+             "preamble longer than 512 tokens of text named every shard one family and all 4 tasks went to one worker.", "",
+             "| repeat | records | shards | affinity rec/s | no affinity rec/s | affinity / off | tasks per worker (affinity) | "
+             "tasks per worker (off) | kept / moved | load |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        a, o = r["affinity"], r["no_affinity"]
+        lines.append(f"| {r['repeat']} | {r['records']} | {a['shards']} | {a['records_s']:.1f} | {o['records_s']:.1f} | "
+                     f"{a['vs_off']:.2f} | {'/'.join(map(str, a['per_worker']))} | {'/'.join(map(str, o['per_worker']))} | "
+                     f"{a['kept_moved'][0]} / {a['kept_moved'][1]} | {min(a['load'][0], o['load'][0])}..{max(a['load'][1], o['load'][1])} |")
+    ratio = statistics.median(r["affinity"]["vs_off"] for r in rows)
+    lines += ["", f"Median affinity / off: **{ratio:.2f}** (target >= 1.00 within the spread of one measurement on this "
+              "shared machine): the shards named one family each by the document behind the preamble, and the tasks "
+              "dispatched at once were split evenly over the two workers."]
+    return lines
 
 
 def shape_arguments(doc: str, report: str) -> argparse.ArgumentParser:

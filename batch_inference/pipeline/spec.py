@@ -142,7 +142,7 @@ class PoolSpec(_Strict):
     storage_options_ref: str | None = Field(None, description="storage profile name in the workers' own config")
     batcher: dict[str, Any] = Field(default_factory=dict, description="batcher options for the workers")
     checkpoint_interval_s: float = Field(5.0, gt=0, description="in-place retry: checkpoint flush period within a chunk")
-    affinity: bool = Field(True, description="several workers: a shard's prefix family goes to one worker while it has a free slot")
+    affinity: bool = Field(True, description="several workers: a shard's prefix family goes to its worker within that worker's share of the load")
     # local launcher
     name: str = Field("default", description="local pool name: runs with the same name and config reuse its workers")
     idle_ttl_s: float | None = Field(600.0, description="local pool shuts down after this long idle")
