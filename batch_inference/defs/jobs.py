@@ -21,6 +21,7 @@ from batch_inference.defs.keys import (
     GPU_RUN_TAGS,
     INFERRED,
     OPENAI_EXPORT,
+    PARQUET_EXPORT,
     PENDING,
     REJECTED,
     RESULTS,
@@ -45,8 +46,8 @@ tail_job = dg.define_asset_job(
     description="Strategy 2 in-place retry over a run's remaining records.",
 )
 results_job = dg.define_asset_job(
-    "results_job", selection=dg.AssetSelection.assets(RESULTS, OPENAI_EXPORT), tags=NO_DAGSTER_RETRIES,
-    description="Finalize a run: terminal sets, the conservation proof, the ledger (and the OpenAI Batch export of an OpenAI Batch input).",
+    "results_job", selection=dg.AssetSelection.assets(RESULTS, OPENAI_EXPORT, PARQUET_EXPORT), tags=NO_DAGSTER_RETRIES,
+    description="Finalize a run: terminal sets, the conservation proof, the ledger (and the exports: OpenAI Batch for an OpenAI Batch input, and those the spec names in `export`).",
 )
 
 review_job = dg.define_asset_job(

@@ -15,6 +15,7 @@ REVIEWED = dg.AssetKey("reviewed")
 TAIL_RETRY = dg.AssetKey("tail_retry")
 RESULTS = dg.AssetKey("results")
 OPENAI_EXPORT = dg.AssetKey("openai_batch_export")
+PARQUET_EXPORT = dg.AssetKey("parquet_export")
 
 # Kubernetes: a GPU step's pod asks for one GPU and lands on GPU nodes. Applies under
 # the k8s_job_executor (one pod per step); with the persistent pool the GPU work runs in

@@ -2,8 +2,9 @@
 
 ``drive`` calls ``PipelineRun``'s steps in the order the strategy needs; every step
 resumes, so running it again is the resume path. ``run_pipeline`` proves the spec first
-(``preflight``), opens a runner from ``spec.pool`` when none is given, and rides out
-transient storage errors (``drive_retrying``).
+(``preflight``), opens a runner from ``spec.pool`` when none is given, rides out
+transient storage errors (``drive_retrying``), and writes the exports the spec asks for
+(``export``: Parquet, OpenAI Batch files) once the run has finished.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from batch_inference.pool.protocol import TaskRunner
 
 log = logging.getLogger(__name__)
 
-__all__ = ["drive", "drive_retrying", "run_pipeline"]
+__all__ = ["drive", "drive_retrying", "run_pipeline", "write_exports"]
 
 
 async def drive(run: PipelineRun) -> RunSummary:
@@ -86,8 +87,26 @@ async def run_pipeline(
     resumed = await asyncio.to_thread(lambda: probe.ledger.read(RunLayout.SHARD) is not None and probe._dir(probe.layout.sharded).manifest() is not None)
     await asyncio.to_thread(preflight, spec, sharded=probe.layout.sharded if resumed else None)
     if runner is not None:
-        return await drive_retrying(PipelineRun(spec, runner, reporter=reporter, eta=eta), retries=retries, backoff_s=backoff_s)
-    from batch_inference.pipeline.runner import open_runner
+        summary = await drive_retrying(PipelineRun(spec, runner, reporter=reporter, eta=eta), retries=retries, backoff_s=backoff_s)
+    else:
+        from batch_inference.pipeline.runner import open_runner
 
-    async with open_runner(spec) as opened:
-        return await drive_retrying(PipelineRun(spec, opened, reporter=reporter, eta=eta), retries=retries, backoff_s=backoff_s)
+        async with open_runner(spec) as opened:
+            summary = await drive_retrying(PipelineRun(spec, opened, reporter=reporter, eta=eta), retries=retries, backoff_s=backoff_s)
+    await asyncio.to_thread(write_exports, probe)
+    return summary
+
+
+def write_exports(run: PipelineRun) -> list[str]:
+    """The exports the spec asks for (``export``) of a finished run, each where
+    ``batch-inference export`` writes it; returns their URLs (blocking)."""
+    from batch_inference.pipeline.export import export_openai_batch
+    from batch_inference.pipeline.parquet_export import export_parquet
+
+    written = []
+    for fmt in run.spec.export:
+        if fmt == "parquet":
+            written.append(export_parquet(run).out_url)
+        else:
+            written.append(export_openai_batch(run).output_url)
+    return written

@@ -240,6 +240,8 @@ class PipelineSpec(_Strict):
     openai_batch: OpenAIBatchOptions = Field(default_factory=OpenAIBatchOptions)
     preflight_records: int = Field(8, ge=0, description="records rendered through the infer and judge paths before the run (0: off)")
     output: str = Field(min_length=1, description="base URL; the run writes under <output>/<run>/")
+    export: list[Literal["parquet", "openai_batch"]] = Field(
+        default_factory=list, description="also write these when the run finishes: <run>/export/<format>/ (as `batch-inference export`)")
     engine: EngineConfig
     infer: InferConfig
     judge: JudgeSpec

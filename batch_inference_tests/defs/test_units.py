@@ -286,7 +286,7 @@ def test_the_code_location_is_every_domains_definitions_merged():
     dg.Definitions.validate_loadable(defs)
     repo = defs.get_repository_def()
     assert sorted(k.to_user_string() for k in defs.resolve_all_asset_keys()) == [
-        "approved", "failed", "inferred", "openai_batch_export", "pending", "rejected", "results", "reviewed",
+        "approved", "failed", "inferred", "openai_batch_export", "parquet_export", "pending", "rejected", "results", "reviewed",
         "sharded", "source_dataset", "tail_retry"]
     assert sorted((k.asset_key.to_user_string(), k.name) for k in defs.resolve_asset_graph().asset_check_keys) == [
         ("failed", "quarantine_empty"), ("rejected", "review_age"), ("rejected", "round_conservation"),

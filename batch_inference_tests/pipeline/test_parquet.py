@@ -129,3 +129,12 @@ async def test_a_jsonl_run_exports_to_parquet_with_inferred_types(tmp_path: Path
     assert result.exit_code == 0 and "120 records ->" in result.output, result.output
     out = pq.read_table(tmp_path / "pq")
     assert sorted(out["id"].to_pylist()) == ids and out.schema.field("prompt").type == pa.string()
+
+
+async def test_the_spec_asks_for_parquet_when_the_run_finishes(tmp_path: Path) -> None:
+    dataset(tmp_path / "drop", files=1, rows=60)
+    spec = make_spec(tmp_path, input=str(tmp_path / "drop"), export=["parquet", "openai_batch"])
+    await run_pipeline(spec)
+    layout = RunLayout(spec.output, spec.run)
+    assert pq.read_table(layout.parquet_export).num_rows == 60
+    assert JsonlFile(f"{layout.openai_export}/output.jsonl").exists_sync()

@@ -16,6 +16,7 @@ from batch_inference.defs.keys import (
     FAILED,
     GPU_OP_TAGS,
     OPENAI_EXPORT,
+    PARQUET_EXPORT,
     REJECTED,
     RESULTS,
     SHARDED,
@@ -166,7 +167,7 @@ def results(context: dg.AssetExecutionContext, storage: StorageResource) -> dg.M
     description=(
         "The run in the OpenAI Batch output format: output.jsonl (answers, with usage) and errors.jsonl "
         "(every other request, with its reason); every request in exactly one. Written for runs whose "
-        "input was an OpenAI Batch file (`batch-inference export` writes it for any run)."
+        "input was an OpenAI Batch file, or whose spec names it in `export` (`batch-inference export` writes it for any run)."
     ),
 )
 def openai_batch_export(context: dg.AssetExecutionContext, storage: StorageResource) -> Iterator[dg.MaterializeResult]:
@@ -176,7 +177,7 @@ def openai_batch_export(context: dg.AssetExecutionContext, storage: StorageResou
     spec = load_spec(context.instance, context.partition_key, storage)
     run = PipelineRun(spec)
     shard = run.ledger.read_as(RunLayout.SHARD, ShardSummary)
-    if shard is None or shard.input_format != "openai_batch":
+    if (shard is None or shard.input_format != "openai_batch") and "openai_batch" not in spec.export:
         context.log.info("run %s: native JSONL input; no OpenAI Batch export (run `batch-inference export` for one)", spec.run)
         return
     summary = export_openai_batch(run)
@@ -191,3 +192,36 @@ def openai_batch_export(context: dg.AssetExecutionContext, storage: StorageResou
         "completion_tokens": dg.MetadataValue.int(summary.completion_tokens),
         "wall_s": dg.MetadataValue.float(round(summary.wall_s, 3)),
     }, rows=summary.requests))
+
+
+@dg.asset(
+    key=PARQUET_EXPORT,
+    partitions_def=RUNS,
+    deps=[RESULTS],
+    group_name=GROUP,
+    kinds={"parquet"},
+    op_tags=CPU_OP_TAGS,
+    output_required=False,
+    description=(
+        "The run as Parquet: every input record once, its input columns in their own Arrow types, plus "
+        "status, result, error and attempts. Written for runs whose spec says `export: [parquet]` "
+        "(`batch-inference export --format parquet` writes it for any run)."
+    ),
+)
+def parquet_export(context: dg.AssetExecutionContext, storage: StorageResource) -> Iterator[dg.MaterializeResult]:
+    from batch_inference.pipeline import PipelineRun
+    from batch_inference.pipeline.parquet_export import export_parquet
+
+    record_worker(context)
+    spec = load_spec(context.instance, context.partition_key, storage)
+    if "parquet" not in spec.export:
+        context.log.info("run %s: the spec asks for no Parquet export (export: [parquet]; or `batch-inference export`)", spec.run)
+        return
+    summary = export_parquet(PipelineRun(spec))
+    yield dg.MaterializeResult(metadata=with_row_count({
+        "uri": location(summary.out_url),
+        "files": dg.MetadataValue.int(len(summary.files)),
+        "by_status": dg.MetadataValue.json(summary.by_status),
+        "columns": dg.MetadataValue.json(summary.columns),
+        "wall_s": dg.MetadataValue.float(round(summary.wall_s, 3)),
+    }, rows=summary.records))

@@ -14,7 +14,7 @@ import os
 import dagster as dg
 
 from batch_inference.defs.jobs import results_job, shard_job, tail_job
-from batch_inference.defs.runs.assets import openai_batch_export, results, sharded, source_dataset, tail_retry
+from batch_inference.defs.runs.assets import openai_batch_export, parquet_export, results, sharded, source_dataset, tail_retry
 from batch_inference.defs.runs.checks import run_checks
 from batch_inference.defs.runs.jobs import start_pipeline_run
 from batch_inference.defs.runs.schedules import build_pipeline_schedule
@@ -31,7 +31,7 @@ def build_definitions(
         input_template=schedule_input or env.get("BATCH_INFERENCE_SCHEDULE_INPUT") or None,
     )
     return dg.Definitions(
-        assets=[source_dataset, sharded, tail_retry, results, openai_batch_export],
+        assets=[source_dataset, sharded, tail_retry, results, openai_batch_export, parquet_export],
         asset_checks=[run_checks],
         jobs=[start_pipeline_run, shard_job, tail_job, results_job],
         schedules=[schedule],
