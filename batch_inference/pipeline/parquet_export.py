@@ -122,10 +122,16 @@ def export_parquet(run: PipelineRun, out: str | None = None, *, rows_per_file: i
         schema = schema.append(f)
     by_status: dict[str, int] = {}
 
+    # a null in a non-text id column got its row's number as id at sharding: exported as the null it was
+    assigned_to_null = "id" in columns.names and not pa.types.is_string(columns.field("id").type) \
+        and not pa.types.is_large_string(columns.field("id").type)
+
     def rows() -> Iterator[dict[str, Any]]:
         for row, status, error in _terminal_rows(run):
             by_status[status] = by_status.get(status, 0) + 1
             approved = status == Status.APPROVED
+            if assigned_to_null and isinstance(row.get("id"), str):
+                row = {**row, "id": None}
             yield {**{name: row.get(name) for name in columns.names}, **({} if "id" in columns.names else {"id": str(row["id"])}),
                    "status": status, "result": row.get("result") if approved else None, "error": error,
                    "attempts": _attempts(row, status, spec.max_rounds)}

@@ -138,3 +138,14 @@ async def test_the_spec_asks_for_parquet_when_the_run_finishes(tmp_path: Path) -
     layout = RunLayout(spec.output, spec.run)
     assert pq.read_table(layout.parquet_export).num_rows == 60
     assert JsonlFile(f"{layout.openai_export}/output.jsonl").exists_sync()
+
+
+async def test_a_null_in_an_integer_id_column_is_given_an_id_and_exported_null(tmp_path: Path) -> None:
+    folder = tmp_path / "drop"
+    folder.mkdir()
+    pq.write_table(pa.table({"id": pa.array([7, None, 9], pa.int64()), "prompt": ["a", "b", "c"]}), folder / "x.parquet")
+    spec = make_spec(tmp_path, input=str(folder))
+    summary = await run_pipeline(spec)
+    assert summary.records == 3 and summary.conservation["ok"]
+    out = pq.read_table(export_parquet(PipelineRun(spec)).out_url).sort_by("prompt")
+    assert out["id"].to_pylist() == [7, None, 9] and out.schema.field("id").type == pa.int64()
