@@ -149,3 +149,15 @@ async def test_a_null_in_an_integer_id_column_is_given_an_id_and_exported_null(t
     assert summary.records == 3 and summary.conservation["ok"]
     out = pq.read_table(export_parquet(PipelineRun(spec)).out_url).sort_by("prompt")
     assert out["id"].to_pylist() == [7, None, 9] and out.schema.field("id").type == pa.int64()
+
+
+def test_the_planner_sizes_a_parquet_input_from_its_footers(tmp_path: Path) -> None:
+    from batch_inference.planning.sizing import input_size, prefix_windows
+
+    dataset(tmp_path / "drop", files=2, rows=300)
+    spec = make_spec(tmp_path, input=str(tmp_path / "drop"))
+    size = input_size(spec, sample=50)
+    assert (size.records, size.how, len(size.sample)) == (600, "Parquet footers", 50)
+    assert all("prompt" in r for r in size.sample)
+    records, where = prefix_windows(spec, k=100, windows=4)
+    assert len(records) == 100 and "evenly spaced over its 600" in where
