@@ -68,11 +68,19 @@ def worker(engine_config: str, host: str, port: int, concurrency: int, storage_r
     run_worker(engine_config, settings, batcher=batcher, storage_profiles_file=storage_options)
 
 
-def _launcher(engine_config: str | None, replicas: int, concurrency: int, storage_roots: tuple[str, ...],
+def _launcher(engine_config: str | None, simulated: bool, replicas: int, concurrency: int, storage_roots: tuple[str, ...],
               idle_ttl_s: float | None, name: str, state_dir: str | None):
+    """The pool's launcher. An engine is required: the simulated engine writes made-up
+    text (benchmarks, tests), so it is never a default, only asked for by name."""
     from batch_inference.pool.launchers.local import LocalLauncher
     from batch_inference.pool.worker import load_config_file
 
+    if engine_config and simulated:
+        raise click.UsageError("give --engine-config FILE or --simulated-engine, not both")
+    if not engine_config and not simulated:
+        raise click.UsageError("pool up needs --engine-config FILE: the model the workers serve (EngineConfig YAML/JSON). "
+                               "--simulated-engine starts the simulated engine instead, which writes made-up text "
+                               "(benchmarks and tests only)")
     cfg = load_config_file(engine_config) if engine_config else {"kind": "simulated"}
     return LocalLauncher(cfg, replicas=replicas, concurrency=concurrency, storage_roots=list(storage_roots) or None,
                          idle_ttl_s=idle_ttl_s, name=name, state_dir=state_dir)
@@ -99,17 +107,23 @@ def pool() -> None:
 
 @pool.command("up")
 @click.option("--engine-config", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="EngineConfig YAML/JSON (default: the simulated engine).")
+              help="EngineConfig YAML/JSON: the model the workers serve (required unless --simulated-engine).")
+@click.option("--simulated-engine", "simulated", is_flag=True,
+              help="Serve the simulated engine (made-up text: benchmarks and tests only) instead of a model.")
 @click.option("--replicas", default=2, show_default=True, type=int)
 @click.option("--concurrency", default=10, show_default=True, type=int)
 @click.option("--storage-root", "storage_roots", multiple=True, help="Repeatable; default: cwd.")
 @click.option("--idle-ttl-s", type=float, default=600.0, show_default=True)
 @_with(_pool_options)
-def pool_up(engine_config: str | None, replicas: int, concurrency: int, storage_roots: tuple[str, ...],
+def pool_up(engine_config: str | None, simulated: bool, replicas: int, concurrency: int, storage_roots: tuple[str, ...],
             idle_ttl_s: float, name: str, state_dir: str | None) -> None:
-    """Start the pool, or reuse it if it is already running with the same configuration."""
-    launcher = _launcher(engine_config, replicas, concurrency, storage_roots, idle_ttl_s, name, state_dir)
-    for endpoint in launcher.up():
+    """Start the pool, or reuse it if it is already running with the same configuration
+    (one of another configuration is replaced, and this says what differed)."""
+    launcher = _launcher(engine_config, simulated, replicas, concurrency, storage_roots, idle_ttl_s, name, state_dir)
+    endpoints = launcher.up()
+    if launcher.replaced:
+        click.echo(f"pool {name}: {launcher.replaced}", err=True)
+    for endpoint in endpoints:
         click.echo(endpoint)
 
 

@@ -68,8 +68,10 @@ async def open_runner(spec: PipelineSpec, *, k8s_api: Any = None) -> AsyncIterat
       retry-elsewhere work), waiting up to ``ready_timeout_s`` for ``replicas`` of them.
       ``k8s_api`` is a CoreV1Api-like object (default: in-cluster config or kubeconfig).
     * ``launcher: inprocess``: the worker's task code in this process (tests, small runs).
-    * ``launcher: local``: ``LocalLauncher`` brings the pool up, reusing a running one of
-      the same name and configuration, and restarts dead workers on demand; the pool is
+    * ``launcher: local``: ``LocalLauncher`` brings the pool up, attaching to a running one
+      of the same name that fits the spec (``pool up``'s: same engine, batcher and judge
+      pool, storage roots that hold the run's; a misfit is replaced, with a warning naming
+      what differs), and restarts dead workers on demand; the pool is
       left running for the next run (its ``idle_ttl_s`` shuts it down), as the
       reference's reusable containers are.
     """
@@ -130,7 +132,7 @@ async def _open_pool(spec: PipelineSpec, pool: PoolSpec, engine: EngineConfig, *
         engine, replicas=pool.replicas, concurrency=pool.concurrency, batcher=pool.batcher or None,
         storage_roots=pool.storage_roots or default_roots(spec), idle_ttl_s=pool.idle_ttl_s, name=pool.name,
         storage_profiles_file=pool.storage_profiles_file, rule_modules=[rule.partition(":")[0]] if rule else None,
-        judge_endpoints=judge_endpoints,
+        judge_endpoints=judge_endpoints, adopt=True,
     )
     client = await asyncio.to_thread(launcher.client, retries=pool.retries, timeout_s=pool.timeout_s, token=token)
     async with client:

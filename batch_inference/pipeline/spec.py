@@ -144,7 +144,7 @@ class PoolSpec(_Strict):
     checkpoint_interval_s: float = Field(5.0, gt=0, description="in-place retry: checkpoint flush period within a chunk")
     affinity: bool = Field(True, description="several workers: a shard's prefix family goes to its worker within that worker's share of the load")
     # local launcher
-    name: str = Field("default", description="local pool name: runs with the same name and config reuse its workers")
+    name: str = Field("default", description="local pool name: a run attaches to the pool up under it when that fits the spec (docs/pool.md)")
     idle_ttl_s: float | None = Field(600.0, description="local pool shuts down after this long idle")
     storage_roots: list[str] = Field(default_factory=list, description="worker storage roots (default: input and output)")
     storage_profiles_file: str | None = Field(None, description="workers' storage profiles (credentials stay there)")

@@ -235,7 +235,7 @@ def test_pool_cli_up_status_down(tmp_path: Path) -> None:
     state = str(tmp_path / "cli-state")
     base = [sys.executable, "-m", "batch_inference.cli.main", "pool"]
     try:
-        up = subprocess.run([*base, "up", "--replicas", "1", "--concurrency", "2", "--storage-root", str(tmp_path), "--state-dir", state],
+        up = subprocess.run([*base, "up", "--simulated-engine", "--replicas", "1", "--concurrency", "2", "--storage-root", str(tmp_path), "--state-dir", state],
                             capture_output=True, text=True, timeout=120)
         assert up.returncode == 0, up.stderr
         assert up.stdout.startswith("http://127.0.0.1:")

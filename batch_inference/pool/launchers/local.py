@@ -4,7 +4,12 @@
 they answer ``/health``, and records them in a state file (pids, ports, config hash).
 A later ``up()`` with the same configuration -- from the same process, a later run or
 a later Dagster run -- finds them healthy and reuses them, so the model stays hot; dead
-workers are restarted, workers of another configuration are replaced. Workers stop
+workers are restarted, workers of another configuration are replaced, and ``replaced``
+(logged as a warning) names what differed. A run's launcher (``adopt=True``: a spec's
+``pool: {launcher: local}``) attaches to the pool already up under its name (``batch-inference
+pool up``) when it *fits*: the same engine, batcher and judge endpoints, storage roots that
+hold the run's; it keeps that pool's slots, roots and replicas (more than the spec asks
+stay). Workers stop
 themselves after ``idle_ttl_s`` idle (replicas above ``min_replicas`` after
 ``scaledown_ttl_s``), the reference's ReusePolicy; ``down()`` stops them by PID.
 """
@@ -33,6 +38,7 @@ from batch_inference.engines import EngineConfig
 from batch_inference.pool.client import PoolClient
 from batch_inference.pool.engine_host import BatcherOptions
 from batch_inference.pool.worker import config_hash
+from batch_inference.storage import urls
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +97,7 @@ class LocalLauncher:
         python: str = sys.executable,
         rule_modules: list[str] | None = None,
         judge_endpoints: list[str] | None = None,
+        adopt: bool = False,
     ) -> None:
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
@@ -115,6 +122,8 @@ class LocalLauncher:
         self.config_hash = (config_hash(self.engine_config, self.batcher, concurrency, self.storage_roots, self.judge_endpoints)
                             if self.engine_config else "")
         self._children: list[subprocess.Popen[bytes]] = []  # reaped as they exit (no zombies)
+        self.adopt = adopt
+        self.replaced: str | None = None  # why up() replaced running workers, when it did
 
     # -- state ------------------------------------------------------------------
 
@@ -139,9 +148,14 @@ class LocalLauncher:
         except (FileNotFoundError, json.JSONDecodeError):
             return {"workers": []}
 
+    def _identity(self) -> dict[str, Any]:
+        """What ``config_hash`` is made of, as the state file records it (to say what differs)."""
+        assert self.engine_config is not None
+        return {"engine": self.engine_config.model_dump(mode="json"), "batcher": self.batcher.model_dump(mode="json"),
+                "concurrency": self.concurrency, "storage_roots": self.storage_roots, "judge_endpoints": self.judge_endpoints}
+
     def _write_state(self, workers: list[WorkerRecord]) -> None:
-        state = {"name": self.name, "config_hash": self.config_hash, "concurrency": self.concurrency,
-                 "storage_roots": self.storage_roots, "workers": [asdict(w) for w in workers]}
+        state = {"name": self.name, "config_hash": self.config_hash, **(self._identity() if self.engine_config else {}), "workers": [asdict(w) for w in workers]}
         tmp = self.state_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=2))
         os.replace(tmp, self.state_file)
@@ -159,8 +173,13 @@ class LocalLauncher:
         if self.engine_config is None:
             raise ValueError(f"pool {self.name}: up() needs an engine config")
         self._reap()
+        self.replaced = None
         with self._locked():
+            state = self._read_state()
+            if self.adopt and state.get("workers") and state.get("config_hash") != self.config_hash:
+                self._attach(state)
             kept: dict[int, WorkerRecord] = {}
+            replaced: list[int] = []
             for rec in self._records():
                 health = _health(rec.endpoint)
                 if health is None and _is_worker(rec.pid):
@@ -169,9 +188,16 @@ class LocalLauncher:
                 if rec.replica < self.replicas and same and health and health.get("status") == "ok":
                     kept[rec.replica] = rec
                 else:
-                    why = "another configuration" if health and health.get("config_hash") != self.config_hash else "not healthy"
+                    other = bool(health and health.get("config_hash") != self.config_hash)
+                    why = "another configuration" if other else "not healthy"
                     log.info("pool %s: replacing worker %d (pid %d, %s)", self.name, rec.replica, rec.pid, why)
+                    if other:
+                        replaced.append(rec.pid)
                     _stop_pid(rec.pid, self.grace_s)
+            if replaced:
+                self.replaced = (f"replaced {len(replaced)} running worker(s) (pid {', '.join(map(str, replaced))}) started "
+                                 f"with another configuration: {'; '.join(self._differences(state)) or 'unknown differences'}")
+                log.warning("pool %s: %s", self.name, self.replaced)
             started = {i: self._spawn(i) for i in range(self.replicas) if i not in kept}
             for i, (proc, ready) in started.items():
                 kept[i] = self._await_ready(i, proc, ready)
@@ -182,6 +208,45 @@ class LocalLauncher:
             return [w.endpoint for w in workers]
 
     heal = up  # restarting dead workers on demand is just up() again
+
+    def _differences(self, state: dict[str, Any]) -> list[str]:
+        """What the recorded pool's configuration has that this one does not, key by key."""
+        if "engine" not in state:
+            return ["the running pool's state file predates recording its configuration"]
+        mine = self._identity()
+        out: list[str] = []
+        for key in ("engine", "batcher"):
+            out += [f"{key}.{k}: {a!r} -> {b!r}" for k, a, b in _changed(state.get(key) or {}, mine[key])]
+        for key in ("concurrency", "storage_roots", "judge_endpoints"):
+            theirs, ours = state.get(key), mine[key]
+            if key != "concurrency":
+                theirs, ours = sorted(theirs or []), sorted(ours)
+            if theirs != ours:
+                out.append(f"{key}: {theirs!r} -> {ours!r}")
+        return out
+
+    def _misfit(self, state: dict[str, Any]) -> list[str]:
+        """Why the running pool cannot serve this run (empty: it can): another engine,
+        batcher or judge pool, or storage roots that do not hold this run's."""
+        if "engine" not in state:
+            return self._differences(state)
+        out = [d for d in self._differences(state) if d.startswith(("engine.", "batcher.", "judge_endpoints:"))]
+        outside = [r for r in self.storage_roots if not urls.is_under(r, state.get("storage_roots") or [])]
+        if outside:
+            out.append(f"storage_roots: {sorted(state.get('storage_roots') or [])!r} do not hold {outside!r}")
+        return out
+
+    def _attach(self, state: dict[str, Any]) -> None:
+        """Take the running pool's configuration when it fits this run (``adopt``), so its
+        workers are reused as they are; else leave ours (``up()`` replaces them, saying why)."""
+        if self._misfit(state):
+            return
+        self.concurrency = int(state["concurrency"])
+        self.storage_roots = list(state["storage_roots"])
+        self.replicas = max(self.replicas, len(state.get("workers") or []))
+        self.config_hash = str(state["config_hash"])
+        log.info("pool %s: attaching to the running pool (%d worker(s), %d slots each, roots %s)",
+                 self.name, len(state["workers"]), self.concurrency, ", ".join(self.storage_roots))
 
     def endpoints(self) -> list[str]:
         """Endpoints of the recorded workers that answer ``/health`` now."""
@@ -214,8 +279,9 @@ class LocalLauncher:
         async def refresh() -> list[str]:
             return await asyncio.to_thread(self.up)
 
+        endpoints = self.up()  # first: attaching to a running pool takes its slots
         kwargs.setdefault("concurrency", self.concurrency)
-        return PoolClient(self.up(), refresh=refresh, **kwargs)
+        return PoolClient(endpoints, refresh=refresh, **kwargs)
 
     # -- processes ------------------------------------------------------------------------
 
@@ -300,3 +366,15 @@ def _stop_pid(pid: int, grace_s: float) -> None:
         os.kill(pid, signal.SIGKILL)
     except (ProcessLookupError, psutil.NoSuchProcess):
         pass
+
+
+def _changed(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted key, a's value, b's value) for every leaf that differs between two dicts."""
+    out: list[tuple[str, Any, Any]] = []
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += _changed(x, y, f"{prefix}{k}.")
+        elif x != y:
+            out.append((f"{prefix}{k}", x, y))
+    return out
