@@ -25,7 +25,7 @@ EXIT = {"converged": 0, "exhausted": 3, "quarantined": 4, "records_failed": 5}
 @click.option("--run-name", "run_name", help="override the spec's run name (a new name starts a new run)")
 def run(spec_path: Path, strategy: str | None, run_name: str | None) -> None:
     """Run (or resume) the pipeline SPEC (YAML/TOML) and print its ledger."""
-    from batch_inference.pipeline import Ledger, PipelineSpec, SpecError, run_pipeline
+    from batch_inference.pipeline import Ledger, PipelineSpec, RunLayout, SpecError, run_pipeline
     from batch_inference.pipeline.report import RichReporter, ledger_table, output_console, run_lines
     from batch_inference.planning.progress import eta_after_round
 
@@ -33,8 +33,9 @@ def run(spec_path: Path, strategy: str | None, run_name: str | None) -> None:
         spec = PipelineSpec.load(spec_path, strategy=strategy, run=run_name)
     except SpecError as exc:
         raise click.ClickException(str(exc)) from None
+    layout = RunLayout(spec.output, spec.run)
     console = output_console()
-    console.print(f"run [bold]{spec.run}[/] ({spec.strategy}) -> {spec.output}/{spec.run}")
+    console.print(f"run [bold]{spec.run}[/] ({spec.strategy}) -> {layout.root}")
     _say_input_format(console, spec)
     try:
         with RichReporter(console) as reporter:
@@ -44,9 +45,7 @@ def run(spec_path: Path, strategy: str | None, run_name: str | None) -> None:
         raise SystemExit(130) from None
     except Exception as exc:
         raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
-    from batch_inference.pipeline import RunLayout
-
-    view = Ledger(RunLayout(spec.output, spec.run), spec.storage_options).view()
+    view = Ledger(layout, spec.storage_options).view()
     console.print(ledger_table(view, f"run {spec.run}"))
     for line in run_lines(view):
         console.print(line)

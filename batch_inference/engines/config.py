@@ -1,10 +1,16 @@
-"""Engine configuration: one pydantic model for every engine kind."""
+"""Engine configuration: one pydantic model for every engine kind.
+
+The keys that decide results (kind, model and its files, dtype, seed, max_model_len, each
+adapter's folder) are marked ``speckeys.DECIDES``; the rest only say how the engine runs.
+"""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from batch_inference.speckeys import DECIDES, FOLDER, NAMED_FOLDERS, PATH
 
 
 class DecodeOverrides(BaseModel):
@@ -37,7 +43,7 @@ class LoraOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    adapters: dict[Annotated[str, StringConstraints(pattern=ADAPTER_NAME)], str] = Field(
+    adapters: Annotated[dict[Annotated[str, StringConstraints(pattern=ADAPTER_NAME)], str], NAMED_FOLDERS, PATH] = Field(
         min_length=1, description="adapter name -> adapter folder")
     max_loras: int = Field(1, ge=1, description="adapters one engine step (vLLM max_loras) or one generate call (transformers) may mix")
     max_lora_rank: int | None = Field(None, ge=1, description="largest adapter rank (default: read from the adapters)")
@@ -144,13 +150,13 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["transformers", "vllm", "simulated"]
-    model: str | None = Field(None, description="model directory (transformers, vllm)")
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    kind: Annotated[Literal["transformers", "vllm", "simulated"], DECIDES]
+    model: Annotated[str | None, FOLDER, PATH] = Field(None, description="model directory (transformers, vllm)")
+    dtype: Annotated[Literal["auto", "float32", "float16", "bfloat16"], DECIDES] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_threads: int | None = Field(1, ge=1, description="torch.set_num_threads on CPU; None leaves torch's default")
-    max_model_len: int | None = Field(None, ge=1, description="default: the model's max_position_embeddings (4096 simulated)")
-    seed: int = Field(0, description="engine-level seed (vLLM; simulated output salt)")
+    max_model_len: Annotated[int | None, DECIDES] = Field(None, ge=1, description="default: the model's max_position_embeddings (4096 simulated)")
+    seed: Annotated[int, DECIDES] = Field(0, description="engine-level seed (vLLM; simulated output salt)")
     simulated: SimulatedOptions = Field(default_factory=SimulatedOptions)
     vllm: VllmOptions = Field(default_factory=VllmOptions)
     transformers: TransformersOptions = Field(default_factory=TransformersOptions)

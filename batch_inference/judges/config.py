@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -10,6 +10,7 @@ from batch_inference.engines.base import SamplingParams
 from batch_inference.judges.llm import VERDICT_FORMAT, LLMJudge
 from batch_inference.judges.rules import RuleJudge
 from batch_inference.judges.verdicts import Verdict
+from batch_inference.speckeys import DECIDES
 
 
 class EscalateRule(BaseModel):
@@ -52,26 +53,27 @@ class JudgeConfig(BaseModel):
 
     ``kind: human`` sends every inferred record to the review queue (no automated
     judge); ``escalate`` on an llm or rule judge sends the verdicts it matches there.
+    Every key decides results (``speckeys.DECIDES``).
     """
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["llm", "rule", "human"]
+    kind: Annotated[Literal["llm", "rule", "human"], DECIDES]
     # llm
-    template: str | None = Field(None, description="judge prompt; {field} from the record, {result} the inference result")
-    parse: Literal["keyword", "score", "json"] = Field(
+    template: Annotated[str | None, DECIDES] = Field(None, description="judge prompt; {field} from the record, {result} the inference result")
+    parse: Annotated[Literal["keyword", "score", "json"], DECIDES] = Field(
         "keyword", description="json: a machine-readable verdict {approved, reason}, constrained by structured output (vLLM)")
-    chat: bool = Field(False, description="send the judge prompt as a user turn through the model's chat template")
-    system: str | None = Field(None, description="chat judges: the system turn")
-    threshold: float = Field(0.5, description="score mode: approved when score >= threshold")
-    max_tokens: int = Field(16, ge=1, description="judge reply length")
-    temperature: float = Field(0.0, ge=0)
-    adapter: str | None = Field(None, description="llm: the LoRA adapter the judge runs on (its engine's lora adapters); none: the base model")
+    chat: Annotated[bool, DECIDES] = Field(False, description="send the judge prompt as a user turn through the model's chat template")
+    system: Annotated[str | None, DECIDES] = Field(None, description="chat judges: the system turn")
+    threshold: Annotated[float, DECIDES] = Field(0.5, description="score mode: approved when score >= threshold")
+    max_tokens: Annotated[int, DECIDES] = Field(16, ge=1, description="judge reply length")
+    temperature: Annotated[float, DECIDES] = Field(0.0, ge=0)
+    adapter: Annotated[str | None, DECIDES] = Field(None, description="llm: the LoRA adapter the judge runs on (its engine's lora adapters); none: the base model")
     # rule
-    callable: str | None = Field(None, description="regex | exact_match | json_valid | min_length | module:fn")
-    kwargs: dict[str, Any] = Field(default_factory=dict)
+    callable: Annotated[str | None, DECIDES] = Field(None, description="regex | exact_match | json_valid | min_length | module:fn")
+    kwargs: Annotated[dict[str, Any], DECIDES] = Field(default_factory=dict)
     # human review
-    escalate: EscalateRule | None = Field(None, description="llm/rule: the verdicts people decide instead")
+    escalate: Annotated[EscalateRule | None, DECIDES] = Field(None, description="llm/rule: the verdicts people decide instead")
 
     @property
     def reviews(self) -> bool:

@@ -37,6 +37,7 @@ class RunLayout:
     RUN: ClassVar[str] = "run"
     SPEC: ClassVar[str] = "spec"
     INPUT_SCHEMA: ClassVar[str] = "input-schema"  # the input's format and (Parquet) Arrow schema, recorded at sharding
+    SPEC_FOLDERS: ClassVar[str] = "spec-folders"  # the fingerprints of the spec's model and adapter folders' files
     PLAN: ClassVar[str] = "plan"  # what the planner expected (batch-inference plan --record, the Dagster start job)
 
     def __post_init__(self) -> None:

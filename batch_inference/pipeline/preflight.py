@@ -152,7 +152,7 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
         _check_adapters(key, engine)
     judge = _build_judge(spec)
     try:
-        builder = RequestBuilder(spec.infer)
+        builder = RequestBuilder(spec.request_infer)
     except ValueError as exc:
         raise SpecError(f"{_prompt_key(spec)}: {exc}") from None
     so = spec.storage_options or None

@@ -52,7 +52,10 @@ class Resume:
         recorded = self.ledger.read(RunLayout.SPEC)
         if recorded is None:
             return
-        changed = result_changes(recorded, self.spec.public_dict())
+        now = self.spec.folder_digests()  # none: no local folder to compare by its files (no read then)
+        then = self.ledger.read(RunLayout.SPEC_FOLDERS) if now else None  # absent in a ledger from before fingerprints
+        folders = (then, now) if then is not None else None
+        changed = result_changes(recorded, self.spec.public_dict(), folders=folders)
         if changed:
             raise SpecChanged(
                 f"run {self.spec.run!r} started under another spec: {', '.join(changed)} changed since "
@@ -105,6 +108,7 @@ class Resume:
         if self.ledger.read(RunLayout.SPEC) is not None and self.done_with_output(RunLayout.SHARD_INPUT, self.layout.sharded):
             self.check_spec()
             return
+        self.ledger.write(RunLayout.SPEC_FOLDERS, self.spec.folder_digests())
         self.ledger.write(RunLayout.SPEC, self.spec.public_dict())
 
     def _committed_shards(self) -> int:
@@ -157,7 +161,7 @@ class Resume:
         """``sharded/`` in prefix order (``pipeline.placement``; blocking)."""
         p = self.spec.layout
         return placement.layout_by_prefix(
-            self.layout.sharded, signer=self.signer(), infer=self.spec.infer, records_per_shard=self.spec.shard_records,
+            self.layout.sharded, signer=self.signer(), infer=self.spec.request_infer, records_per_shard=self.spec.shard_records,
             spill_url=self.layout.layout_spill, storage_options=self.storage_options, min_gain=p.min_gain,
             run_bytes=p.run_bytes,
         )

@@ -148,7 +148,7 @@ class PipelineRun:
         if not (shard.get("layout") or {}).get("applied"):
             return None
         signer = self._signer()
-        return placement.FamilyCuts(signer, self.spec.infer, common=self._layout_common(signer) or 0)
+        return placement.FamilyCuts(signer, self.spec.request_infer, common=self._layout_common(signer) or 0)
 
     def _instance(self) -> str:
         """The run instance every task id of this run carries (drawn at sharding); every
@@ -165,7 +165,7 @@ class PipelineRun:
         if not pool.affinity or (pool.launcher == "inprocess" and not pool.endpoints):
             return {}
         signer = self._signer()
-        return affinity.shard_families(items, self.spec.infer, signer, common=self._layout_common(signer))
+        return affinity.shard_families(items, self.spec.request_infer, signer, common=self._layout_common(signer))
 
     def _dedup_scope(self, r: int, kind: str, instance: str) -> str | None:
         """The phase within which identical requests run once (None: the spec turned it off)."""
@@ -190,7 +190,7 @@ class PipelineRun:
             return TaskSpec(
                 task_id=self.layout.task_id(r, "infer", index, instance=instance), kind="infer", input_url=shard.url,
                 affinity=families.get(index),
-                outputs={"output": join(self.layout.inferred(r), part(index))}, infer=self.spec.infer,
+                outputs={"output": join(self.layout.inferred(r), part(index))}, infer=self.spec.request_infer,
                 chunk_size=self.spec.chunk_size, round=r, storage_options_ref=self.spec.pool.storage_options_ref, order=self._order,
                 dedup_scope=self._dedup_scope(r, "infer", instance),
             )
@@ -227,7 +227,7 @@ class PipelineRun:
                 task_id=self.layout.task_id(r, "judge", index, instance=instance), kind="judge", input_url=shard.url,
                 affinity=families.get(index),
                 outputs=outputs,
-                judge=self.spec.judge.task_config(), infer=self.spec.infer, chunk_size=self.spec.chunk_size, round=r,
+                judge=self.spec.judge.task_config(), infer=self.spec.request_infer, chunk_size=self.spec.chunk_size, round=r,
                 storage_options_ref=self.spec.pool.storage_options_ref, order=self._order, dedup_scope=self._dedup_scope(r, "judge", instance),
             )
 
@@ -417,7 +417,7 @@ class PipelineRun:
             return TaskSpec(
                 task_id=self.layout.task_id(from_round, "retry", index, instance=instance), kind="retry", input_url=shard.url,
                 affinity=families.get(index),
-                outputs=outputs, infer=self.spec.infer, judge=self.spec.judge.task_config(), max_attempts=attempts_left,
+                outputs=outputs, infer=self.spec.request_infer, judge=self.spec.judge.task_config(), max_attempts=attempts_left,
                 chunk_size=self.spec.chunk_size,
                 round=from_round, storage_options_ref=self.spec.pool.storage_options_ref, order=self._order,
                 dedup_scope=self._dedup_scope(from_round, "retry", instance),

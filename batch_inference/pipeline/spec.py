@@ -8,6 +8,7 @@ of ``repr`` and out of :meth:`PipelineSpec.public_dict`, which is what the ledge
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import tomllib
@@ -18,9 +19,11 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model, field_serializer, model_validator
 from pydantic.fields import FieldInfo
 
+from batch_inference import speckeys
 from batch_inference.engines import EngineConfig
 from batch_inference.judges import JudgeConfig
 from batch_inference.pool.protocol import InferConfig
+from batch_inference.speckeys import DECIDES, PATH
 
 Strategy = Literal["rounds", "in_place", "hybrid"]
 REDACTED = "***"
@@ -34,41 +37,33 @@ class SpecChanged(SpecError):
     """A run resumed under a spec whose result-deciding keys differ from the ones it started with."""
 
 
-# The spec keys that decide a run's results. A run resumed with any of them changed would mix
-# two specs' results in one output; the rest (pools, strategy, limits, review policy, storage,
-# an engine's tuning) only say how the run is carried out, and a resumed run may change them.
-RESULT_KEYS = ("input", "input_format", "openai_batch", "infer", "judge")
-ENGINE_RESULT_KEYS = ("kind", "model", "dtype", "seed")
-PLACEMENT_KEYS = ("judge.pool",)  # where the judge runs: a Dagster pool resource sets it per step
+def result_changes(recorded: dict[str, Any], current: dict[str, Any], *,
+                   folders: tuple[dict[str, str], dict[str, str]] | None = None) -> list[str]:
+    """The dotted keys (``infer.template``, ``engine.model``) whose result-deciding values differ
+    between two specs as JSON (``PipelineSpec.public_dict``), in a stable order.
 
-
-def result_changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """The dotted keys (``infer.template``, ``engine.model``) whose values differ between two
-    specs as JSON (``PipelineSpec.public_dict``), in a stable order."""
-
-    def flat(value: Any, prefix: str) -> dict[str, Any]:
-        if prefix in PLACEMENT_KEYS:
-            return {}
-        if isinstance(value, dict):
-            if prefix.endswith("engine") and prefix != "engine":  # a judge's own engine: as the top-level one
-                return {k: v for key in ENGINE_RESULT_KEYS for k, v in flat(value.get(key), f"{prefix}.{key}").items()}
-            out: dict[str, Any] = {}
-            for k, v in value.items():
-                out.update(flat(v, f"{prefix}.{k}"))
-            return out or {prefix: {}}
-        return {prefix: value}
-
-    def picked(data: dict[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key in RESULT_KEYS:
-            out.update(flat(data.get(key), key))
-        engine = data.get("engine") or {}
-        for key in ENGINE_RESULT_KEYS:
-            out.update(flat(engine.get(key), f"engine.{key}"))
-        return out
-
-    a, b = picked(recorded), picked(current)
-    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    Which keys decide results is declared on the models (``speckeys.Decides``); the rest
+    (pools, strategy, limits, review policy, storage, an engine's tuning) only say how the
+    run is carried out, and a resumed run may change them. ``folders`` (the recorded and the
+    current ``PipelineSpec.folder_digests``) adds the folders whose files changed under the
+    same path (``engine.model (its files)``); a folder without a digest on either side is
+    compared by its path alone.
+    """
+    a, b = speckeys.decided(PipelineSpec, recorded), speckeys.decided(PipelineSpec, current)
+    then, now = folders or ({}, {})
+    changed = []
+    for key in sorted(a.keys() | b.keys()):
+        mark, before = a.get(key, (None, None))
+        mark_now, value = b.get(key, (None, None))
+        mark = mark or mark_now
+        assert mark is not None
+        if key not in a and mark.grows:
+            continue  # an adapter the engine serves now: nothing named it when the run started
+        if before != value:
+            changed.append(key)
+        elif mark.folders and isinstance(value, str) and value in then and value in now and then[value] != now[value]:
+            changed.append(f"{key} (its files)")
+    return changed
 
 
 class _Strict(BaseModel):
@@ -146,8 +141,8 @@ class PoolSpec(_Strict):
     # local launcher
     name: str = Field("default", description="local pool name: a run attaches to the pool up under it when that fits the spec (docs/pool.md)")
     idle_ttl_s: float | None = Field(600.0, description="local pool shuts down after this long idle")
-    storage_roots: list[str] = Field(default_factory=list, description="worker storage roots (default: input and output)")
-    storage_profiles_file: str | None = Field(None, description="workers' storage profiles (credentials stay there)")
+    storage_roots: Annotated[list[str], PATH] = Field(default_factory=list, description="worker storage roots (default: input and output)")
+    storage_profiles_file: Annotated[str | None, PATH] = Field(None, description="workers' storage profiles (credentials stay there)")
     rule_modules: list[str] = Field(default_factory=list, description="modules local workers may import rule judges from")
     # k8s launcher: the ready pods of a deployed pool are discovered (deploy/k8s/, `pool up`)
     k8s_name: str = Field("batch-inference-worker", description="k8s: the workers' Deployment/Service name")
@@ -232,18 +227,18 @@ class PipelineSpec(_Strict):
     """Everything one pipeline run needs. ``PipelineSpec.load(path)`` reads YAML or TOML."""
 
     run: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", description="run name: the run's folder under output")
-    input: str = Field(min_length=1, description="input: a JSONL(.zst) or Parquet file, or a folder (prefix) of them")
+    input: Annotated[str, DECIDES, PATH] = Field(min_length=1, description="input: a JSONL(.zst) or Parquet file, or a folder (prefix) of them")
     input_options: InputOptions = Field(
         default_factory=InputOptions, description="written as `input: {url: ..., allow_empty: ...}`; recorded here")
-    input_format: Literal["auto", "jsonl", "openai_batch", "parquet"] = Field(
+    input_format: Annotated[Literal["auto", "jsonl", "openai_batch", "parquet"], DECIDES] = Field(
         "auto", description="auto: Parquet by its files; OpenAI Batch request lines from the first record (and logged)")
-    openai_batch: OpenAIBatchOptions = Field(default_factory=OpenAIBatchOptions)
+    openai_batch: Annotated[OpenAIBatchOptions, DECIDES] = Field(default_factory=OpenAIBatchOptions)
     preflight_records: int = Field(8, ge=0, description="records rendered through the infer and judge paths before the run (0: off)")
-    output: str = Field(min_length=1, description="base URL; the run writes under <output>/<run>/")
+    output: Annotated[str, PATH] = Field(min_length=1, description="base URL; the run writes under <output>/<run>/")
     export: list[Literal["parquet", "openai_batch"]] = Field(
         default_factory=list, description="also write these when the run finishes: <run>/export/<format>/ (as `batch-inference export`)")
     engine: EngineConfig
-    infer: InferConfig
+    infer: Annotated[InferConfig, DECIDES]
     judge: JudgeSpec
     strategy: Strategy = "rounds"
     max_rounds: int = Field(3, ge=1, le=99)
@@ -298,8 +293,9 @@ class PipelineSpec(_Strict):
             model = engine.model if engine is not None else None
             if engine is not None and engine.kind in ("transformers", "vllm") and model and "://" not in model \
                     and not Path(model).expanduser().is_dir():
-                raise ValueError(f"{key}.model: model directory {model!r} does not exist "
-                                 "(build one with `batch-inference make-model DIR`)")
+                where = "" if Path(model).expanduser().is_absolute() else f", relative to the working directory {os.getcwd()}"
+                raise ValueError(f"{key}.model: model directory {model!r} does not exist{where} (a spec file's relative "
+                                 "paths resolve from its folder; build a tiny model with `batch-inference make-model DIR`)")
         return self
 
     @model_validator(mode="after")
@@ -308,8 +304,6 @@ class PipelineSpec(_Strict):
         served = self.engine.adapters
         if unknown := sorted(set(self.infer.adapters) - set(served)):
             raise ValueError(f"infer.adapters: {unknown} not among {_lora_key('engine', self.engine)}.adapters ({_names(served)})")
-        if not self.infer.adapters and served:
-            self.infer = self.infer.model_copy(update={"adapters": served})
         for key, adapter, engine_key, engine in (
                 ("infer.adapter", self.infer.adapter, "engine", self.engine),
                 ("judge.adapter", self.judge.adapter, "judge.engine" if self.judge.engine else "engine", self.judge_engine)):
@@ -364,18 +358,44 @@ class PipelineSpec(_Strict):
             raise SpecError(f"{p}: not valid {p.suffix.lstrip('.').upper()}: {exc}") from exc
         if not isinstance(data, dict):
             raise SpecError(f"{p}: a spec must be a mapping of keys, got {type(data).__name__}")
+        data = speckeys.resolve_paths(cls, data, p.resolve().parent)
         data.update({k: v for k, v in overrides.items() if v is not None})
         return cls.parse(data, source=str(p))
 
     @classmethod
-    def parse(cls, data: dict[str, Any], *, source: str = "spec") -> PipelineSpec:
-        """Validate a mapping; a ``SpecError`` lists every bad key by its dotted path."""
+    def parse(cls, data: dict[str, Any], *, source: str = "spec", base_dir: str | os.PathLike[str] | None = None) -> PipelineSpec:
+        """Validate a mapping; a ``SpecError`` lists every bad key by its dotted path.
+
+        ``base_dir``: where the mapping's relative local paths (``input``, ``output``,
+        ``engine.model``, adapter folders, the pool's storage roots: the fields marked
+        ``speckeys.PATH``) resolve from, as ``load`` resolves a file's from its folder;
+        without it they stay relative to the process's working directory.
+        """
+        if base_dir is not None:
+            data = speckeys.resolve_paths(cls, data, Path(base_dir).resolve())
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
             raise SpecError(f"{source}: invalid spec:\n" + "\n".join(_describe(e) for e in exc.errors())) from None
 
     # -- views ---------------------------------------------------------------------
+
+    @property
+    def request_infer(self) -> InferConfig:
+        """``infer`` as tasks and request builders use it: the adapters a record may name are
+        the engine's unless the spec narrowed them (``infer`` itself stays as written)."""
+        if self.infer.adapters or not self.engine.adapters:
+            return self.infer
+        return self.infer.model_copy(update={"adapters": self.engine.adapters})
+
+    def folder_digests(self) -> dict[str, str]:
+        """Each local folder whose files decide results (models, adapters) -> its fingerprint
+        (``speckeys.folder_digest``); folders absent here are left out."""
+        out = {}
+        for mark, value in speckeys.decided(PipelineSpec, self.public_dict()).values():
+            if mark.folders and isinstance(value, str) and (digest := speckeys.folder_digest(value)) is not None:
+                out[value] = digest
+        return out
 
     def public_dict(self) -> dict[str, Any]:
         """The spec as JSON with secrets redacted: what the ledger and logs may show."""
@@ -460,11 +480,25 @@ def engine_label(engine: EngineConfig) -> str:
     return "simulated" + (f":{sim.profile}" if sim.cost_model == "decode" else "") + (f":seed{engine.seed}" if engine.seed else "")
 
 
+def _fields_at(loc: tuple[Any, ...]) -> list[str]:
+    """The keys the model at ``loc`` (a path into a ``PipelineSpec``) takes, or none when it is no model."""
+    models: list[type[BaseModel]] = [PipelineSpec]
+    for part in loc:
+        if not models:
+            return []
+        field = models[0].model_fields.get(str(part))
+        if field is None:
+            continue  # a mapping's key or a list's index: the same model goes on below it
+        models = speckeys.submodels(field.annotation)
+    return list(models[0].model_fields) if models else []
+
+
 def _describe(err: Any) -> str:
     loc = ".".join(str(part) for part in err["loc"]) or "(top level)"
     kind = err["type"]
     if kind == "extra_forbidden":
-        return f"  {loc}: unknown key"
+        close = difflib.get_close_matches(str(err["loc"][-1]), _fields_at(tuple(err["loc"][:-1])), n=1, cutoff=0.6)
+        return f"  {loc}: unknown key" + (f" (did you mean `{close[0]}`?)" if close else "")
     if kind == "missing":
         return f"  {loc}: missing required key"
     msg = err["msg"].removeprefix("Value error, ")

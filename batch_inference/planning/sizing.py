@@ -126,7 +126,7 @@ def prompt_token_counts(spec: PipelineSpec, records: list[dict[str, Any]], *,
     from batch_inference.engines.chat import prompt_text
     from batch_inference.prompting import RequestBuilder
 
-    builder = RequestBuilder(spec.infer)
+    builder = RequestBuilder(spec.request_infer)
     prompts = []
     for rec in records:
         try:

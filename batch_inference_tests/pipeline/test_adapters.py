@@ -54,7 +54,7 @@ async def test_per_record_adapters_give_that_adapters_outputs(tmp_path: Path) ->
     assert failed[0]["error"].startswith("bad_request") and "adapter 'zz' is not one of the spec's adapters: a1, a2" in failed[0]["error"]
     # each result is what the engine answers for that record's request on that adapter
     engine = build_engine(spec.engine)
-    builder = RequestBuilder(spec.infer)
+    builder = RequestBuilder(spec.request_infer)  # what tasks carry: the engine's adapters
     for rid, row in rows.items():
         request = builder.build({k: v for k, v in row.items() if k in ("id", "prompt", "adapter")}, 0)
         assert request.params.adapter == {"r0": "a1", "r1": "a2", "r2": None, "r3": "a2", "r4": "a1"}[rid]

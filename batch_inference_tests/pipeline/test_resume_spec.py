@@ -9,10 +9,10 @@ import pytest
 from click.testing import CliRunner
 
 from batch_inference.cli.main import cli
-from batch_inference.pipeline import PipelineRun, RunLayout, run_pipeline
+from batch_inference.pipeline import PipelineRun, PipelineSpec, RunLayout, run_pipeline
 from batch_inference.pipeline.spec import SpecChanged, result_changes
 from batch_inference.storage import JsonlDir
-from batch_inference_tests.pipeline.helpers import write_input
+from batch_inference_tests.pipeline.helpers import spec_dict, write_input
 
 
 def test_result_changes_name_the_dotted_keys_that_decide_results() -> None:
@@ -121,3 +121,57 @@ async def test_a_start_that_left_nothing_to_resume_starts_over_under_the_edited_
         await PipelineRun(missing).shard()
     fixed = make_spec(records=50)
     assert (await PipelineRun(fixed).shard()).records == 50
+
+
+
+def _adapter_folder(path: Path, weights: bytes) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_model.safetensors").write_bytes(weights)
+    return str(path)
+
+
+def _lora_spec(tmp_path: Path, adapters: dict[str, str], *, engine: dict | None = None, **overrides):
+    """A run whose records go to adapter ``concise`` of the simulated engine (which salts its outputs by the name)."""
+    data = spec_dict(tmp_path, records=60, infer={"adapter": "concise"}, **overrides)
+    data["engine"] = {**data["engine"], **(engine or {})}
+    data["engine"]["simulated"] = {**data["engine"]["simulated"], "lora": {"adapters": adapters}}
+    return PipelineSpec.parse(data)
+
+
+async def test_a_resumed_run_refuses_an_adapter_or_max_model_len_that_changed_its_results(tmp_path: Path) -> None:
+    v1 = _adapter_folder(tmp_path / "concise-v1", b"weights 1")
+    first = await run_pipeline(_lora_spec(tmp_path, {"concise": v1}))
+    assert first.approved > 0
+    v2 = _adapter_folder(tmp_path / "concise-v2", b"weights 2")
+    with pytest.raises(SpecChanged, match=r"engine\.simulated\.lora\.adapters\.concise changed"):
+        await run_pipeline(_lora_spec(tmp_path, {"concise": v2}))  # pointed at other weights
+    with pytest.raises(SpecChanged, match=r"engine\.max_model_len changed"):  # decides which records fail prompt_too_long
+        await run_pipeline(_lora_spec(tmp_path, {"concise": v1}, engine={"max_model_len": 64}))
+    _adapter_folder(tmp_path / "concise-v1", b"weights 1, retrained")
+    with pytest.raises(SpecChanged, match=r"engine\.simulated\.lora\.adapters\.concise \(its files\) changed"):
+        await run_pipeline(_lora_spec(tmp_path, {"concise": v1}))  # retrained in place
+
+
+def test_the_judge_engines_adapters_and_model_folder_count_too(tmp_path: Path) -> None:
+    judge = {"kind": "llm", "template": "Grade: {result}", "adapter": "strict",
+             "engine": {"kind": "simulated", "simulated": {"lora": {"adapters": {"strict": "/adapters/strict-v1"}}}}}
+    before = PipelineSpec.parse(spec_dict(tmp_path, judge=judge)).public_dict()
+    judge["engine"]["simulated"]["lora"]["adapters"]["strict"] = "/adapters/strict-v2"
+    assert result_changes(before, PipelineSpec.parse(spec_dict(tmp_path, judge=judge)).public_dict()) == [
+        "judge.engine.simulated.lora.adapters.strict"]
+    model = str(tmp_path / "model")  # a model folder retrained under the same path: its files' fingerprint differs
+    spec = {**before, "engine": {**before["engine"], "model": model}}
+    assert result_changes(spec, spec, folders=({model: "a1"}, {model: "b2"})) == ["engine.model (its files)"]
+    assert result_changes(spec, spec, folders=({}, {model: "b2"})) == []  # no fingerprint then: the path decides
+
+
+async def test_an_unused_adapter_added_to_the_engine_resumes_and_the_recorded_spec_is_the_one_written(tmp_path: Path) -> None:
+    v1 = _adapter_folder(tmp_path / "concise-v1", b"weights 1")
+    spec = _lora_spec(tmp_path, {"concise": v1})
+    first = await run_pipeline(spec)
+    recorded = orjson.loads((Path(RunLayout(spec.output, spec.run).ledger) / "spec.json").read_bytes())
+    assert recorded["infer"]["adapters"] == []  # as written: the validators filled nothing in
+    assert spec.request_infer.adapters == ("concise",)  # what tasks carry: the engine's adapters
+    verbose = _adapter_folder(tmp_path / "verbose", b"other weights")
+    again = await run_pipeline(_lora_spec(tmp_path, {"concise": v1, "verbose": verbose}))
+    assert (again.status, again.approved) == (first.status, first.approved)

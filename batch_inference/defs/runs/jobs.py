@@ -35,7 +35,10 @@ def start_pipeline_run_op(context: dg.OpExecutionContext, config: StartRunConfig
     from batch_inference.pipeline.preflight import preflight
 
     overrides = {"run": config.run, "input": config.input, "output": config.output or storage.base_url}
-    spec = PipelineSpec.load(config.spec_path, **overrides)
+    try:  # the step's own failure message is the spec error (a raw exception would nest it as the cause)
+        spec = PipelineSpec.load(config.spec_path, **overrides)
+    except SpecError as exc:
+        raise dg.Failure(f"spec {config.spec_path} cannot run: {exc}") from None
     if storage.storage_options():  # the input may be on the resource's storage, as the steps will read it
         spec = spec.model_copy(update={"storage_options": {**storage.storage_options(), **spec.storage_options}})
     try:
