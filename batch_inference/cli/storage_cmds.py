@@ -8,7 +8,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from batch_inference.storage import JsonlDir, JsonlFile, ReshardReport, UnreadableInputError, input_format, reshard
+from batch_inference.storage import JsonlDir, JsonlFile, ReshardReport, UnreadableInputError, input_format, open_source, reshard, urls
+from batch_inference.storage.parquet import ParquetSource
 from batch_inference.storage.sources import READABLE
 from batch_inference.storage.directory import DEFAULT_MAX_BYTES
 
@@ -60,10 +61,14 @@ def inspect(url: str) -> None:
     console = Console()
     probe = JsonlFile(url)
     try:
-        input_format(url)
+        fmt = input_format(url)
+        parquet = open_source(url) if fmt == "parquet" else None
     except (UnreadableInputError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from None
-    if probe.fs.isdir(probe.path):
+    if isinstance(parquet, ParquetSource):  # rows from the footers: nothing decoded
+        rows = [(urls.basename(f), n, None, parquet.fs.size(urls.fs_for(f)[1])) for f, n in zip(parquet.files, parquet.rows_by_file)]
+        source, compression = "Parquet footers", ["parquet"]
+    elif probe.fs.isdir(probe.path):
         d = JsonlDir(url)
         man = d.manifest()
         shards = d.shards()

@@ -161,3 +161,14 @@ def test_the_planner_sizes_a_parquet_input_from_its_footers(tmp_path: Path) -> N
     assert all("prompt" in r for r in size.sample)
     records, where = prefix_windows(spec, k=100, windows=4)
     assert len(records) == 100 and "evenly spaced over its 600" in where
+
+
+def test_inspect_counts_a_parquet_folder_from_its_footers_and_refuses_a_corrupt_file(tmp_path: Path) -> None:
+    from batch_inference.cli.storage_cmds import inspect
+
+    dataset(tmp_path / "drop", files=3, rows=500)
+    shown = CliRunner().invoke(inspect, [str(tmp_path / "drop")], terminal_width=200)
+    assert shown.exit_code == 0 and "shards: 3  records: 1,500" in shown.output and "Parquet footers" in shown.output, shown.output
+    (tmp_path / "drop" / "part-02.parquet").write_bytes(b"PAR1 not really")
+    bad = CliRunner().invoke(inspect, [str(tmp_path / "drop")], terminal_width=200)
+    assert bad.exit_code == 1 and "part-02.parquet: not a readable Parquet file" in bad.output, bad.output
