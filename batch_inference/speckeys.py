@@ -7,7 +7,7 @@ Two markers go in a field's ``Annotated`` metadata (pydantic keeps them in ``Fie
   whole, a model-typed one with every field inside it; an unmarked model-typed field counts
   by the marks of its own fields, so ``engine`` counts its ``model`` but not its pool tuning.
   ``folders``: the value names local folders (a string, or a mapping's values) whose
-  files decide too, fingerprinted by :func:`folder_digest`; ``grows``: a mapping whose new
+  files decide too, fingerprinted by their content (:func:`folder_digest`); ``grows``: a mapping whose new
   keys decide nothing until something names them (an engine serving one more adapter).
 - ``LocalPath``: a local path, or a list or mapping of them; a spec file's relative ones
   resolve from the file's folder (:func:`resolve_paths`), whatever the process's cwd.
@@ -90,9 +90,16 @@ def decided(model: type[BaseModel], data: Mapping[str, Any] | None, prefix: str 
     return out
 
 
+SAMPLE_BYTES = 1 << 20  # a file's content is hashed whole up to twice this size, else its first and last this many bytes
+
+
 def folder_digest(path: str) -> str | None:
-    """A fingerprint of a local folder's files (relative name, size, mtime of each), cheap
-    enough for every resumed step; None when ``path`` is no local folder (a URL, absent here)."""
+    """A fingerprint of a local folder's files by content: each file's relative name and
+    size, and its bytes (whole up to ``2 * SAMPLE_BYTES``, else the first and the last
+    ``SAMPLE_BYTES``: retrained weights differ throughout). Copies of the same files give the
+    same digest wherever they sit and whatever their mtimes (a model copied into each pod),
+    and a few MiB are read per file, so every resumed step can afford it. None when ``path``
+    is no local folder (a URL, or absent here)."""
     if "://" in path or not os.path.isdir(path):
         return None
     h = hashlib.sha256()
@@ -101,10 +108,15 @@ def folder_digest(path: str) -> str | None:
         for name in sorted(files):
             full = os.path.join(root, name)
             try:
-                st = os.stat(full)
+                with open(full, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    h.update(f"{os.path.relpath(full, path)}\0{size}\n".encode())
+                    h.update(f.read(SAMPLE_BYTES))
+                    if size > 2 * SAMPLE_BYTES:
+                        f.seek(size - SAMPLE_BYTES)
+                    h.update(f.read(SAMPLE_BYTES))
             except OSError:
                 continue
-            h.update(f"{os.path.relpath(full, path)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:16]
 
 

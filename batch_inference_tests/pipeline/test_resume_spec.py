@@ -175,3 +175,21 @@ async def test_an_unused_adapter_added_to_the_engine_resumes_and_the_recorded_sp
     verbose = _adapter_folder(tmp_path / "verbose", b"other weights")
     again = await run_pipeline(_lora_spec(tmp_path, {"concise": v1, "verbose": verbose}))
     assert (again.status, again.approved) == (first.status, first.approved)
+
+
+def test_a_folders_fingerprint_is_its_content_not_where_or_when_it_was_copied(tmp_path: Path) -> None:
+    import os
+    import shutil
+
+    from batch_inference.speckeys import SAMPLE_BYTES, folder_digest
+
+    big = os.urandom(3 * SAMPLE_BYTES)  # sampled at both ends
+    weights = _adapter_folder(tmp_path / "a", big)
+    (tmp_path / "a" / "adapter_config.json").write_text('{"r": 8}')
+    copy = tmp_path / "pod" / "a"
+    shutil.copytree(weights, copy, copy_function=shutil.copyfile)  # new mtimes, as a model copied into a pod
+    os.utime(copy / "adapter_config.json", (1, 1))
+    assert folder_digest(weights) == folder_digest(str(copy)) is not None
+    (copy / "adapter_model.safetensors").write_bytes(big[:-1] + bytes([big[-1] ^ 1]))  # retrained: same size
+    assert folder_digest(str(copy)) != folder_digest(weights)
+    assert folder_digest(str(tmp_path / "absent")) is None and folder_digest("s3://bucket/a") is None
