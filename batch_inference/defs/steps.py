@@ -20,12 +20,25 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+def _spec_errors_fail_the_step(spec: PipelineSpec, body: Awaitable[T]) -> T:
+    """Run ``body``; a spec error (``SpecChanged`` on a resume, say) is the step's own failure
+    message, not the cause nested under Dagster's "Error occurred while executing op"."""
+    import dagster as dg
+
+    from batch_inference.pipeline import SpecError
+
+    try:
+        return asyncio.run(body)  # type: ignore[arg-type]
+    except SpecError as exc:
+        raise dg.Failure(f"pipeline run {spec.run!r}: {type(exc).__name__}: {exc}") from None
+
+
 def run_cpu_step(spec: PipelineSpec, step: Callable[[PipelineRun], Awaitable[T]]) -> T:
     """A step that needs no pool (shard, recompact, finalize)."""
     from batch_inference.pipeline import PipelineRun
     from batch_inference.planning.progress import eta_after_round
 
-    return asyncio.run(step(PipelineRun(spec, eta=eta_after_round)))
+    return _spec_errors_fail_the_step(spec, step(PipelineRun(spec, eta=eta_after_round)))
 
 
 def run_gpu_step(spec: PipelineSpec, pool: PoolResource, step: Callable[[PipelineRun], Awaitable[T]],
@@ -43,4 +56,4 @@ def run_gpu_step(spec: PipelineSpec, pool: PoolResource, step: Callable[[Pipelin
         async with open_runner(placed) as runner:
             return await step(PipelineRun(placed, runner=runner, eta=eta_after_round))
 
-    return asyncio.run(go())
+    return _spec_errors_fail_the_step(spec, go())

@@ -45,3 +45,24 @@ def test_a_spec_with_relative_paths_runs_from_another_working_directory(defs, in
     assert error.message.startswith(f"dagster._core.definitions.events.Failure: spec {proj / 'missing.yaml'} cannot run: ")
     assert f"engine.model: model directory '{proj / 'models' / 'missing'}' does not exist" in error.message
     assert sorted(instance.get_dynamic_partitions("pipeline_runs")) == ["model", "rel"]  # the failed start added none
+
+
+def test_a_step_that_resumes_under_another_spec_fails_with_the_spec_error_itself(defs, tmp_path: Path) -> None:
+    write_input(tmp_path / "in.jsonl", 20)
+    first = dg.DagsterInstance.ephemeral()
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump(simulated_spec("same", tmp_path / "in.jsonl", tmp_path / "runs")))
+    assert start_run(defs, first, start_run_config(str(tmp_path / "a.yaml"))).success
+    assert all(r.success for r in drive(defs, first).launched)
+    # another Dagster instance starts a run of the same name into the same folder, with another template
+    edited = simulated_spec("same", tmp_path / "in.jsonl", tmp_path / "runs", infer={"template": "Say: {prompt}"})
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(edited))
+    second = dg.DagsterInstance.ephemeral()
+    assert start_run(defs, second, start_run_config(str(tmp_path / "b.yaml"))).success
+    failed = [r for r in drive(defs, second, max_ticks=3).launched if not r.success]
+    assert failed
+    events = second.all_logs(failed[0].run_id, of_type=dg.DagsterEventType.STEP_FAILURE)
+    error = events[0].dagster_event.step_failure_data.error
+    assert error.cause is None and error.message.startswith(
+        "dagster._core.definitions.events.Failure: pipeline run 'same': SpecChanged: run 'same' started under another spec: "
+        ), error.message
+    assert "infer.template" in error.message.split(" changed since ")[0]
