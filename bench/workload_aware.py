@@ -373,9 +373,10 @@ def pool_report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[st
                      f"{a['vs_off']:.2f} | {'/'.join(map(str, a['per_worker']))} | {'/'.join(map(str, o['per_worker']))} | "
                      f"{a['kept_moved'][0]} / {a['kept_moved'][1]} | {min(a['load'][0], o['load'][0])}..{max(a['load'][1], o['load'][1])} |")
     ratio = statistics.median(r["affinity"]["vs_off"] for r in rows)
+    even = all(max(r["affinity"]["per_worker"]) - min(r["affinity"]["per_worker"]) <= 1 for r in rows)
     lines += ["", f"Median affinity / off: **{ratio:.2f}** (target >= 1.00 within the spread of one measurement on this "
-              "shared machine): the shards named one family each by the document behind the preamble, and the tasks "
-              "dispatched at once were split evenly over the two workers."]
+              "shared machine); with affinity the tasks dispatched at once were "
+              + ("split evenly over the two workers in every repeat." if even else "NOT split evenly in every repeat (see the table).")]
     return lines
 
 
