@@ -64,13 +64,20 @@ def _failure(state: str, row: dict[str, Any], max_rounds: int) -> tuple[str, str
     return error_code(reason), reason
 
 
-def export_openai_batch(run: PipelineRun, out: str | None = None) -> ExportSummary:
-    """Write ``<out>/output.jsonl`` and ``<out>/errors.jsonl`` (default ``RunLayout.openai_export``)."""
+def export_openai_batch(run: PipelineRun, out: str | None = None, *, unfinished: tuple[str, str] | None = None) -> ExportSummary:
+    """Write ``<out>/output.jsonl`` and ``<out>/errors.jsonl`` (default ``RunLayout.openai_export``).
+
+    ``unfinished`` (``(code, message)``) exports a run that was stopped before its end (a
+    cancelled or expired batch): what reached a terminal state is written as usual, and every
+    other sharded request becomes an error line with that code, so each is still in exactly one
+    file. The run's driver must be stopped first (nothing may reach a terminal state meanwhile).
+    """
     t0 = time.perf_counter()
     spec, layout, so = run.spec, run.layout, run.storage_options
     shard = run.ledger.read_as(layout.SHARD, ShardSummary)
-    if shard is None or run.ledger.read(layout.RUN) is None:
+    if shard is None or (unfinished is None and run.ledger.read(layout.RUN) is None):
         raise StepOrderError(f"run {spec.run!r} is not finished (ledger/run.json is missing): run it to the end first")
+    seen: set[str] | None = set() if unfinished is not None else None
     out = out or layout.openai_export
     out_url, err_url = join(out, "output.jsonl"), join(out, "errors.jsonl")
     created = int(time.time())
@@ -80,6 +87,8 @@ def export_openai_batch(run: PipelineRun, out: str | None = None) -> ExportSumma
     def error(custom_id: str, code: str, message: str) -> dict[str, Any]:
         codes[code] = codes.get(code, 0) + 1
         counts["errors"] += 1
+        if seen is not None:
+            seen.add(custom_id)
         return error_line(custom_id, run=spec.run, code=code, message=message)
 
     with JsonlFile(out_url, storage_options=so).writer_sync() as ok, JsonlFile(err_url, storage_options=so).writer_sync() as bad:
@@ -89,6 +98,8 @@ def export_openai_batch(run: PipelineRun, out: str | None = None) -> ExportSumma
             counts["output"] += 1
             counts["prompt_tokens"] += usage["prompt_tokens"]
             counts["completion_tokens"] += usage["completion_tokens"]
+            if seen is not None:
+                seen.add(line["custom_id"])
             ok.write(line)
         for source in run.terminal_sources():
             if source.state in ("input", Status.APPROVED) or not source.is_dir:
@@ -98,6 +109,10 @@ def export_openai_batch(run: PipelineRun, out: str | None = None) -> ExportSumma
         for q in run.quarantined():
             for row in _rows((q.shard,), so, is_dir=False):
                 bad.write(error(str(row["id"]), "shard_quarantined", f"shard_quarantined: {q.error}"))
+        if seen is not None and unfinished is not None:
+            for row in _rows((layout.sharded,), so):
+                if str(row["id"]) not in seen:
+                    bad.write(error(str(row["id"]), *unfinished))
     total = counts["output"] + counts["errors"]
     if total != shard.records:
         raise ExportError(f"run {spec.run!r}: exported {total} requests ({counts['output']} output, {counts['errors']} "

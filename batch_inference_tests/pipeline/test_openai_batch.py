@@ -241,3 +241,24 @@ async def test_in_place_max_attempts_and_quarantined_shards_are_errors(tmp_path:
     assert all("device lost" in e["error"]["message"] for e in quarantined)
     ids = [e["custom_id"] for e in errors] + [x["custom_id"] for x in read_jsonl(exported.output_url)]
     assert sorted(ids) == sorted(x["custom_id"] for x in lines)
+
+
+async def test_a_stopped_run_exports_the_rest_as_errors_of_the_given_code(tmp_path: Path) -> None:
+    """``unfinished``: a run stopped before its end (a cancelled batch) still puts every request in one file."""
+    from batch_inference.pipeline import StepOrderError
+
+    lines = [chat_line(f"r{i}", f"question {i}") for i in range(30)]
+    spec = openai_spec(tmp_path, lines, strategy="in_place", max_attempts=1, shard_records=10,
+                       judge={"kind": "rule", "callable": "min_length", "kwargs": {"min_chars": 0}})
+    run = PipelineRun(spec)
+    await run.shard()
+    with pytest.raises(StepOrderError):
+        export_openai_batch(run)
+    exported = export_openai_batch(run, unfinished=("batch_cancelled", "the batch was cancelled"))
+    assert exported.output == 0 and exported.errors_by_code == {"batch_cancelled": 30}
+    # after a full run nothing is left for the code: each request is where the run put it
+    await run_pipeline(spec)
+    exported = export_openai_batch(PipelineRun(spec), unfinished=("batch_cancelled", "the batch was cancelled"))
+    assert exported.output == 30 and exported.errors == 0
+    ids = [x["custom_id"] for x in read_jsonl(exported.output_url)]
+    assert sorted(ids) == sorted(x["custom_id"] for x in lines)
