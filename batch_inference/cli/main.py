@@ -19,6 +19,7 @@ _COMMAND_MODULES: dict[str, tuple[str, ...]] = {
     "batch_inference.cli.pipeline_cmds": ("run", "status", "validate", "export"),
     "batch_inference.cli.plan_cmds": ("plan", "profile"),
     "batch_inference.cli.review_cmds": ("review",),
+    "batch_inference.cli.api_cmds": ("api",),
     "batch_inference.cli.demo_cmds": ("demo",),
 }
 

@@ -1,0 +1,159 @@
+"""The API server's configuration (``api.yaml``): where it keeps its state, who may call it,
+and the models it serves.
+
+``storage``, ``tokens_file`` and ``models: {name: {engine, pool?, judge?, limits?}}`` are a
+contract (clients' operators write them); every other key has a default. Relative paths
+(storage, tokens file, a model's folder) resolve from the config file's folder, so the
+server can be started from anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from batch_inference.engines import EngineConfig
+from batch_inference.pipeline.spec import Duration, JudgeSpec, PoolSpec, parse_duration
+from batch_inference.prompting.config import SamplingConfig, SamplingLimits
+
+
+class ApiConfigError(ValueError):
+    """A config the server cannot start with; the message names the file and the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Strict):
+    """One model clients name (``body.model`` / ``params.model``), and how its batches run.
+
+    ``pool``: the spec's ``pool`` keys (default: in this process). ``judge``: a spec
+    ``judge`` (default: none, every answer is accepted as the hosted APIs do); with one, a
+    batch runs ``rounds`` of ``max_rounds`` (or in-place retry, ``strategy``) and an answer
+    the judge rejected every time is an error line. ``limits``: the most a request may ask
+    for (``max_tokens``, ``temperature``, ``stop``); ``sampling``: the defaults of what a
+    request leaves out.
+    """
+
+    engine: EngineConfig
+    pool: PoolSpec = Field(default_factory=PoolSpec)
+    judge: JudgeSpec | None = None
+    limits: SamplingLimits = Field(default_factory=SamplingLimits)
+    sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(max_tokens=256))
+    strategy: str = Field("in_place", pattern="^(rounds|in_place|hybrid)$", description="with a judge: how rejected answers are retried")
+    max_rounds: int = Field(3, ge=1, le=99, description="with a judge: rounds (strategy rounds/hybrid)")
+    max_attempts: int = Field(3, ge=1, description="with a judge: attempts per request (in-place retry)")
+    @model_validator(mode="after")
+    def _default_max_tokens(self) -> ModelConfig:
+        """A request that names no max_tokens gets 256, or the model's cap when it is lower."""
+        if "sampling" not in self.model_fields_set and self.sampling.max_tokens > self.limits.max_tokens:
+            self.sampling = self.sampling.model_copy(update={"max_tokens": self.limits.max_tokens})
+        return self
+
+    shard_records: int = Field(1000, ge=1, description="requests a shard holds: the unit of dispatch, progress, cancel and resume")
+    chunk_size: int = Field(250, ge=1, description="requests a worker submits to its engine together")
+
+
+class Limits(_Strict):
+    """What one client may send."""
+
+    max_file_bytes: int = Field(200 << 20, ge=1, description="largest upload (OpenAI's: 200 MB)")
+    max_lines: int = Field(50_000, ge=1, description="most requests in one batch (OpenAI's and Anthropic's: 50,000 / 100,000)")
+    max_request_bytes: int = Field(32 << 20, ge=1, description="largest JSON request body (an Anthropic batch's requests)")
+    completion_windows: list[str] = Field(default_factory=lambda: ["24h"],
+                                          description="completion_window values a batch may ask for (durations: 24h, 30m, 5s)")
+    anthropic_window: Duration = Field(86400.0, gt=0, description="how long an Anthropic batch may run before it expires")
+    min_output_expiry_s: float = Field(3600.0, ge=0, description="smallest output_expires_after.seconds (OpenAI's: 3600)")
+
+    @field_validator("completion_windows")
+    @classmethod
+    def _durations(cls, value: list[str]) -> list[str]:
+        for w in value:
+            parse_duration(w)
+        if not value:
+            raise ValueError("name at least one window (e.g. 24h)")
+        return value
+
+
+class ApiConfig(_Strict):
+    """``api.yaml``."""
+
+    storage: str = Field(min_length=1, description="local folder or s3://...: uploaded files, batch state, runs, output files")
+    tokens_file: str = Field(min_length=1, description="accepted API keys, one a line")
+    models: dict[str, ModelConfig] = Field(min_length=1)
+    storage_options: dict[str, Any] = Field(default_factory=dict, repr=False, description="fsspec options for storage (s3 endpoint...)")
+    limits: Limits = Field(default_factory=Limits)
+    tick_s: float = Field(5.0, gt=0, description="how often batch progress, expiry and file expiry are looked at")
+    base_url: str | None = Field(None, description="the URL clients reach this server at (Anthropic results_url); default: the request's own")
+    dagster: str | None = Field(None, description="not supported yet: batches run in this process (the embedded default)")
+
+    @field_validator("models")
+    @classmethod
+    def _names(cls, value: dict[str, ModelConfig]) -> dict[str, ModelConfig]:
+        for name in value:
+            if not name or len(name) > 256 or any(c.isspace() for c in name):
+                raise ValueError(f"model name {name!r}: 1-256 characters, no spaces")
+        return value
+
+    @field_validator("dagster")
+    @classmethod
+    def _no_dagster(cls, value: str | None) -> str | None:
+        if value is not None:
+            raise ValueError("a Dagster instance is not supported by the API server yet: leave it out (batches run in this process)")
+        return value
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ApiConfig:
+        """Read ``api.yaml``; relative paths resolve from its folder."""
+        p = Path(path)
+        try:
+            data = yaml.safe_load(p.read_text())
+        except OSError as exc:
+            raise ApiConfigError(f"{p}: cannot read config: {exc.strerror or exc}") from exc
+        except yaml.YAMLError as exc:
+            raise ApiConfigError(f"{p}: not valid YAML: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ApiConfigError(f"{p}: the config must be a mapping of keys")
+        base = p.resolve().parent
+
+        def here(value: Any) -> Any:
+            if isinstance(value, str) and "://" not in value and not os.path.isabs(os.path.expanduser(value)):
+                return str(base / value)
+            return value
+
+        data["storage"], data["tokens_file"] = here(data.get("storage")), here(data.get("tokens_file"))
+        for m in (data.get("models") or {}).values():
+            if isinstance(m, dict):
+                for engine in (m.get("engine"), (m.get("judge") or {}).get("engine") if isinstance(m.get("judge"), dict) else None):
+                    if isinstance(engine, dict) and isinstance(engine.get("model"), str) and engine.get("kind") in ("transformers", "vllm"):
+                        if (base / engine["model"]).is_dir():
+                            engine["model"] = str(base / engine["model"])
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            lines = [f"  {'.'.join(str(x) for x in e['loc']) or '(top level)'}: "
+                     + ("unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, "))
+                     for e in exc.errors()]
+            raise ApiConfigError(f"{p}: invalid config:\n" + "\n".join(lines)) from None
+
+    def tokens(self) -> list[str]:
+        """The accepted keys (blank lines and ``#`` comments skipped); at least one, each 16+ characters."""
+        try:
+            text = Path(self.tokens_file).read_text()
+        except OSError as exc:
+            raise ApiConfigError(f"tokens_file {self.tokens_file}: cannot read: {exc.strerror or exc}") from exc
+        tokens = [t.strip() for t in text.splitlines() if t.strip() and not t.strip().startswith("#")]
+        if not tokens:
+            raise ApiConfigError(f"tokens_file {self.tokens_file}: no keys (one a line): the server serves no one without a key")
+        if short := [i for i, t in enumerate(tokens) if len(t) < 16]:
+            raise ApiConfigError(f"tokens_file {self.tokens_file}: key(s) {short} shorter than 16 characters")
+        return tokens
+
+    def window_s(self, window: str) -> float | None:
+        """Seconds of an allowed ``completion_window``; None when it is not one of ``limits.completion_windows``."""
+        return parse_duration(window) if window in self.limits.completion_windows else None

@@ -1,0 +1,128 @@
+"""Where the API server keeps everything: uploaded files, batch state, the batches' runs.
+
+Layout under ``storage``::
+
+    files/<file-id>/meta.json      a file object (+ ``url``: where its bytes are)
+    files/<file-id>/content        an upload's bytes
+    batches/<batch-id>/state.json  a batch object, rewritten atomically at every change
+    batches/<batch-id>/input.jsonl the requests its pipeline run reads (the batch's model only)
+    batches/<batch-id>/rejected.jsonl  error lines the server itself wrote (a model not configured)
+    batches/<batch-id>/export/     the pipeline's output.jsonl + errors.jsonl
+    runs/<batch-id>/               the batch's pipeline run (RunLayout)
+
+Ids are drawn here and checked on the way in (``check_id``): a fixed prefix, then letters,
+digits, ``_`` or ``-`` only, so no id a client sends can name a path outside storage.
+Every call blocks (fsspec): the server calls them through ``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+
+from batch_inference.storage._io import AtomicFile
+from batch_inference.storage.urls import fs_for, join
+
+ID = re.compile(r"^(file|batch|msgbatch)_[A-Za-z0-9]{8,64}$")
+READ_SIZE = 1 << 20
+
+
+def new_id(prefix: str) -> str:
+    """A fresh id (``file_...``, ``batch_...``, ``msgbatch_...``): 24 random alphanumerics."""
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    return f"{prefix}_" + "".join(secrets.choice(alphabet) for _ in range(24))
+
+
+def check_id(value: str, prefix: str) -> bool:
+    """True when ``value`` is an id of ours with ``prefix`` (never a path)."""
+    m = ID.match(value)
+    return m is not None and m.group(1) == prefix
+
+
+class Store:
+    """The server's storage (local folder or object store)."""
+
+    def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.root = root.rstrip("/")
+        self.storage_options = storage_options or {}
+        self.fs, _ = fs_for(self.root, self.storage_options)
+
+    # -- urls ----------------------------------------------------------------------
+
+    def url(self, *parts: str) -> str:
+        return join(self.root, *parts)
+
+    def file_dir(self, file_id: str) -> str:
+        return self.url("files", file_id)
+
+    def batch_dir(self, batch_id: str) -> str:
+        return self.url("batches", batch_id)
+
+    @property
+    def runs(self) -> str:
+        return self.url("runs")
+
+    def _path(self, url: str) -> str:
+        return fs_for(url, self.storage_options)[1]
+
+    # -- json objects ----------------------------------------------------------------
+
+    def write_json(self, url: str, data: dict[str, Any]) -> None:
+        """Replace ``url`` atomically: a reader (or a restarted server) sees the old or the new object."""
+        f = AtomicFile(self.fs, self._path(url))
+        try:
+            f.write(orjson.dumps(data, option=orjson.OPT_INDENT_2))
+            f.commit()
+        except BaseException:
+            f.discard()
+            raise
+
+    def read_json(self, url: str) -> dict[str, Any] | None:
+        try:
+            with self.fs.open(self._path(url), "rb") as f:
+                return orjson.loads(f.read())
+        except FileNotFoundError:
+            return None
+
+    def children(self, url: str) -> list[str]:
+        """Names of the folders under ``url`` (ids), or none."""
+        try:
+            self.fs.invalidate_cache(self._path(url))
+            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self._path(url), detail=False)]
+        except FileNotFoundError:
+            return []
+
+    # -- bytes -----------------------------------------------------------------------
+
+    def open_writer(self, url: str) -> AtomicFile:
+        """An atomic writer: the file appears whole on ``commit()`` or not at all."""
+        return AtomicFile(self.fs, self._path(url))
+
+    def size(self, url: str) -> int | None:
+        try:
+            return int(self.fs.size(self._path(url)))
+        except FileNotFoundError:
+            return None
+
+    def chunks(self, url: str) -> Iterator[bytes]:
+        """The bytes of ``url`` in 1 MiB pieces (FileNotFoundError when it is gone)."""
+        with self.fs.open(self._path(url), "rb") as f:
+            while chunk := f.read(READ_SIZE):
+                yield chunk
+
+    def lines(self, url: str) -> Iterator[bytes]:
+        """The lines of ``url`` (without their newline), read in pieces."""
+        with self.fs.open(self._path(url), "rb") as f:
+            for raw in f:
+                yield raw.rstrip(b"\r\n")
+
+    def remove(self, url: str) -> None:
+        """Delete ``url`` (a file or a folder); gone already is fine."""
+        try:
+            self.fs.rm(self._path(url), recursive=True)
+        except FileNotFoundError:
+            pass

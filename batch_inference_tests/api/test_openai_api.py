@@ -1,0 +1,248 @@
+"""The OpenAI Batch API with the official `openai` SDK, unchanged, against `batch-inference api serve`."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from openai import OpenAI
+
+from batch_inference_tests.api.helpers import SIMULATED, TOKEN, Server, chat_line, jsonl, serving, start, wait_for, write_config
+
+pytestmark = [pytest.mark.process, pytest.mark.slow]  # a server in a child process, its pipeline runs inside
+
+SLOW = {"kind": "simulated", "simulated": {"latency_a_s": 0.06, "latency_b_s": 0.0, "output_tokens": 4}}
+
+
+def slow_model(**keys: Any) -> dict[str, Any]:
+    """A model whose batches take seconds (shards of 10, two in flight): time to cancel or kill one."""
+    return {"tiny": {"engine": SLOW, "pool": {"concurrency": 2}, "shard_records": 10, "chunk_size": 5, **keys}}
+
+
+def client(server: Server, key: str = TOKEN) -> OpenAI:
+    return OpenAI(base_url=server.v1, api_key=key, max_retries=0)
+
+
+def submit(c: OpenAI, lines: list[dict[str, Any]], **kw: Any) -> Any:
+    f = c.files.create(file=("batch.jsonl", jsonl(lines)), purpose="batch")
+    return c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window=kw.pop("window", "24h"), **kw)
+
+
+def wait_status(c: OpenAI, batch_id: str, statuses: tuple[str, ...], timeout_s: float = 120.0) -> Any:
+    return wait_for(lambda: (b := c.batches.retrieve(batch_id)).status in statuses and b, timeout_s=timeout_s,
+                    what=f"batch {batch_id} to be {statuses}")
+
+
+def lines_of(c: OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in c.files.content(file_id).text.splitlines()] if file_id else []
+
+
+def delivered(c: OpenAI, batch: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The output and error lines of an ended batch, each custom_id checked to be in exactly one."""
+    out, err = lines_of(c, batch.output_file_id), lines_of(c, batch.error_file_id)
+    ids = [x["custom_id"] for x in out + err]
+    assert len(ids) == len(set(ids)), "a custom_id is in the files twice"
+    assert batch.request_counts.completed == len(out) and batch.request_counts.failed == len(err)
+    assert batch.request_counts.completed + batch.request_counts.failed == batch.request_counts.total == len(ids)
+    return out, err
+
+
+def progress_files(server: Server, batch_id: str) -> dict[str, bytes]:
+    folder = server.config.parent / "api-data" / "runs" / batch_id / "ledger" / "progress"
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*.json")} if folder.exists() else {}
+
+
+def test_happy_path_on_the_tiny_model_with_per_line_errors(tmp_path: Path, tiny_model_dir: Path) -> None:
+    engine = {"kind": "transformers", "model": str(tiny_model_dir), "device": "cpu"}
+    config = write_config(tmp_path, {"tiny": {"engine": engine, "shard_records": 8, "chunk_size": 4, "limits": {"max_tokens": 16}}})
+    lines = [chat_line(f"q{i}", f"question {i % 5}") for i in range(20)]
+    lines += [
+        {**chat_line("empty", "x"), "body": {"model": "tiny", "messages": []}},
+        chat_line("unknown-model", "x", model="gpt-4o"),
+        chat_line("too-long", "x", max_tokens=1000),
+    ]
+    with serving(config) as server:
+        c = client(server)
+        assert [m.id for m in c.models.list()] == ["tiny"]
+        batch = submit(c, lines, metadata={"team": "search"})
+        assert batch.status == "validating" and batch.metadata == {"team": "search"} and batch.object == "batch"
+        done = wait_status(c, batch.id, ("completed", "failed"))
+        assert done.status == "completed", done
+        assert done.created_at <= done.in_progress_at <= done.finalizing_at <= done.completed_at
+        assert done.model == "tiny" and done.errors is None and done.failed_at is None
+        out, err = delivered(c, done)
+        assert sorted(x["custom_id"] for x in out + err) == sorted(x["custom_id"] for x in lines)
+        assert {x["custom_id"] for x in out} == {f"q{i}" for i in range(20)}
+        for line in out:
+            body = line["response"]["body"]
+            assert line["response"]["status_code"] == 200 and body["object"] == "chat.completion" and body["model"] == "tiny"
+            assert body["usage"]["prompt_tokens"] > 0 and body["usage"]["completion_tokens"] > 0
+            assert isinstance(body["choices"][0]["message"]["content"], str)
+        errors = {x["custom_id"]: x["error"] for x in err}
+        assert errors["empty"]["code"] == "bad_messages"
+        assert errors["unknown-model"]["code"] == "model_not_found" and "configured: tiny" in errors["unknown-model"]["message"]
+        assert errors["too-long"]["code"] == "bad_sampling"
+        assert done.usage.input_tokens == sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in out) > 0
+        # the output files are files of the Files API
+        listed = {f.id: f for f in c.files.list()}
+        assert listed[done.output_file_id].purpose == "batch_output" and listed[done.input_file_id].purpose == "batch"
+
+
+def test_keys_ids_errors_and_file_delete(tmp_path: Path) -> None:
+    config = write_config(tmp_path, limits={"max_file_bytes": 4096})
+    with serving(config) as server:
+        with pytest.raises(openai.AuthenticationError) as info:
+            client(server, key="wrong-key-0123456789abcdef").models.list()
+        assert info.value.status_code == 401 and info.value.body["message"].startswith("invalid or missing API key")
+        for bad in (None, "Bearer", f"Bearer {TOKEN}x", f"Basic {TOKEN}"):
+            request = urllib.request.Request(f"{server.v1}/batches", headers={"Authorization": bad} if bad else {})
+            with pytest.raises(urllib.error.HTTPError) as http:
+                urllib.request.urlopen(request, timeout=10)
+            assert http.value.code == 401 and set(json.loads(http.value.read())["error"]) == {"message", "type", "param", "code"}
+        c = client(server)
+        # an id never names a path: traversal and odd ids are simply not found, in OpenAI's error shape
+        for bad_id in ("..%2F..%2Fapi-tokens", "file_..", "batch_abcdefgh", "file-%2Fetc%2Fpasswd"):
+            request = urllib.request.Request(f"{server.v1}/files/{bad_id}/content", headers={"Authorization": f"Bearer {TOKEN}"})
+            with pytest.raises(urllib.error.HTTPError) as http:
+                urllib.request.urlopen(request, timeout=10)
+            body = json.loads(http.value.read())
+            assert http.value.code == 404 and "Traceback" not in json.dumps(body) and body["error"]["type"] == "invalid_request_error"
+        with pytest.raises(openai.NotFoundError):
+            c.batches.retrieve("batch_../../state")
+        # bounded uploads; bad batch parameters name the parameter
+        with pytest.raises(openai.APIStatusError) as too_big:
+            c.files.create(file=("big.jsonl", b"x" * 10_000), purpose="batch")
+        assert too_big.value.status_code == 413
+        f = c.files.create(file=("b.jsonl", jsonl([chat_line("a", "x")])), purpose="batch")
+        with pytest.raises(openai.BadRequestError) as info:
+            c.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+        assert "endpoint" in info.value.message
+        with pytest.raises(openai.BadRequestError) as info:
+            c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="1h")  # type: ignore[arg-type]
+        assert info.value.body["param"] == "completion_window"
+        # a file that is not the Batch format fails the batch, its lines named
+        g = c.files.create(file=("bad.jsonl", b'{"custom_id": "a"\nnot json\n'), purpose="batch")
+        failed = wait_status(c, c.batches.create(input_file_id=g.id, endpoint="/v1/chat/completions", completion_window="24h").id,
+                             ("failed", "completed"))
+        assert failed.status == "failed" and failed.failed_at and {e.line for e in failed.errors.data} == {1, 2}
+        # delete: gone from retrieve, content and list
+        assert c.files.retrieve(f.id).bytes > 0
+        deleted = c.files.delete(f.id)
+        assert deleted.deleted and deleted.id == f.id
+        with pytest.raises(openai.NotFoundError):
+            c.files.retrieve(f.id)
+        with pytest.raises(openai.NotFoundError):
+            c.files.content(f.id)
+        assert f.id not in {x.id for x in c.files.list()}
+
+
+def test_list_pagination(tmp_path: Path) -> None:
+    with serving(write_config(tmp_path)) as server:
+        c = client(server)
+        made = [submit(c, [chat_line(f"{n}-{i}", "x") for i in range(3)]).id for n in range(5)]
+        for b in made:
+            wait_status(c, b, ("completed",))
+        first = c.batches.list(limit=2)
+        assert len(first.data) == 2 and first.has_more
+        seen = [b.id for b in c.batches.list(limit=2)]  # iterating, the SDK follows `after` page by page
+        assert seen == list(reversed(made))  # newest first, each once
+        after = c.batches.list(limit=2, after=seen[1])
+        assert [b.id for b in after.data] == seen[2:4]
+
+
+def test_counts_move_then_cancel_delivers_the_finished_part(tmp_path: Path) -> None:
+    with serving(write_config(tmp_path, slow_model())) as server:
+        c = client(server)
+        lines = [chat_line(f"r{i}", f"question {i}") for i in range(300)]
+        batch = submit(c, lines)
+        moving = wait_for(lambda: (b := c.batches.retrieve(batch.id)).request_counts.completed >= 20 and b, what="progress")
+        assert moving.status == "in_progress" and moving.request_counts.total == 300 and moving.request_counts.completed < 300
+        cancelled = c.batches.cancel(batch.id)
+        assert cancelled.status == "cancelling" and cancelled.cancelling_at is not None
+        done = wait_status(c, batch.id, ("cancelled",))
+        assert done.cancelled_at >= done.cancelling_at
+        out, err = delivered(c, done)
+        assert sorted(x["custom_id"] for x in out + err) == sorted(x["custom_id"] for x in lines)
+        assert 20 <= len(out) < 300
+        assert {x["error"]["code"] for x in err} == {"batch_cancelled"}
+        # nothing new is dispatched after the cancel
+        before = progress_files(server, batch.id)
+        time.sleep(1.0)
+        assert progress_files(server, batch.id) == before
+        with pytest.raises(openai.ConflictError):
+            c.batches.cancel(submit_and_finish(c).id)
+
+
+def submit_and_finish(c: OpenAI) -> Any:
+    b = submit(c, [chat_line("one", "x")])
+    return wait_status(c, b.id, ("completed",))
+
+
+def test_sigkill_mid_batch_then_restart_finishes_each_request_once(tmp_path: Path) -> None:
+    config = write_config(tmp_path, slow_model())
+    lines = [chat_line(f"r{i}", f"question {i}") for i in range(200)]
+    server = start(config)
+    try:
+        c = client(server)
+        batch = submit(c, lines)
+        wait_for(lambda: c.batches.retrieve(batch.id).request_counts.completed >= 30, what="progress")
+        committed = progress_files(server, batch.id)
+        server.stop(signal.SIGKILL)
+    finally:
+        server.stop(signal.SIGKILL)
+    assert committed and server.proc.returncode == -signal.SIGKILL
+    with serving(config) as again:
+        c = client(again)
+        done = wait_status(c, batch.id, ("completed",))
+        out, err = delivered(c, done)
+        assert not err and sorted(x["custom_id"] for x in out) == sorted(x["custom_id"] for x in lines)
+        after = progress_files(again, batch.id)
+        assert {k: after[k] for k in committed} == committed  # what was committed was not run again
+        assert len(after) > len(committed)
+
+
+def test_completion_window_expires_and_output_expires_after(tmp_path: Path) -> None:
+    config = write_config(tmp_path, slow_model(), limits={"completion_windows": ["24h", "3s"], "min_output_expiry_s": 0})
+    with serving(config) as server:
+        c = client(server)
+        lines = [chat_line(f"r{i}", f"question {i}") for i in range(400)]
+        batch = submit(c, lines, window="3s")
+        assert batch.expires_at == batch.created_at + 3
+        done = wait_status(c, batch.id, ("expired", "completed"))
+        assert done.status == "expired" and done.expired_at >= done.expires_at
+        out, err = delivered(c, done)
+        assert sorted(x["custom_id"] for x in out + err) == sorted(x["custom_id"] for x in lines)
+        assert len(out) < 400 and {x["error"]["code"] for x in err} == {"batch_expired"}
+        # output_expires_after: the output files are deleted when due
+        quick = submit(c, [chat_line("a", "x")], output_expires_after={"anchor": "created_at", "seconds": 6})
+        finished = wait_status(c, quick.id, ("completed",))
+        assert c.files.retrieve(finished.output_file_id).expires_at == quick.created_at + 6
+        wait_for(lambda: _gone(c, finished.output_file_id), timeout_s=30, what="the output file to expire")
+
+
+def _gone(c: OpenAI, file_id: str) -> bool:
+    try:
+        c.files.retrieve(file_id)
+    except openai.NotFoundError:
+        return True
+    return False
+
+
+def test_a_small_batch_is_not_starved_by_a_large_one(tmp_path: Path) -> None:
+    with serving(write_config(tmp_path, slow_model())) as server:
+        c = client(server)
+        large = submit(c, [chat_line(f"L{i}", f"question {i}") for i in range(300)])
+        wait_for(lambda: c.batches.retrieve(large.id).request_counts.completed >= 10, what="the large batch to start")
+        small = submit(c, [chat_line(f"S{i}", f"question {i}") for i in range(20)])
+        small_done = wait_status(c, small.id, ("completed",))
+        large_now = c.batches.retrieve(large.id)
+        assert large_now.status == "in_progress", "the small batch waited for the large one to finish"
+        assert small_done.request_counts.completed == 20
+        wait_status(c, large.id, ("completed",), timeout_s=180)
