@@ -1,5 +1,5 @@
 """The run's input as the pipeline sees it: its format (native JSONL, OpenAI Batch or
-Parquet) and its first records, for detection and the preflight.
+Parquet), its first records (for detection) and a sample spread across it (for the preflight).
 
 OpenAI Batch files are converted to native records in the one sharding pass
 (``prompting.openai_batch.OpenAIBatchReader``), and so are Parquet rows
@@ -9,12 +9,14 @@ is recorded in the ledger for the Parquet export); every later step sees native 
 
 from __future__ import annotations
 
+import itertools
 import logging
-from typing import Any, Literal
+from collections.abc import Iterable, Iterator
+from typing import Any, Literal, TypeVar
 
 from batch_inference.pipeline.spec import PipelineSpec, SpecError
 from batch_inference.prompting.openai_batch import OpenAIBatchReader, looks_like_openai_batch
-from batch_inference.storage import JsonlDir, JsonlFile, ReshardReport, UnreadableInputError, input_format, open_source
+from batch_inference.storage import CorruptShardError, JsonlDir, JsonlFile, ReshardReport, UnreadableInputError, input_format, open_source
 from batch_inference.storage.parquet import ParquetSource, schema_to_text
 from batch_inference.storage.reshard import Source
 from batch_inference.storage.sources import READABLE
@@ -22,6 +24,9 @@ from batch_inference.storage.sources import READABLE
 log = logging.getLogger(__name__)
 
 InputFormat = Literal["jsonl", "openai_batch", "parquet"]
+T = TypeVar("T")
+
+SAMPLE_WINDOW = 10_000  # records a run's start reads for its preflight sample (the whole input when smaller)
 
 
 class InputError(SpecError):
@@ -44,6 +49,65 @@ def first_numbered(url: str, n: int, storage_options: dict[str, Any] | None = No
         if len(out) >= n:
             break
     return out
+
+
+def evenly_spaced(n: int, take: int) -> list[int]:
+    """Up to ``take`` distinct indices in ``range(n)``, evenly spaced, the first and the last included."""
+    take = min(n, take)
+    return sorted({round(i * (n - 1) / max(1, take - 1)) for i in range(take)}) if n else []
+
+
+def spread(items: Iterable[T], n: int) -> list[T]:
+    """Up to ``n`` of ``items``, evenly spaced over all of them (the first included), in one
+    pass holding at most ``2n``: every ``stride``-th item is kept, and the stride doubles
+    (every other kept item dropped) whenever ``2n`` are held. Deterministic: the same input
+    gives the same sample."""
+    if n <= 0:
+        return []
+    kept: list[T] = []
+    stride = 1
+    for i, item in enumerate(items):
+        if i % stride:
+            continue
+        kept.append(item)
+        if len(kept) >= 2 * n:
+            kept, stride = kept[::2], stride * 2
+    return kept if len(kept) <= n else [kept[i] for i in evenly_spaced(len(kept), n)]
+
+
+def _readable(records: Iterable[T], n: int) -> Iterator[T]:
+    """Up to ``n`` of ``records``, as far as they read: a shard damaged in storage is its
+    task's to fail and quarantine with the reason, not the preflight's to refuse the run on."""
+    try:
+        yield from itertools.islice(records, n)
+    except CorruptShardError as exc:
+        log.debug("preflight sample: %s", exc)
+
+
+def sample_numbered(url: str, n: int, storage_options: dict[str, Any] | None = None, *,
+                    window: int = SAMPLE_WINDOW) -> list[tuple[int, dict[str, Any]]]:
+    """``n`` records with their 0-based line numbers, spread across the input rather than
+    its first ``n``: a committed directory (a run's ``sharded/``, in prefix order) gives the
+    heads of evenly spaced shards (line numbers from its manifest), anything else the
+    first ``window`` records (the whole input when smaller). Malformed lines are skipped."""
+    if n <= 0:
+        return []
+    source = open_input(url, storage_options)
+
+    def numbered(src: Any) -> Iterable[tuple[int, dict[str, Any]]]:
+        return src.iter_numbered_sync(on_error="quarantine", quarantine=lambda entry: None)
+
+    man = source.manifest() if isinstance(source, JsonlDir) else None
+    if isinstance(source, JsonlDir) and man is not None and man.shards:
+        shards = source.shards()
+        records = {s["name"]: int(s["records"]) for s in man.shards}
+        starts = list(itertools.accumulate((records.get(f.name, 0) for f in shards), initial=0))
+        chosen = evenly_spaced(len(shards), n)
+        per = -(-n // len(chosen))
+        reads = max(per, window // len(chosen))
+        out = [(starts[i] + line, rec) for i in chosen for line, rec in spread(_readable(numbered(shards[i]), reads), per)]
+        return spread(out, n)
+    return spread(itertools.islice(numbered(source), window), n)
 
 
 def open_input(url: str, storage_options: dict[str, Any] | None = None) -> Source:

@@ -2,15 +2,17 @@
 start job, ``batch-inference validate``).
 
 It builds the judge and the request builder once (a rule judge with a wrong keyword, a
-template that does not parse) and renders the first ``preflight_records`` records of the
-input through the infer and judge paths. What stops the run, as a ``SpecError`` naming
-the spec key and the record:
+template that does not parse) and renders ``preflight_records`` records sampled across
+the input (``inputs.sample_numbered``: a resumed run's laid-out shards, evenly spaced; a
+full check, the whole input) through the infer and judge paths. What stops the run, as a
+``SpecError`` naming the spec key and the record:
 
 * the judge cannot be built (``judge.callable`` / ``judge.kwargs`` / ``judge.template``);
-* a template placeholder a record lacks (``infer.template``, ``infer.messages``,
-  ``judge.template``): a typo in the spec, not a bad record;
-* no prompt source (no template, and records have neither ``messages`` nor ``prompt``);
-* a rule judge that needs a record field the records lack (``KeyError``);
+* a template placeholder (``infer.template``, ``infer.messages``, ``judge.template``), a
+  prompt source (no template, and records have neither ``messages`` nor ``prompt``) or a
+  rule judge's field (``KeyError``) that (nearly) every sampled record lacks
+  (``SPEC_ERROR_SHARE``): a typo in the spec. When only some lack it, those records are
+  bad, not the spec: each fails alone with its ``missing_field`` error (a warning here);
 * a LoRA adapter folder that is not one (``engine.vllm.lora.adapters.<name>``,
   ``engine.transformers.lora.adapters.<name>``: no
   ``adapter_config.json``, not LORA, no weights, a rank over ``max_lora_rank``);
@@ -28,7 +30,9 @@ run time, not a spec error: they are reported in ``Plan.record_errors`` and the 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from batch_inference.engines.base import ChatPrompt
 from batch_inference.judges import LLMJudge, MissingFieldError, RuleJudge, build_judge
@@ -72,7 +76,7 @@ class Plan:
             f"prompt     {self.prompt}{' (chat template)' if self.chat else ''}{', constrained output' if self.constrained else ''}",
             f"judge      {self.judge}",
             f"strategy   {self.strategy}",
-            f"checked    the first {self.checked_records} record(s) render through infer and judge",
+            f"checked    {self.checked_records} record(s) sampled across the input render through infer and judge",
         ]
         out += [f"warning    {e}" for e in self.record_errors]
         return out
@@ -156,30 +160,37 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
     except ValueError as exc:
         raise SpecError(f"{_prompt_key(spec)}: {exc}") from None
     so = spec.storage_options or None
-    head = inputs.first_numbered(sharded or spec.input, max(spec.preflight_records, 1), so)
+    source = sharded or spec.input
+    head = inputs.first_numbered(source, 1, so)
     if not head and not sharded:
         inputs.check_records(spec, 0)
     fmt, detected = ("jsonl", False) if sharded else inputs.resolve_format(spec, [rec for _, rec in head])
     openai = fmt == "openai_batch"
+    n_sample = spec.preflight_records
+    if full and not sharded:  # one pass: the whole input counted, and the sample spread across all of it
+        n_records, sample = _count(spec, inputs.openai_reader(spec) if openai else None, n_sample)
+    else:
+        n_records, sample = None, inputs.sample_numbered(source, n_sample, so)
     if openai:  # lines with file-level problems are the full check's to report (the file is refused)
         reader = inputs.openai_reader(spec)
-        head = [(line, typed.record()) for line, rec in head if (typed := reader.line(rec, line)) is not None]
-    numbered = head[: spec.preflight_records]
-    records = [rec for _, rec in numbered]
+        sample = [(line, typed.record()) for line, rec in sample if (typed := reader.line(rec, line)) is not None]
     record_errors: list[str] = []
+    misses = _Misses(len(sample))
     judge_chat = isinstance(judge, LLMJudge) and judge.chat
     chat = False
-    for line, rec in numbered:
+    for line, rec in sample:
         rec.setdefault("id", assigned_id(line))  # as sharding assigns it
         try:
             request = builder.build(rec, 0)
         except MissingFieldError as exc:
-            raise SpecError(f"{_prompt_key(spec)}: {exc}") from None
+            misses.add(_prompt_key(spec), str(exc))
+            continue
         except RequestError as exc:
             if exc.kind is ErrorKind.BAD_REQUEST and spec.infer.source == "record":
-                raise SpecError(f"infer: no template or messages, and record {exc.record_id!r} has neither 'messages' nor "
-                                "a string 'prompt' (set infer.template, e.g. 'Answer: {question}')") from None
-            record_errors.append(str(exc))
+                misses.add("infer", f"no template or messages, and record {exc.record_id!r} has neither 'messages' nor "
+                                    "a string 'prompt' (set infer.template, e.g. 'Answer: {question}')")
+            else:
+                record_errors.append(str(exc))
             continue
         chat = chat or isinstance(request.prompt, ChatPrompt)
         if request.params.response_format is not None and not spec.engine.structured_output:
@@ -191,20 +202,18 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
             try:
                 judge.prompt(rec, SAMPLE_RESULT)
             except MissingFieldError as exc:
-                raise SpecError(f"judge.template: {exc}") from None
+                misses.add("judge.template", str(exc))
         else:
             verdict = judge.judge(rec, SAMPLE_RESULT)
             kind, detail = ErrorKind.parse(verdict.reason) or (None, "")
             if kind is ErrorKind.RULE_ERROR and detail.startswith("KeyError"):
-                raise SpecError(f"judge.kwargs: rule {judge.name!r} needs a field record {rec['id']!r} lacks: {verdict.reason}")
+                misses.add("judge.kwargs", f"rule {judge.name!r} needs a field record {rec['id']!r} lacks: {verdict.reason}")
+    record_errors += misses.raise_or_list()
     if chat:
         _check_chat_template("engine", spec.engine, "the prompts (infer.messages, or records with messages)")
     if judge_chat:
         _check_chat_template("judge.engine" if spec.judge.engine else "engine", spec.judge_engine, "the judge's prompts (judge.chat)")
-    n_records = n_shards = None
-    if full:
-        n_records = _count(spec, inputs.openai_reader(spec) if openai else None)
-        n_shards = math.ceil(n_records / spec.shard_records) if n_records else 0
+    n_shards = None if n_records is None else math.ceil(n_records / spec.shard_records) if n_records else 0
     judge_text = ("human (review queue)" if spec.judge.kind == "human"
                   else f"llm ({spec.judge.parse}{', chat' if spec.judge.chat else ''})" if spec.judge.kind == "llm"
                   else f"rule {spec.judge.callable} {spec.judge.kwargs or ''}".rstrip())
@@ -218,27 +227,61 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
         engine=f"{spec.engine.kind}{':' + spec.engine.model if spec.engine.model else ''}",
         strategy=spec.strategy, prompt=spec.infer.source, chat=chat or judge_chat,
         constrained=spec.infer.constrained or (spec.judge.kind == "llm" and spec.judge.parse == "json"),
-        judge=judge_text, checked_records=len(records), records=n_records, shards=n_shards, record_errors=record_errors,
+        judge=judge_text, checked_records=len(sample), records=n_records, shards=n_shards, record_errors=record_errors,
     )
 
 
-def _count(spec: PipelineSpec, reader: OpenAIBatchReader | None) -> int:
-    """Records in the whole input; for OpenAI Batch the sharding pass's file checks too."""
+def _count(spec: PipelineSpec, reader: OpenAIBatchReader | None, n_sample: int) -> tuple[int, list[tuple[int, dict[str, Any]]]]:
+    """Records in the whole input and ``n_sample`` of them spread across it, in one pass;
+    for OpenAI Batch the sharding pass's file checks too."""
     source = inputs.open_input(spec.input, spec.storage_options or None)
     report = ReshardReport()
 
     seen: set[str] = set()
     dups: dict[str, int] = {}
     n = 0
-    for line, rec in source.iter_numbered_sync(on_error="quarantine", quarantine=report.count_malformed):
-        n += 1
-        if reader is not None:  # the sharding pass's checks, on the typed line (no record built)
-            reader.line(rec, line)
-            cid = record_id(rec, line)
-            if cid in seen:
-                dups[cid] = dups.get(cid, 1) + 1
-            seen.add(cid)
+
+    def each() -> Iterator[tuple[int, dict[str, Any]]]:
+        nonlocal n
+        for line, rec in source.iter_numbered_sync(on_error="quarantine", quarantine=report.count_malformed):
+            n += 1
+            if reader is not None:  # the sharding pass's checks, on the typed line (no record built)
+                reader.line(rec, line)
+                cid = record_id(rec, line)
+                if cid in seen:
+                    dups[cid] = dups.get(cid, 1) + 1
+                seen.add(cid)
+            yield line, rec
+
+    sample = inputs.spread(each(), n_sample)
     if reader is not None:
         report.duplicate_ids = dups
         inputs.check_openai_input(reader, report, spec.input)
-    return n
+    return n, sample
+
+
+SPEC_ERROR_SHARE = 0.9  # a field missing from at least this share of the sample is the spec's error
+
+
+@dataclass
+class _Misses:
+    """Sampled records that lack what a spec key needs (a template's field, a rule's field, a
+    prompt). When (nearly) every sampled record lacks it, the spec is wrong (a typo'd
+    placeholder): a ``SpecError``. When only some do, those records are bad: each fails
+    alone at run time with its ``missing_field`` error, and the run goes on."""
+
+    sampled: int
+    by_key: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, key: str, message: str) -> None:
+        self.by_key.setdefault(key, []).append(message)
+
+    def raise_or_list(self) -> list[str]:
+        """Raise the ``SpecError`` of a key (nearly) every sampled record misses; else the misses, as warnings."""
+        bar = max(1, math.ceil(SPEC_ERROR_SHARE * self.sampled))
+        for key, messages in self.by_key.items():
+            if len(messages) >= bar:
+                share = "all" if len(messages) == self.sampled else f"{len(messages)} of the"
+                raise SpecError(f"{key}: {messages[0]} (so do {share} {self.sampled} record(s) sampled across the input: "
+                                "a typo in the spec?)")
+        return [f"{key}: {m} (that record fails alone, the run goes on)" for key, ms in self.by_key.items() for m in ms]

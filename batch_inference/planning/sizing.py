@@ -9,6 +9,7 @@ from itertools import islice
 from dataclasses import dataclass
 from typing import Any
 
+from batch_inference.pipeline.inputs import evenly_spaced
 from batch_inference.pipeline.spec import PipelineSpec
 from batch_inference.storage import JsonlDir, JsonlFile, input_format, open_source
 from batch_inference.storage.parquet import ParquetSource
@@ -52,12 +53,6 @@ def _reservoir(records: Iterator[dict[str, Any]], k: int) -> tuple[int, list[dic
     return n, [rec for _, rec in sorted(picked, key=lambda p: p[0])]
 
 
-def _evenly_spaced(n: int, take: int) -> list[int]:
-    """Up to ``take`` distinct indices in ``range(n)``, evenly spaced, the first and the last included."""
-    take = min(n, take)
-    return sorted({round(i * (n - 1) / max(1, take - 1)) for i in range(take)}) if n else []
-
-
 def _spread(d: JsonlDir, k: int) -> tuple[list[dict[str, Any]], str]:
     """``k`` records from evenly spaced shards of a manifest directory, each read whole.
 
@@ -68,7 +63,7 @@ def _spread(d: JsonlDir, k: int) -> tuple[list[dict[str, Any]], str]:
     shards = d.shards()
     if not shards:
         return [], "the whole input"
-    chosen = _evenly_spaced(len(shards), MANIFEST_SAMPLE_SHARDS)
+    chosen = evenly_spaced(len(shards), MANIFEST_SAMPLE_SHARDS)
     per = max(1, -(-k // len(chosen)))
     sample: list[dict[str, Any]] = []
     for i in chosen:
@@ -182,7 +177,7 @@ def prefix_windows(spec: PipelineSpec, k: int = PREFIX_SAMPLE, *, windows: int |
         man = d.manifest()
         if man is not None:
             shards = d.shards()
-            chosen = _evenly_spaced(len(shards), windows)
+            chosen = evenly_spaced(len(shards), windows)
             per_shard = max(1, -(-k // max(1, len(chosen))))
             out: list[dict[str, Any]] = []
             for i in chosen:
@@ -202,7 +197,7 @@ def prefix_windows(spec: PipelineSpec, k: int = PREFIX_SAMPLE, *, windows: int |
     n = pq_src.rows if pq_src is not None else sum(1 for _ in src.iter_records_sync())
     if n <= k:
         return list(src.iter_records_sync()), "the whole input"
-    starts = _evenly_spaced(n - per + 1, windows)
+    starts = evenly_spaced(n - per + 1, windows)
     ranges = [(a, a + per) for a in starts]
     picked: list[dict[str, Any]] = []
     j = 0
