@@ -121,6 +121,8 @@ class Sample:
     verdict: Verdict | None = None
     last_error: str | None = None  # the last attempt's retryable error (a failed batch, an engine_error)
     row: dict[str, Any] | None = None  # set once the sample is finished
+    usage: dict[str, int] | None = None  # the inferred result's, carried to the approved row (as an infer row carries it)
+    finish_reason: str | None = None
 
     @property
     def attempts(self) -> int:
@@ -140,8 +142,10 @@ class Sample:
         """This attempt is spent (rejected, or a retryable error): its result is cleared, so a
         resumed task re-infers it, never re-judges it."""
         self.result, self.last_error = None, last_error
+        self.usage = self.finish_reason = None
         self.attempt += 1
-        ckpt.add({"id": self.rid, "attempt": self.attempt, "last_result": None})
+        # states merge field by field on load: the spent attempt's usage is cleared with its result
+        ckpt.add({"id": self.rid, "attempt": self.attempt, "last_result": None, "usage": None, "finish_reason": None})
 
 
 class RetryTask:
@@ -174,7 +178,8 @@ class RetryTask:
         rid = str(record["id"])
         state = self.states.pop(rid, None) or {}
         sample = Sample(record, rid, strip_results(record), prior_attempts(record),
-                        int(state.get("attempt", 0)), state.get("last_result"))
+                        int(state.get("attempt", 0)), state.get("last_result"),
+                        usage=state.get("usage"), finish_reason=state.get("finish_reason"))
         if state.get("final"):
             sample.row = {**sample.base, **state["final"]}
         return sample
@@ -203,7 +208,10 @@ class RetryTask:
                 s.failed(res.error)
             else:
                 s.result, s.last_error = res.text, None
-                self.ckpt.add({"id": s.rid, "attempt": s.attempt, "last_result": s.result})
+                s.usage = {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens}
+                s.finish_reason = res.finish_reason
+                self.ckpt.add({"id": s.rid, "attempt": s.attempt, "last_result": s.result,
+                               "usage": s.usage, "finish_reason": s.finish_reason})
 
     async def judge(self, wave: list[Sample]) -> None:
         """One judging call for every inferred sample of the wave, one wave of the task at a time."""
@@ -218,7 +226,8 @@ class RetryTask:
             s.verdict = verdict
             if verdict.approved:
                 s.final(self.ckpt, {"result": s.result, "status": Status.APPROVED, "error": None,
-                                    "attempts": s.attempts + 1, "verdict": verdict.to_dict()})
+                                    "attempts": s.attempts + 1, "verdict": verdict.to_dict(),
+                                    "usage": s.usage, "finish_reason": s.finish_reason})
             else:
                 s.next_attempt(self.ckpt)
 

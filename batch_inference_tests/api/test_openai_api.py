@@ -83,13 +83,17 @@ def test_happy_path_on_the_tiny_model_with_per_line_errors(tmp_path: Path, tiny_
         for line in out:
             body = line["response"]["body"]
             assert line["response"]["status_code"] == 200 and body["object"] == "chat.completion" and body["model"] == "tiny"
-            assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+            usage = body["usage"]  # the row's, also on the in-place path every batch without a judge runs
+            assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0, line
+            assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
             assert isinstance(body["choices"][0]["message"]["content"], str)
         errors = {x["custom_id"]: x["error"] for x in err}
         assert errors["empty"]["code"] == "bad_messages"
         assert errors["unknown-model"]["code"] == "model_not_found" and "configured: tiny" in errors["unknown-model"]["message"]
         assert errors["too-long"]["code"] == "bad_sampling"
-        assert done.usage.input_tokens == sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in out)
+        assert done.usage.input_tokens == sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in out) > 0
+        assert done.usage.output_tokens == sum(x["response"]["body"]["usage"]["completion_tokens"] for x in out) > 0
+        assert done.usage.total_tokens == done.usage.input_tokens + done.usage.output_tokens
         # the output files are files of the Files API
         listed = {f.id: f for f in c.files.list()}
         assert listed[done.output_file_id].purpose == "batch_output" and listed[done.input_file_id].purpose == "batch"

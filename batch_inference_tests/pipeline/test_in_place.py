@@ -45,6 +45,28 @@ async def test_in_place_statuses_and_attempts(make_spec) -> None:
     assert 0.65 < summary.approved / 600 < 0.9
 
 
+async def test_an_approved_in_place_row_carries_its_attempts_usage_as_a_rounds_row_does(make_spec) -> None:
+    """The approved row's usage and finish_reason are the approved attempt's (the API's output
+    lines report them): the same as the rounds path's row of the same record and attempt."""
+    in_place = make_spec(run="in-place", strategy="in_place", approval=0.4, max_attempts=3)
+    rounds = make_spec(run="rounds", strategy="rounds", approval=0.4, max_rounds=3)
+    await run_pipeline(in_place)
+    await run_pipeline(rounds)
+    got, want = rows_by_id(in_place), rows_by_id(rounds)
+    approved = [k for k, v in got.items() if v["status"] == "approved"]
+    assert len(approved) > 300
+    compared = 0
+    for rid in approved:
+        row = got[rid]
+        assert row["usage"]["prompt_tokens"] > 0 and row["usage"]["completion_tokens"] == len(row["result"].split()), row
+        assert row["finish_reason"] in ("stop", "length")
+        same = want[rid]
+        if same["status"] == "approved" and same["attempts"] == row["attempts"]:
+            assert (row["usage"], row["finish_reason"]) == (same["usage"], same["finish_reason"]), rid
+            compared += 1
+    assert compared > 200
+
+
 def _segments_by_time(store: CheckpointStore, before_ns: int) -> tuple[list[dict], list[dict]]:
     old, new = [], []
     for seg in store.segments():
@@ -117,6 +139,9 @@ def test_in_place_resumes_each_sample_at_its_attempt_after_sigkill(tmp_path: Pat
     clean_summary = asyncio.run(run_pipeline(clean))
     got, want = rows_by_id(spec), rows_by_id(clean)
     assert {k: (v["status"], v["attempts"]) for k, v in got.items()} == {k: (v["status"], v["attempts"]) for k, v in want.items()}
+    # an approved row resumed from its checkpoint carries its attempt's usage, as one never interrupted
+    assert {k: (v.get("usage"), v.get("finish_reason")) for k, v in got.items() if v["status"] == "approved"} == \
+        {k: (v["usage"], v["finish_reason"]) for k, v in want.items() if v["status"] == "approved"}
     # ... with less engine work after the kill: finished attempts were not redone.
     assert summary.tokens_in < clean_summary.tokens_in
 
