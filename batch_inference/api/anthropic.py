@@ -83,7 +83,10 @@ def result_line(line: dict[str, Any]) -> dict[str, Any]:
             "stop_reason": "max_tokens" if choice.get("finish_reason") == "length" else "end_turn", "stop_sequence": None,
             "usage": {"input_tokens": int(usage.get("prompt_tokens") or 0), "output_tokens": int(usage.get("completion_tokens") or 0)},
         }
-        return {"custom_id": cid, "result": {"type": "succeeded", "message": message}}
+        out = {"custom_id": cid, "result": {"type": "succeeded", "message": message}}
+        if "judge" in line:  # the model has a judge: which attempt it approved (beyond Anthropic's fields)
+            out["judge"] = line["judge"]
+        return out
     error = line.get("error") or {}
     code = error.get("code")
     if code == "batch_cancelled":

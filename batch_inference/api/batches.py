@@ -314,7 +314,8 @@ class BatchManager:
         if state.get("run"):
             run = PipelineRun(self.spec_for(state))
             if run.ledger.read(RunLayout.SHARD) is not None:
-                summary = export_openai_batch(run, export_dir, unfinished=STOPPED[stopped] if stopped else None)
+                summary = export_openai_batch(run, export_dir, unfinished=STOPPED[stopped] if stopped else None,
+                                              judged=self.config.models[state["run"]].judge is not None)
                 got.update(completed=summary.output, failed=summary.errors, prompt=summary.prompt_tokens,
                            completion=summary.completion_tokens,
                            stopped=summary.errors_by_code.get(STOPPED[stopped][0], 0) if stopped else 0)

@@ -64,13 +64,15 @@ def _failure(state: str, row: dict[str, Any], max_rounds: int) -> tuple[str, str
     return error_code(reason), reason
 
 
-def export_openai_batch(run: PipelineRun, out: str | None = None, *, unfinished: tuple[str, str] | None = None) -> ExportSummary:
+def export_openai_batch(run: PipelineRun, out: str | None = None, *, unfinished: tuple[str, str] | None = None,
+                        judged: bool = False) -> ExportSummary:
     """Write ``<out>/output.jsonl`` and ``<out>/errors.jsonl`` (default ``RunLayout.openai_export``).
 
     ``unfinished`` (``(code, message)``) exports a run that was stopped before its end (a
     cancelled or expired batch): what reached a terminal state is written as usual, and every
     other sharded request becomes an error line with that code, so each is still in exactly one
     file. The run's driver must be stopped first (nothing may reach a terminal state meanwhile).
+    ``judged``: each output line also says which attempt was approved (``output_line``).
     """
     t0 = time.perf_counter()
     spec, layout, so = run.spec, run.layout, run.storage_options
@@ -93,7 +95,7 @@ def export_openai_batch(run: PipelineRun, out: str | None = None, *, unfinished:
 
     with JsonlFile(out_url, storage_options=so).writer_sync() as ok, JsonlFile(err_url, storage_options=so).writer_sync() as bad:
         for row in _rows((layout.results,), so):
-            line = output_line(row, run=spec.run, model=spec.model_name, created=created)
+            line = output_line(row, run=spec.run, model=spec.model_name, created=created, judged=judged)
             usage = line["response"]["body"]["usage"]
             counts["output"] += 1
             counts["prompt_tokens"] += usage["prompt_tokens"]

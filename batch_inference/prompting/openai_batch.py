@@ -237,8 +237,13 @@ def _hex(*parts: str, n: int = 24) -> str:
     return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=n // 2).hexdigest()
 
 
-def output_line(row: dict[str, Any], *, run: str, model: str, created: int) -> dict[str, Any]:
-    """An answered request: ``response.body`` is a chat.completion (or text_completion)."""
+def output_line(row: dict[str, Any], *, run: str, model: str, created: int, judged: bool = False) -> dict[str, Any]:
+    """An answered request: ``response.body`` is a chat.completion (or text_completion).
+
+    ``judged``: the answer was approved by a judge of the user's (the API server's per-model
+    ``judge``), so the line also says which attempt was approved, beyond OpenAI's fields:
+    ``judge: {attempt, round, verdict}`` (``attempt`` counted from 1 over every round and
+    in-place retry; ``round`` null when the in-place retry path approved it)."""
     cid = str(row["id"])
     openai = row.get("openai") or {}
     url = openai.get("url") or ("/v1/completions" if "prompt" in row and "messages" not in row else "/v1/chat/completions")
@@ -260,9 +265,12 @@ def output_line(row: dict[str, Any], *, run: str, model: str, created: int) -> d
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
     }
-    return {"id": f"batch_req_{_hex(run, 'req', cid)}", "custom_id": cid,
+    line = {"id": f"batch_req_{_hex(run, 'req', cid)}", "custom_id": cid,
             "response": {"status_code": 200, "request_id": f"req_{_hex(run, 'id', cid)}", "body": body},
             "error": None}
+    if judged:
+        line["judge"] = {"attempt": int(row.get("attempts") or 1), "round": row.get("round"), "verdict": row.get("verdict")}
+    return line
 
 
 def error_line(custom_id: str, *, run: str, code: str, message: str) -> dict[str, Any]:

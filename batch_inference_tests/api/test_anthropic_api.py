@@ -178,3 +178,18 @@ def test_anthropic_window_expires_the_unfinished_part(tmp_path: Path) -> None:
         assert sorted(by_id) == sorted(r["custom_id"] for r in requests)
         assert done.request_counts.expired > 0 and done.request_counts.canceled == 0
         assert done.request_counts.succeeded + done.request_counts.expired == 400
+
+
+def test_a_model_with_a_judge_says_in_each_result_which_attempt_was_approved(tmp_path: Path) -> None:
+    engine = {"kind": "simulated", "simulated": {"approval_rate": 0.5, "latency_a_s": 0.002, "latency_b_s": 0.0, "output_tokens": 4}}
+    model = {"engine": engine, "judge": {"kind": "llm", "template": "Judge this answer: {result}"}, "strategy": "in_place",
+             "max_attempts": 4, "pool": {"concurrency": 2}, "shard_records": 10, "chunk_size": 5}
+    with serving(write_config(tmp_path, {"tiny": model})) as server:
+        c = client(server)
+        batch = c.messages.batches.create(requests=[request(f"r{i}", f"question {i}") for i in range(40)])  # type: ignore[misc]
+        by_id = results(c, wait_ended(c, batch.id))
+        succeeded = [r for r in c.messages.batches.results(batch.id) if r.result.type == "succeeded"]
+        assert len(succeeded) == len([r for r in by_id.values() if r.type == "succeeded"]) > 20
+        attempts = [r.judge["attempt"] for r in succeeded]  # type: ignore[attr-defined]  # beyond Anthropic's fields: kept by the SDK
+        assert min(attempts) == 1 and max(attempts) > 1 and all(r.judge["verdict"]["approved"] for r in succeeded)  # type: ignore[attr-defined]
+        assert {r.error.error.message.split(":")[0] for r in by_id.values() if r.type == "errored"} <= {"max_attempts"}

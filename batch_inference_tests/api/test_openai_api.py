@@ -87,6 +87,7 @@ def test_happy_path_on_the_tiny_model_with_per_line_errors(tmp_path: Path, tiny_
             assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0, line
             assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
             assert isinstance(body["choices"][0]["message"]["content"], str)
+            assert "judge" not in line  # no judge configured: OpenAI's fields only
         errors = {x["custom_id"]: x["error"] for x in err}
         assert errors["empty"]["code"] == "bad_messages"
         assert errors["unknown-model"]["code"] == "model_not_found" and "configured: tiny" in errors["unknown-model"]["message"]
@@ -250,3 +251,33 @@ def test_a_small_batch_is_not_starved_by_a_large_one(tmp_path: Path) -> None:
         assert large_now.status == "in_progress", "the small batch waited for the large one to finish"
         assert small_done.request_counts.completed == 20
         wait_status(c, large.id, ("completed",), timeout_s=180)
+
+
+@pytest.mark.parametrize("strategy", ["rounds", "in_place", "hybrid"])
+def test_a_model_with_a_judge_retries_and_each_line_says_which_attempt_was_approved(tmp_path: Path, strategy: str) -> None:
+    engine = {"kind": "simulated", "simulated": {"approval_rate": 0.5, "latency_a_s": 0.002, "latency_b_s": 0.0, "output_tokens": 4}}
+    model = {"engine": engine, "judge": {"kind": "llm", "template": "Judge this answer: {result}"}, "strategy": strategy,
+             "max_rounds": 4, "max_attempts": 4, "pool": {"concurrency": 2}, "shard_records": 10, "chunk_size": 5}
+    lines = [chat_line(f"r{i}", f"question {i}") for i in range(60)]
+    with serving(write_config(tmp_path, {"tiny": model})) as server:
+        c = client(server)
+        done = wait_status(c, submit(c, lines).id, ("completed", "failed"))
+        assert done.status == "completed", done
+        out, err = delivered(c, done)
+        assert sorted(x["custom_id"] for x in out + err) == sorted(x["custom_id"] for x in lines)
+        attempts = [x["judge"]["attempt"] for x in out]
+        assert len(out) > 40 and min(attempts) == 1 and max(attempts) > 1, attempts  # rejected answers were retried
+        for x in out:
+            judge = x["judge"]
+            assert 1 <= judge["attempt"] <= 4 and judge["verdict"]["approved"] is True
+            if strategy == "rounds":
+                assert judge["round"] == judge["attempt"] - 1  # one attempt a round
+            elif strategy == "in_place":
+                assert judge["round"] is None  # approved by the in-place retry path
+            usage = x["response"]["body"]["usage"]  # the approved attempt's, whichever path approved it
+            assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
+        if strategy == "hybrid":
+            assert {x["judge"]["round"] is None for x in out} == {True, False}, "hybrid ran no rounds, or no tail"
+        assert done.usage.input_tokens == sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in out) > 0
+        assert done.usage.output_tokens == sum(x["response"]["body"]["usage"]["completion_tokens"] for x in out) > 0
+        assert {x["error"]["code"] for x in err} <= {"exhausted", "max_attempts"}
