@@ -12,7 +12,7 @@ CONSTRAINTS ?= .ci/constraints.txt
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,s3,k8s,dev,clients]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
+	$(PY) -m pip install -q -e '.[cpu,s3,k8s,dev,clients,dg]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	touch $(STAMP)
 
 install: $(STAMP)

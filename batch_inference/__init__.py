@@ -15,6 +15,8 @@ from batch_inference._lazy import lazy_exports
 __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
+    # Dagster: a pipeline in a user's dg project (the dagster_dg_cli.registry_modules entry point)
+    "BatchInferenceComponent": "batch_inference.components",
     # storage
     "JsonlFile": "batch_inference.storage",
     "JsonlDir": "batch_inference.storage",
@@ -48,6 +50,7 @@ __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from batch_inference.components import BatchInferenceComponent
     from batch_inference.batching import BatchStats, DynamicBatcher, TokenBatcher
     from batch_inference.engines import Completion, EngineConfig, SamplingParams, build_engine, make_tiny_model
     from batch_inference.judges import JudgeConfig, PromptTemplate, build_judge

@@ -15,3 +15,8 @@ dagster-open-platform layout):
 Every asset body is a call to one ``PipelineRun`` step; the Dagster layer adds lineage,
 scheduling, checks and metadata, never inference logic.
 """
+
+import warnings
+
+# Partitioned asset checks (one result per run / round partition) are "preview" in Dagster 1.13.
+warnings.filterwarnings("ignore", message="Specifying a partitions_def on an AssetCheckSpec is currently in preview")

@@ -72,8 +72,9 @@ def tick(defs: dg.Definitions, instance: dg.DagsterInstance, cursor: str | None,
     keys are validated when each job runs instead.
     """
     sensor = defs.resolve_sensor_def(sensor_name)
+    resources = {k: v for k, v in (defs.resources or {}).items() if k in sensor.required_resource_keys}  # not the IO managers
     context = dg.build_sensor_context(instance=instance, cursor=cursor, definitions=defs, sensor_name=sensor_name,
-                                      resources=dict(defs.resources or {}))
+                                      resources=resources)
     data = sensor(context)
     if not isinstance(data, dg.SensorResult):
         raise TypeError(f"sensor {sensor_name} returned {type(data).__name__}, expected a SensorResult")

@@ -16,10 +16,12 @@ from typing import NamedTuple
 
 import dagster as dg
 
-RUNS = dg.DynamicPartitionsDefinition(name="pipeline_runs")
-ROUND_NUMBERS = dg.DynamicPartitionsDefinition(name="round_numbers")
-# Dimension names sort "pipeline" < "round", so string keys read "<run>|rNN".
-ROUNDS = dg.MultiPartitionsDefinition({"pipeline": RUNS, "round": ROUND_NUMBERS})
+from batch_inference.defs.keys import DEFAULT
+
+# The project's own pipeline's; a component's pipeline has its own (``PipelineKeys.runs`` ...).
+RUNS = DEFAULT.runs
+ROUND_NUMBERS = DEFAULT.round_numbers
+ROUNDS = DEFAULT.rounds
 
 _ROUND_RE = re.compile(r"^r(\d{2})$")
 

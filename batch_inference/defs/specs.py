@@ -26,15 +26,15 @@ class SpecNotFound(LookupError):
     """No source materialisation for this run: it was never started."""
 
 
-def recorded_spec(instance: dg.DagsterInstance, run: str) -> dict[str, Any]:
-    """The public spec recorded when run ``run`` was started (latest start wins)."""
+def recorded_spec(instance: dg.DagsterInstance, run: str, source: dg.AssetKey = SOURCE) -> dict[str, Any]:
+    """The public spec recorded when run ``run`` was started (latest start wins) on ``source`` (its pipeline's)."""
     result = instance.fetch_materializations(
-        dg.AssetRecordsFilter(asset_key=SOURCE, asset_partitions=[run]), limit=1, ascending=False
+        dg.AssetRecordsFilter(asset_key=source, asset_partitions=[run]), limit=1, ascending=False
     )
     if not result.records:
         raise SpecNotFound(
-            f"pipeline run {run!r} has no {SOURCE.to_user_string()} materialisation: start it with the "
-            "start_pipeline_run job (or `batch-inference demo`) before materialising its assets"
+            f"pipeline run {run!r} has no {source.to_user_string()} materialisation: start it (materialise "
+            f"{source.to_user_string()} for a new partition, the start_pipeline_run job or `batch-inference demo`) before materialising its assets"
         )
     materialization = result.records[0].asset_materialization
     assert materialization is not None
@@ -44,10 +44,10 @@ def recorded_spec(instance: dg.DagsterInstance, run: str) -> dict[str, Any]:
     return dict(value.value)
 
 
-def load_spec(instance: dg.DagsterInstance, run: str, storage: StorageResource) -> PipelineSpec:
+def load_spec(instance: dg.DagsterInstance, run: str, storage: StorageResource, source: dg.AssetKey = SOURCE) -> PipelineSpec:
     """The run's spec with this process's storage credentials merged in."""
     from batch_inference.pipeline import PipelineSpec
 
-    data = recorded_spec(instance, run)
+    data = recorded_spec(instance, run, source)
     data["storage_options"] = storage.storage_options()  # recorded ones are redacted
     return PipelineSpec.parse(data, source=f"spec of pipeline run {run!r}")

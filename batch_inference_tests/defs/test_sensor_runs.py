@@ -50,7 +50,8 @@ def test_multi_round_run_on_the_tiny_model(defs, instance, write_spec, tiny_mode
     assert res["approved"] + res["exhausted"] == 40 and res["conservation_ok"] is True
     assert "| round 00 -> next_round |" in res["funnel"]
     assert res["dagster/row_count"] == res["approved"] and approved["dagster/row_count"] == approved["records"]
-    assert check_results(instance, RESULTS) == {"conservation": True, "no_duplicate_ids": True, "run_quarantine_empty": True}
+    assert check_results(instance, RESULTS) == {"conservation": True, "no_duplicate_ids": True, "run_quarantine_empty": True,
+                                                "approval_floor": True}
     assert check_results(instance, REJECTED) == {"round_conservation": True, "review_age": True}
 
     # Done: more ticks request nothing (run keys are spent, the cursor is past every event).

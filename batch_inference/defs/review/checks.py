@@ -10,7 +10,7 @@ from typing import Any
 
 import dagster as dg
 
-from batch_inference.defs.keys import REJECTED
+from batch_inference.defs.keys import DEFAULT, REJECTED, PipelineKeys
 from batch_inference.defs.partitions import parse_round_key
 from batch_inference.defs.specs import load_spec
 from batch_inference.defs.storage.resources import StorageResource
@@ -29,21 +29,29 @@ def _verdict(status: dict[str, Any] | None, warn_after: float) -> tuple[bool, st
     return True, f"{status['left']} waiting, oldest {age:.0f} s", meta
 
 
-def review_age_evaluation(status: dict[str, Any], warn_after: float, partition: str) -> dg.AssetCheckEvaluation:
+def review_age_evaluation(status: dict[str, Any], warn_after: float, partition: str, rejected: dg.AssetKey = REJECTED) -> dg.AssetCheckEvaluation:
     """The same check as an event the sensor reports while the queue waits."""
     passed, text, meta = _verdict(status, warn_after)
-    return dg.AssetCheckEvaluation(asset_key=REJECTED, check_name=CHECK_NAME, passed=passed, severity=dg.AssetCheckSeverity.WARN,
+    return dg.AssetCheckEvaluation(asset_key=rejected, check_name=CHECK_NAME, passed=passed, severity=dg.AssetCheckSeverity.WARN,
                                    description=text, metadata=meta, partition=partition)
 
 
-@dg.asset_check(asset=REJECTED, name=CHECK_NAME, description=(
-    "WARN when the oldest record waiting for human review is older than review.warn_after (re-evaluated by the round sensor)"))
-def review_age(context: dg.AssetCheckExecutionContext, storage: StorageResource) -> dg.AssetCheckResult:
-    from batch_inference.pipeline import PipelineRun
+def build_review_check(k: PipelineKeys) -> dg.AssetChecksDefinition:
+    """``review_age`` on pipeline ``k``'s ``rejected``, per round partition."""
 
-    key = parse_round_key(context.op_execution_context.partition_key)
-    spec = load_spec(context.instance, key.run, storage)
-    run = PipelineRun(spec)
-    status = run.review_status(key.round).as_dict() if run.needs_review(key.round) else None
-    passed, text, meta = _verdict(status, spec.review.warn_after)
-    return dg.AssetCheckResult(passed=passed, severity=dg.AssetCheckSeverity.WARN, description=text, metadata=meta)
+    @dg.asset_check(asset=k.rejected, name=CHECK_NAME, partitions_def=k.rounds, description=(
+        "WARN when the oldest record waiting for human review is older than review.warn_after (re-evaluated by the round sensor)"))
+    def review_age(context: dg.AssetCheckExecutionContext, storage: StorageResource) -> dg.AssetCheckResult:
+        from batch_inference.pipeline import PipelineRun
+
+        key = parse_round_key(context.op_execution_context.partition_key)
+        spec = load_spec(context.instance, key.run, storage, k.source)
+        run = PipelineRun(spec)
+        status = run.review_status(key.round).as_dict() if run.needs_review(key.round) else None
+        passed, text, meta = _verdict(status, spec.review.warn_after)
+        return dg.AssetCheckResult(passed=passed, severity=dg.AssetCheckSeverity.WARN, description=text, metadata=meta)
+
+    return review_age
+
+
+review_age = build_review_check(DEFAULT)

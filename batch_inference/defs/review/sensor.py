@@ -16,7 +16,7 @@ from typing import Any
 
 import dagster as dg
 
-from batch_inference.defs.keys import REJECTED
+from batch_inference.defs.keys import DEFAULT, PipelineKeys
 from batch_inference.defs.partitions import parse_round_key
 from batch_inference.defs.review.checks import review_age_evaluation
 from batch_inference.defs.review.metadata import progress_metadata
@@ -34,7 +34,8 @@ class ReviewTick:
     waiting: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
-def review_tick(instance: dg.DagsterInstance, waiting: dict[str, dict[str, Any]], storage: StorageResource) -> ReviewTick:
+def review_tick(instance: dg.DagsterInstance, waiting: dict[str, dict[str, Any]], storage: StorageResource,
+                k: PipelineKeys = DEFAULT) -> ReviewTick:
     """Look at every waiting round once (``waiting``: partition -> what was last reported)."""
     from batch_inference.pipeline import PipelineRun
 
@@ -42,7 +43,7 @@ def review_tick(instance: dg.DagsterInstance, waiting: dict[str, dict[str, Any]]
     for partition, seen in sorted(waiting.items()):
         key = parse_round_key(partition)
         try:
-            spec = load_spec(instance, key.run, storage)
+            spec = load_spec(instance, key.run, storage, k.source)
             status = PipelineRun(spec).review_status(key.round)
         except (SpecNotFound, OSError, ValueError) as exc:  # keep waiting: a later tick may read it
             out.said.append(f"{partition}: cannot read its review status: {exc}")
@@ -61,10 +62,10 @@ def review_tick(instance: dg.DagsterInstance, waiting: dict[str, dict[str, Any]]
         warned = status.oldest_age_s > spec.review.warn_after
         if seen.get("done") != status.decided:
             out.events.append(dg.AssetObservation(
-                asset_key=REJECTED, partition=partition,
+                asset_key=k.rejected, partition=partition,
                 metadata=progress_metadata(data, url=spec.review.url, run=spec.run)))
         if warned and not seen.get("warned"):
             # Once per round: Dagster keeps one run-less evaluation per check and partition.
-            out.events.append(review_age_evaluation(data, spec.review.warn_after, partition))
+            out.events.append(review_age_evaluation(data, spec.review.warn_after, partition, k.rejected))
         out.waiting[partition] = {"done": status.decided, "warned": warned or bool(seen.get("warned"))}
     return out

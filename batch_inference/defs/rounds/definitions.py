@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import dagster as dg
 
-from batch_inference.defs.jobs import round_job
-from batch_inference.defs.rounds.assets import inferred, judge, pending
-from batch_inference.defs.rounds.checks import quarantine_empty, round_conservation
-from batch_inference.defs.rounds.sensors import round_sensor
+from batch_inference.defs.jobs import PipelineJobs, build_jobs
+from batch_inference.defs.keys import DEFAULT, PipelineKeys
+from batch_inference.defs.rounds.assets import build_round_assets
+from batch_inference.defs.rounds.checks import build_round_checks
+from batch_inference.defs.rounds.sensors import build_round_sensor
 
 
-def build_definitions() -> dg.Definitions:
+def build_definitions(k: PipelineKeys = DEFAULT, jobs: PipelineJobs | None = None, *, deps: tuple[dg.AssetKey, ...] = (),
+                      start_job: dg.JobDefinition | None = None) -> dg.Definitions:
     """A round's assets (pending -> inferred -> approved/rejected/failed), its checks, its job, the round sensor."""
+    jobs = jobs or build_jobs(k)
     return dg.Definitions(
-        assets=[pending, inferred, judge],
-        asset_checks=[round_conservation, quarantine_empty],
-        jobs=[round_job],
-        sensors=[round_sensor],
+        assets=build_round_assets(k),
+        asset_checks=build_round_checks(k),
+        jobs=[jobs.round],
+        sensors=[build_round_sensor(k, jobs, deps=deps, start_job=start_job)],
     )

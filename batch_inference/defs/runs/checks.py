@@ -5,59 +5,80 @@
 ``check_conservation`` (hashed buckets on local disk: memory bounded at any scale), run
 again here over the run's storage rather than trusted from the ledger, over the same
 terminal sets ``PipelineRun.finalize`` counts (docs/ARCHITECTURE.md, terminal states).
-Both block.
-``quarantine_empty`` warns when any shard of the run was quarantined.
+Both block. Each check is partitioned like ``results`` (one result per run, shown on its partition).
+``quarantine_empty`` warns when any shard of the run was quarantined; ``approval_floor`` when
+fewer than the pipeline's floor of the input records were approved.
 """
 
 from collections.abc import Iterator
 
 import dagster as dg
 
-from batch_inference.defs.keys import RESULTS
+from batch_inference.defs.keys import DEFAULT, PipelineKeys
 from batch_inference.defs.specs import load_spec
 from batch_inference.defs.storage.resources import StorageResource
 
 
-@dg.multi_asset_check(
-    specs=[
-        dg.AssetCheckSpec("conservation", asset=RESULTS, blocking=True,
-                          description="every input id is in exactly one terminal state (approved, exhausted, max_attempts, failed)"),
-        dg.AssetCheckSpec("no_duplicate_ids", asset=RESULTS, blocking=True,
-                          description="no id appears in results more often than in the input"),
-        dg.AssetCheckSpec("run_quarantine_empty", asset=RESULTS,
-                          description="no shard of the run was quarantined (WARN)"),
-    ],
-)
-def run_checks(context: dg.AssetCheckExecutionContext, storage: StorageResource) -> Iterator[dg.AssetCheckResult]:
-    from batch_inference.pipeline import PipelineRun
-    from batch_inference.pipeline.ledger import check_conservation
+def build_run_checks(k: PipelineKeys, approval_floor: float = 0.0) -> dg.AssetChecksDefinition:
+    """The whole-run checks of pipeline ``k``'s ``results``, per run partition."""
 
-    run = context.op_execution_context.partition_key
-    spec = load_spec(context.instance, run, storage)
-    pipeline_run = PipelineRun(spec)
-    view = pipeline_run.ledger.view()
-    quarantined = view.quarantined
-    sources = pipeline_run.terminal_sources()
-    input_records = view.shard.records if view.shard else 0
-    report = check_conservation(sources, input_records=input_records, storage_options=spec.storage_options)
-    terminal = {f"terminal.{k}": dg.MetadataValue.int(v) for k, v in report.terminal.items()}
-    examples = dg.MetadataValue.json(report.examples)
-    conserved = report.missing == 0 and report.extra == 0 and report.input == input_records
-    yield dg.AssetCheckResult(
-        check_name="conservation", asset_key=RESULTS, passed=conserved,
-        description=(f"{report.input} input ids, each in exactly one terminal state" if conserved else
-                     f"{report.missing} missing, {report.extra} extra (input {report.input} of {input_records})"),
-        metadata={"input": dg.MetadataValue.int(report.input), "missing": dg.MetadataValue.int(report.missing),
-                  "extra": dg.MetadataValue.int(report.extra), **terminal, "examples": examples},
+    @dg.multi_asset_check(
+        name=k.name("run_checks"),
+        specs=[
+            dg.AssetCheckSpec("conservation", asset=k.results, blocking=True, partitions_def=k.runs,
+                              description="every input id is in exactly one terminal state (approved, exhausted, max_attempts, failed)"),
+            dg.AssetCheckSpec("no_duplicate_ids", asset=k.results, blocking=True, partitions_def=k.runs,
+                              description="no id appears in results more often than in the input"),
+            dg.AssetCheckSpec("run_quarantine_empty", asset=k.results, partitions_def=k.runs,
+                              description="no shard of the run was quarantined (WARN)"),
+            dg.AssetCheckSpec("approval_floor", asset=k.results, partitions_def=k.runs,
+                              description=f"approved / input records >= {approval_floor} (WARN; the pipeline's approval_floor)"),
+        ],
     )
-    yield dg.AssetCheckResult(
-        check_name="no_duplicate_ids", asset_key=RESULTS, passed=report.duplicate_results == 0,
-        description=f"{report.duplicate_results} duplicate id(s) in results",
-        metadata={"duplicate_results": dg.MetadataValue.int(report.duplicate_results), "examples": examples},
-    )
-    yield dg.AssetCheckResult(
-        check_name="run_quarantine_empty", asset_key=RESULTS, passed=not quarantined, severity=dg.AssetCheckSeverity.WARN,
-        description=f"{len(quarantined)} quarantined shard(s)" if quarantined else "nothing quarantined",
-        metadata={"shards": dg.MetadataValue.int(len(quarantined)),
-                  "records": dg.MetadataValue.int(sum(q.records for q in quarantined))},
-    )
+    def run_checks(context: dg.AssetCheckExecutionContext, storage: StorageResource) -> Iterator[dg.AssetCheckResult]:
+        from batch_inference.pipeline import PipelineRun
+        from batch_inference.pipeline.ledger import check_conservation
+
+        run = context.op_execution_context.partition_key
+        spec = load_spec(context.instance, run, storage, k.source)
+        pipeline_run = PipelineRun(spec)
+        view = pipeline_run.ledger.view()
+        quarantined = view.quarantined
+        sources = pipeline_run.terminal_sources()
+        input_records = view.shard.records if view.shard else 0
+        report = check_conservation(sources, input_records=input_records, storage_options=spec.storage_options)
+        terminal = {f"terminal.{k}": dg.MetadataValue.int(v) for k, v in report.terminal.items()}
+        examples = dg.MetadataValue.json(report.examples)
+        conserved = report.missing == 0 and report.extra == 0 and report.input == input_records
+        yield dg.AssetCheckResult(
+            check_name="conservation", asset_key=k.results, passed=conserved,
+            description=(f"{report.input} input ids, each in exactly one terminal state" if conserved else
+                         f"{report.missing} missing, {report.extra} extra (input {report.input} of {input_records})"),
+            metadata={"input": dg.MetadataValue.int(report.input), "missing": dg.MetadataValue.int(report.missing),
+                      "extra": dg.MetadataValue.int(report.extra), **terminal, "examples": examples},
+        )
+        yield dg.AssetCheckResult(
+            check_name="no_duplicate_ids", asset_key=k.results, passed=report.duplicate_results == 0,
+            description=f"{report.duplicate_results} duplicate id(s) in results",
+            metadata={"duplicate_results": dg.MetadataValue.int(report.duplicate_results), "examples": examples},
+        )
+        yield dg.AssetCheckResult(
+            check_name="run_quarantine_empty", asset_key=k.results, passed=not quarantined, severity=dg.AssetCheckSeverity.WARN,
+            description=f"{len(quarantined)} quarantined shard(s)" if quarantined else "nothing quarantined",
+            metadata={"shards": dg.MetadataValue.int(len(quarantined)),
+                      "records": dg.MetadataValue.int(sum(q.records for q in quarantined))},
+        )
+        approved = report.terminal.get("approved", 0)  # recounted from storage, like conservation
+        approval = approved / input_records if input_records else 1.0
+        yield dg.AssetCheckResult(
+            check_name="approval_floor", asset_key=k.results, passed=approval >= approval_floor,
+            severity=dg.AssetCheckSeverity.WARN,
+            description=f"{approved} of {input_records} approved ({approval:.1%}; floor {approval_floor:.1%})",
+            metadata={"approved": dg.MetadataValue.int(approved), "approval_rate": dg.MetadataValue.float(round(approval, 4)),
+                      "floor": dg.MetadataValue.float(approval_floor)},
+        )
+
+    return run_checks
+
+
+run_checks = build_run_checks(DEFAULT)

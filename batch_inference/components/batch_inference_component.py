@@ -1,0 +1,91 @@
+"""``BatchInferenceComponent``: one batch inference pipeline from one ``defs.yaml``.
+
+A thin layer over ``defs.pipeline.build_pipeline_definitions`` (which calls the
+``PipelineRun`` steps): it resolves the YAML attributes into a spec source, the asset-key
+prefix (default: the component's folder name), the upstream deps, the schedule and the
+automation condition, and merges in the shared resources (the same objects for every
+instance, so two pipelines in one project merge).
+
+    type: batch_inference.BatchInferenceComponent
+    attributes:
+      spec_file: spec.yaml            # or spec: {...} inline (relative paths from this folder)
+      asset_key_prefix: scoring       # default: this folder's name
+      deps: [raw_prompts]             # a materialisation of it starts a run over the path in its metadata
+      schedule: {cron: "0 2 * * *", run_name: "scoring-{date}"}
+      approval_floor: 0.5
+"""
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+from dagster.components.component.component_scaffolder import DefaultComponentScaffolder
+from dagster.components.component_scaffolding import scaffold_component
+
+from batch_inference.defs.keys import PipelineKeys
+from batch_inference.defs.pipeline import ScheduleSpec, build_pipeline_definitions, shared_resources
+from batch_inference.defs.runs.start import SpecSource
+
+
+class ScheduleModel(dg.Model):
+    """The pipeline's own schedule."""
+
+    cron: str
+    run_name: str = "nightly-{date}"
+    input: str | None = None
+    running: bool = False
+
+
+class BatchInferenceScaffolder(DefaultComponentScaffolder):
+    """Writes a ``defs.yaml`` that loads as is: an inline spec on the simulated engine (swap in
+    your model), the folder name as prefix, a nightly schedule (stopped until turned on)."""
+
+    def scaffold(self, request: Any) -> None:
+        name = Path(request.target_path).name
+        scaffold_component(request, {
+            "spec": {
+                "input": "prompts.jsonl",
+                "output": "out",
+                "engine": {"kind": "simulated", "simulated": {"approval_rate": 0.8}},
+                "infer": {"max_new_tokens": 32},
+                "judge": {"kind": "rule", "rules": [{"kind": "regex", "pattern": ".+"}]},
+                "strategy": "hybrid",
+                "max_rounds": 3,
+            },
+            "schedule": {"cron": "0 2 * * *", "run_name": f"{name}-{{date}}"},
+        })
+
+
+@dg.scaffold_with(BatchInferenceScaffolder)
+@dataclass
+class BatchInferenceComponent(dg.Component, dg.Resolvable):
+    """A batch inference pipeline: its assets under ``<prefix>/`` (source_dataset, sharded, the
+    round assets, tail_retry, results), its runs as partitions, its sensor, schedule and checks."""
+
+    spec: dict[str, Any] | None = None
+    spec_file: str | None = None
+    asset_key_prefix: str | list[str] | None = None
+    deps: list[str] = field(default_factory=list)
+    schedule: ScheduleModel | None = None
+    automation_condition: dg.Injected[dg.AutomationCondition] | None = None
+    approval_floor: float = 0.0
+
+    def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
+        folder = Path(context.path)
+        if (self.spec is None) == (self.spec_file is None):
+            raise ValueError(f"{folder / 'defs.yaml'}: give exactly one of `spec` (inline) and `spec_file`")
+        source = (SpecSource(inline=self.spec, base_dir=str(folder)) if self.spec is not None
+                  else SpecSource(path=str((folder / str(self.spec_file)).resolve())))
+        prefix = self.asset_key_prefix if self.asset_key_prefix is not None else folder.name
+        parts = tuple(prefix.split("/")) if isinstance(prefix, str) else tuple(prefix)
+        keys = PipelineKeys(tuple(re.sub(r"[^A-Za-z0-9_]", "_", p) for p in parts))
+        schedule = ScheduleSpec(self.schedule.cron, self.schedule.run_name, self.schedule.input, self.schedule.running) \
+            if self.schedule is not None else None
+        return dg.Definitions.merge(
+            build_pipeline_definitions(keys, source, deps=tuple(dg.AssetKey.from_user_string(d) for d in self.deps),
+                                       schedule=schedule, automation_condition=self.automation_condition,
+                                       approval_floor=self.approval_floor),
+            shared_resources(),
+        )

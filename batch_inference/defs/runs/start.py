@@ -1,0 +1,159 @@
+"""Starting a pipeline run: validate its spec, record it on ``source_dataset[<run>]``.
+
+Two ways in, one body (``start_metadata``): materialising ``<prefix>/source_dataset`` for a
+new partition in the UI (the partition is the run name), and the ``start_pipeline_run`` op
+job that a schedule, the round sensor (an upstream asset was materialised), the CLI or a
+person launches (it adds the partition first: schedules cannot). The spec comes from the
+pipeline's ``SpecSource`` (a file, or a component's inline mapping) unless the job's config
+names another file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import dagster as dg
+from pydantic import Field
+
+from batch_inference.defs.metadata import location
+from batch_inference.defs.specs import SPEC_METADATA_KEY
+
+if TYPE_CHECKING:
+    from batch_inference.defs.keys import PipelineKeys
+    from batch_inference.defs.storage.resources import StorageResource
+    from batch_inference.pipeline import PipelineSpec
+
+# Metadata keys of an upstream materialisation that name the input it wrote (first found wins).
+INPUT_METADATA_KEYS = ("path", "uri", "dagster/uri", "input")
+
+
+@dataclass(frozen=True)
+class SpecSource:
+    """Where a pipeline's spec comes from: a file, or an inline mapping (a component's ``spec:``)
+    whose relative paths resolve from ``base_dir`` (the component's folder)."""
+
+    path: str | None = None
+    inline: Mapping[str, Any] | None = field(default=None, hash=False)
+    base_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.inline is None):
+            raise ValueError("a pipeline's spec: give exactly one of a spec file and an inline spec")
+
+    def describe(self) -> str:
+        return f"spec {self.path}" if self.path else f"inline spec from {self.base_dir or os.getcwd()}"
+
+    def exists(self) -> bool:
+        return self.inline is not None or "://" in str(self.path) or os.path.isfile(str(self.path))
+
+    def load(self, **overrides: Any) -> PipelineSpec:
+        """The spec with ``overrides`` (run, input, output: None keeps the spec's) applied."""
+        from batch_inference import speckeys
+        from batch_inference.pipeline import PipelineSpec
+
+        if self.path is not None:
+            return PipelineSpec.load(self.path, **overrides)
+        data = dict(self.inline or {})
+        if self.base_dir is not None:
+            data = speckeys.resolve_paths(PipelineSpec, data, os.path.abspath(self.base_dir))
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return PipelineSpec.parse(data, source=self.describe())
+
+
+class SourceConfig(dg.Config):
+    """Per-run overrides when a run is started by materialising ``source_dataset`` (all optional)."""
+
+    input: str | None = Field(None, description="input URL; else the path an upstream asset's newest materialisation names; else the spec's")
+    output: str | None = Field(None, description="output base URL (else the storage resource's base_url, else the spec's)")
+    plan: bool = Field(True, description="price the run (planning.plan) and record the plan: metadata here, ledger for planned vs actual")
+    plan_profile: str | None = Field(None, description="an engine profile from `batch-inference profile` for the plan")
+
+
+def upstream_input(instance: dg.DagsterInstance, deps: Sequence[dg.AssetKey]) -> str | None:
+    """The input path the newest materialisation of an upstream asset names in its metadata."""
+    newest: tuple[float, str] | None = None
+    for key in deps:
+        records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key), limit=1, ascending=False).records
+        if not records or records[0].asset_materialization is None:
+            continue
+        metadata = records[0].asset_materialization.metadata
+        for name in INPUT_METADATA_KEYS:
+            value = metadata.get(name)
+            if value is not None and str(getattr(value, "value", value)):
+                if newest is None or records[0].timestamp > newest[0]:
+                    newest = (records[0].timestamp, str(getattr(value, "value", value)))
+                break
+    return newest[1] if newest else None
+
+
+def already_started(instance: dg.DagsterInstance, k: PipelineKeys, run: str) -> bool:
+    return bool(instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=k.source, asset_partitions=[run]), limit=1).records)
+
+
+def validated_spec(source: SpecSource | str, storage: StorageResource, **overrides: Any) -> tuple[PipelineSpec, Any]:
+    """Load and preflight the spec (judge built, first records rendered); a spec error is the step's failure."""
+    from batch_inference.pipeline import PipelineSpec, SpecError
+    from batch_inference.pipeline.preflight import preflight
+
+    label = source if isinstance(source, str) else source.describe()
+    try:  # the step's own failure message is the spec error (a raw exception would nest it as the cause)
+        spec = PipelineSpec.load(source, **overrides) if isinstance(source, str) else source.load(**overrides)
+        if storage.storage_options():  # the input may be on the resource's storage, as the steps will read it
+            spec = spec.model_copy(update={"storage_options": {**storage.storage_options(), **spec.storage_options}})
+        return spec, preflight(spec)
+    except SpecError as exc:
+        raise dg.Failure(f"spec {label} cannot run: {exc}") from None
+
+
+def start_metadata(context: dg.OpExecutionContext, spec: Any, plan: Any, *, spec_label: str, make_plan: bool,
+                   plan_profile: str | None) -> dict[str, Any]:
+    """What ``source_dataset[<run>]`` records: the spec (redacted) every later step reads back, and the plan."""
+    planned = _plan_metadata(context, spec, plan_profile) if make_plan else {}
+    return {
+        SPEC_METADATA_KEY: dg.MetadataValue.json(spec.public_dict()),
+        "input": location(spec.input),
+        "output": location(spec.output),
+        "strategy": dg.MetadataValue.text(spec.strategy),
+        "max_rounds": dg.MetadataValue.int(spec.max_rounds),
+        "engine": dg.MetadataValue.text(f"{spec.engine.kind}:{spec.engine.model or ''}"),
+        "spec_path": dg.MetadataValue.path(spec_label),
+        "input_format": dg.MetadataValue.text(plan.input_format),
+        "preflight": dg.MetadataValue.md("\n".join(f"    {line}" for line in plan.lines())),
+        **planned,
+    }
+
+
+def start_source(context: dg.AssetExecutionContext, config: SourceConfig, storage: StorageResource, source: SpecSource,
+                 k: PipelineKeys, deps: Sequence[dg.AssetKey]) -> dict[str, Any]:
+    """The body of ``source_dataset``: its partition key is the run's name."""
+    run = context.partition_key
+    if already_started(context.instance, k, run):
+        raise dg.Failure(f"pipeline run {run!r} of {k.label} was already started; add a new partition (a new run name)")
+    drop = config.input or upstream_input(context.instance, deps)
+    spec, plan = validated_spec(source, storage, run=run, input=drop, output=config.output or storage.base_url)
+    context.log.info("starting pipeline run %s of %s over %s; the round sensor takes it from here", run, k.label, spec.input)
+    return start_metadata(context.op_execution_context, spec, plan, spec_label=source.path or source.describe(),
+                          make_plan=config.plan, plan_profile=config.plan_profile)
+
+
+def _plan_metadata(context: dg.OpExecutionContext, spec: Any, plan_profile: str | None) -> dict:
+    """The run's plan (its own strategy) as metadata, and written to its ledger; a plan that
+    cannot be made is logged, never a reason not to start."""
+    from batch_inference.pipeline import Ledger, RunLayout
+    from batch_inference.planning.plan import make_plan
+    from batch_inference.planning.profiling import EngineProfile
+
+    try:
+        profile = EngineProfile.load(plan_profile) if plan_profile else None
+        p = make_plan(spec, profile=profile, strategies=(spec.strategy,))
+        Ledger(RunLayout(spec.output, spec.run), spec.storage_options).write(RunLayout.PLAN, p.as_dict())
+    except Exception as exc:
+        context.log.warning("no plan for run %s: %s: %s", spec.run, type(exc).__name__, exc)
+        return {"plan.error": dg.MetadataValue.text(f"{type(exc).__name__}: {exc}")}
+    meta = {k: dg.MetadataValue.float(float(v)) if isinstance(v, float) else dg.MetadataValue.int(v) if isinstance(v, int)
+            else dg.MetadataValue.text(str(v)) for k, v in p.metadata().items()}
+    meta["plan.assumptions"] = dg.MetadataValue.md("\n".join(f"- {a}" for a in p.assumptions))
+    return meta

@@ -1,0 +1,109 @@
+"""``BatchInferenceComponent`` in a user's project: scaffolded, loaded, prefixed, driven end to end.
+
+A sandboxed ``dg`` defs folder (Dagster's own ``create_defs_folder_sandbox``) holds the
+component's ``defs.yaml`` beside the user's upstream asset (it writes the prompts and names
+the file in its metadata) and a downstream asset that reads the results through the IO
+manager. The pipeline is driven by ticking its real round sensor (``defs.driver``).
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import dagster as dg
+import yaml
+from dagster.components.testing import create_defs_folder_sandbox
+
+from batch_inference import BatchInferenceComponent
+from batch_inference.defs.driver import drive
+from batch_inference_tests.defs.helpers import simulated_spec, write_input
+
+PIPELINE_ASSETS = ["approved", "failed", "inferred", "openai_batch_export", "parquet_export", "pending", "rejected", "results",
+                   "reviewed", "sharded", "source_dataset", "tail_retry"]
+
+
+def _spec(tmp_path: Path) -> dict:
+    spec = simulated_spec("unused", tmp_path / "none.jsonl", tmp_path / "out", approval=0.6)
+    del spec["run"], spec["input"]  # the run is the partition; the input comes from the upstream
+    return spec
+
+
+def test_scaffold_writes_a_defs_yaml_that_loads() -> None:
+    with create_defs_folder_sandbox() as sandbox:
+        path = sandbox.scaffold_component(component_cls=BatchInferenceComponent, defs_path="scoring")
+        body = yaml.safe_load((path / "defs.yaml").read_text())
+        assert body["type"] == "batch_inference.components.batch_inference_component.BatchInferenceComponent" or \
+            body["type"].endswith("BatchInferenceComponent")
+        assert body["attributes"]["schedule"] == {"cron": "0 2 * * *", "run_name": "scoring-{date}"}
+        with sandbox.build_all_defs() as defs:
+            dg.Definitions.validate_loadable(defs)
+            keys = sorted(k.to_user_string() for k in defs.resolve_all_asset_keys())
+            assert keys == [f"scoring/{name}" for name in PIPELINE_ASSETS]
+            repo = defs.get_repository_def()
+            assert {s.name for s in repo.schedule_defs} == {"scoring__schedule"}
+            assert "scoring__round_sensor" in {s.name for s in repo.sensor_defs}
+
+
+def test_two_pipelines_in_one_project_upstream_to_downstream(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    write_input(prompts, 40)
+    with create_defs_folder_sandbox() as sandbox:
+        for name in ("scoring", "ranking"):
+            sandbox.scaffold_component(component_cls=BatchInferenceComponent, defs_path=name, defs_yaml_contents={
+                "type": "batch_inference.BatchInferenceComponent",
+                "attributes": {"spec": _spec(tmp_path), "deps": ["raw_prompts"], "approval_floor": 0.1,
+                               "schedule": {"cron": "0 3 * * *", "run_name": f"{name}-{{date}}"}},
+            })
+        (sandbox.defs_folder_path / "user_assets.py").write_text(textwrap.dedent(f'''
+            from collections.abc import Iterator
+            import dagster as dg
+
+            @dg.asset
+            def raw_prompts() -> dg.MaterializeResult:
+                return dg.MaterializeResult(metadata={{"path": dg.MetadataValue.path({str(prompts)!r})}})
+
+            @dg.asset(ins={{"results": dg.AssetIn(key=["scoring", "results"], partition_mapping=dg.LastPartitionMapping())}},
+                      automation_condition=dg.AutomationCondition.eager())
+            def scored_rows(results: Iterator) -> dg.MaterializeResult:
+                rows = list(results)
+                return dg.MaterializeResult(metadata={{"rows": len(rows), "first_id": str(rows[0]["id"]) if rows else ""}})
+        '''))
+        with sandbox.build_all_defs() as defs:
+            dg.Definitions.validate_loadable(defs)
+            graph = defs.resolve_asset_graph()
+            keys = {k.to_user_string() for k in graph.get_all_asset_keys()}
+            assert {f"{p}/{n}" for p in ("scoring", "ranking") for n in PIPELINE_ASSETS} | {"raw_prompts", "scored_rows"} == keys
+            # lineage: the user's upstream -> this pipeline -> the user's downstream
+            assert dg.AssetKey("raw_prompts") in graph.get(dg.AssetKey(["scoring", "source_dataset"])).parent_keys
+            assert dg.AssetKey(["scoring", "results"]) in graph.get(dg.AssetKey("scored_rows")).parent_keys
+            checks = {(c.asset_key.to_user_string(), c.name) for c in graph.asset_check_keys}
+            assert {("scoring/results", "conservation"), ("scoring/results", "approval_floor"),
+                    ("scoring/rejected", "round_conservation")} <= checks
+            repo = defs.get_repository_def()
+            assert {"scoring__round_sensor", "ranking__round_sensor", "scoring__downstream_automation"} <= {s.name for s in repo.sensor_defs}
+
+            instance = dg.DagsterInstance.ephemeral()
+            assert dg.materialize([defs.get_assets_def("raw_prompts")], instance=instance).success
+            result = drive(defs, instance, sensor_name="scoring__round_sensor", log_level="WARNING")
+            jobs = [r.job_name for r in result.launched]
+            assert jobs[0] == "scoring__start_pipeline_run" and jobs[-1] == "scoring__results_job", jobs
+            assert all(r.success for r in result.launched), [r for r in result.launched if not r.success]
+            runs = instance.get_dynamic_partitions("scoring__pipeline_runs")
+            assert len(runs) == 1 and runs[0].startswith("scoring-")
+            results = instance.get_latest_materialization_event(dg.AssetKey(["scoring", "results"]))
+            meta = results.asset_materialization.metadata
+            assert meta["records"].value == 40 and results.asset_materialization.partition == runs[0]
+            # each check's result is on the run's partition
+            evaluation = instance.event_log_storage.get_latest_asset_check_execution_by_key(
+                [dg.AssetCheckKey(dg.AssetKey(["scoring", "results"]), "conservation")])
+            assert evaluation  # recorded
+            # the other pipeline is untouched by scoring's events
+            assert instance.get_dynamic_partitions("ranking__pipeline_runs") == []
+
+            downstream = dg.materialize([defs.get_assets_def("scored_rows"), defs.get_assets_def(["scoring", "results"])],
+                                        selection=["scored_rows"], instance=instance,
+                                        resources=dict(defs.resources or {}))
+            assert downstream.success
+            got = instance.get_latest_materialization_event(dg.AssetKey("scored_rows")).asset_materialization.metadata
+            assert got["rows"].value == meta["approved"].value > 0
