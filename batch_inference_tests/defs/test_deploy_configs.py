@@ -52,7 +52,8 @@ def test_local_instance_config():
     config, custom = dagster_instance_config(str(ROOT))
     assert custom is None
     assert "storage" not in config  # SQLite under $DAGSTER_HOME, Dagster's default
-    assert config["run_queue"]["max_concurrent_runs"] >= 1
+    assert config["concurrency"]["runs"]["max_concurrent_runs"] >= 1
+    assert config["concurrency"]["pools"] == {"granularity": "op", "default_limit": 1}  # the GPU pool: one step at a time
     assert config["telemetry"]["enabled"] is False
     # The default launcher neither checks run-worker health nor resumes: monitoring only
     # fails runs stuck starting; the round sensor recovers dead STARTED runs.
@@ -74,7 +75,9 @@ def test_local_instance_loads(tmp_path):
     assert type(instance.run_launcher).__name__ == "DefaultRunLauncher"
     assert instance.run_monitoring_enabled and instance.run_monitoring_start_timeout_seconds == 180
     assert not instance.run_launcher.supports_check_run_worker_health and not instance.run_launcher.supports_resume_run
-    assert instance.run_coordinator.get_run_queue_config().max_concurrent_runs == 2  # our setting, not a default
+    concurrency = instance.get_concurrency_config()  # what the daemon's run queue and the executors read
+    assert concurrency.run_queue_config.max_concurrent_runs == 2  # our setting, not a default
+    assert concurrency.pool_config.default_pool_limit == 1  # the GPU pool's limit
     assert Path(instance.root_directory) == tmp_path
     assert type(instance.run_storage).__name__ == "SqliteRunStorage"
     assert str(tmp_path) in instance.run_storage._conn_string  # SQLite files under DAGSTER_HOME
