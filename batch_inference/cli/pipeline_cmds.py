@@ -163,7 +163,10 @@ def export(target: str, fmt: str, out: str | None, storage_options: str | None) 
         except (SpecError, StepOrderError, ExportError) as exc:
             raise click.ClickException(str(exc)) from None
         click.echo(f"{done.records} records -> {done.out_url} ({len(done.files)} file(s): "
-                   f"{', '.join(f'{k} {v}' for k, v in done.by_status.items())})")
+                   f"{', '.join(f'{k} {v}' for k, v in done.by_status.items())})"
+                   + (f"; {done.malformed} of the failed rows are malformed input lines (error names file:line)" if done.malformed else ""))
+        for note in done.notes:
+            click.echo(f"warning: {note}")
         if done.replaced:
             click.echo(f"input columns {done.replaced} were replaced by the run's own of the same name")
         return
@@ -171,7 +174,11 @@ def export(target: str, fmt: str, out: str | None, storage_options: str | None) 
         summary = export_openai_batch(_run_of(target, storage_options), out)  # type: ignore[arg-type]
     except (SpecError, StepOrderError, ExportError) as exc:
         raise click.ClickException(str(exc)) from None
+    click.echo(f"{summary.lines} input line(s) = {summary.output} answered + {summary.errors} errors"
+               + (f" ({summary.malformed} of them malformed lines, each an error line naming its file:line)" if summary.malformed else ""))
     click.echo(f"{summary.output} answered -> {summary.output_url}")
     click.echo(f"{summary.errors} errors   -> {summary.errors_url}"
                + (f" ({', '.join(f'{k} {v}' for k, v in summary.errors_by_code.items())})" if summary.errors else ""))
     click.echo(f"usage: {summary.prompt_tokens} prompt + {summary.completion_tokens} completion tokens")
+    for note in summary.notes:
+        click.echo(f"warning: {note}")

@@ -6,6 +6,11 @@ chat.completion / text_completion with ``usage``); every other terminal state is
 line with its reason: ``exhausted`` (rejected in every round), ``max_attempts`` (in-place
 retry gave up), the record's own permanent error (``bad_messages``, ``bad_sampling``,
 ``prompt_too_long``, ...), and ``shard_quarantined`` for records of a quarantined shard.
+An input line that was no record at all (malformed: left out at sharding) is an error line
+too, ``malformed_line``, whose message names its ``file:line`` and whose ``custom_id`` is
+null (no id could be read from it): the two files hold one line per input line
+(``pipeline.accounting``). A duplicate input id is answered once per occurrence, so it
+appears that many times; the summary's ``notes`` say so.
 Blocking and streaming (constant memory); call it off the event loop.
 """
 
@@ -13,15 +18,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from batch_inference.pipeline.accounting import InputAccount, line_name, malformed_message, quarantined_lines
 from batch_inference.pipeline.run import PipelineRun, StepOrderError
 from batch_inference.pipeline.summaries import ShardSummary, _Summary
 from batch_inference.prompting.openai_batch import error_code, error_line, output_line
 from batch_inference.rows import Status
 from batch_inference.storage import JsonlDir, JsonlFile
 from batch_inference.storage.urls import join
+
+
+MALFORMED_LINE = "malformed_line"  # the error code of an input line that was no record
 
 
 class ExportError(RuntimeError):
@@ -39,6 +48,9 @@ class ExportSummary(_Summary):
     prompt_tokens: int
     completion_tokens: int
     wall_s: float
+    lines: int = 0  # the input's lines (records + malformed): what output + errors add up to
+    malformed: int = 0  # of them, lines that were no record (an error line each, ``malformed_line``)
+    notes: list[str] = field(default_factory=list)  # the input account's warnings (``InputAccount.notes``)
 
 
 def _rows(urls: tuple[str, ...], storage_options: dict[str, Any] | None, *, is_dir: bool = True) -> Iterator[dict[str, Any]]:
@@ -111,15 +123,20 @@ def export_openai_batch(run: PipelineRun, out: str | None = None, *, unfinished:
         for q in run.quarantined():
             for row in _rows((q.shard,), so, is_dir=False):
                 bad.write(error(str(row["id"]), "shard_quarantined", f"shard_quarantined: {q.error}"))
+        for entry in quarantined_lines(layout.input_quarantine, so):  # no record was read from these lines
+            bad.write({**error(line_name(entry), MALFORMED_LINE, malformed_message(entry)), "custom_id": None})
         if seen is not None and unfinished is not None:
             for row in _rows((layout.sharded,), so):
                 if str(row["id"]) not in seen:
                     bad.write(error(str(row["id"]), *unfinished))
     total = counts["output"] + counts["errors"]
-    if total != shard.records:
-        raise ExportError(f"run {spec.run!r}: exported {total} requests ({counts['output']} output, {counts['errors']} "
-                          f"errors) but the input has {shard.records}: the run's terminal sets do not add up")
+    account = InputAccount.of_shard(shard, layout.input_quarantine)
+    if total != account.lines or codes.get(MALFORMED_LINE, 0) != account.malformed:
+        raise ExportError(f"run {spec.run!r}: exported {total} lines ({counts['output']} output, {counts['errors']} "
+                          f"errors, {codes.get(MALFORMED_LINE, 0)} of them malformed lines) but the input has "
+                          f"{account.summary()}: the run's terminal sets (or {layout.input_quarantine}) do not add up")
     return ExportSummary(output_url=out_url, errors_url=err_url, requests=total, output=counts["output"],
                          errors=counts["errors"], errors_by_code=dict(sorted(codes.items())),
                          prompt_tokens=counts["prompt_tokens"], completion_tokens=counts["completion_tokens"],
-                         wall_s=time.perf_counter() - t0)
+                         wall_s=time.perf_counter() - t0, lines=account.lines, malformed=account.malformed,
+                         notes=account.notes())

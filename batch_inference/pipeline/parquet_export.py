@@ -13,7 +13,12 @@ by the run's value while it ran; the export writes the run's and lists it in ``r
 - ``error``: why a record was not approved (null when it was);
 - ``attempts``: the attempts the record was given.
 
-The count is checked against the sharded input (``ExportError`` otherwise). Blocking and
+An input line that was no record (malformed: left out at sharding) is a row too: every
+input column null, ``status`` ``failed``, ``error`` naming its ``file:line``
+(``pipeline.accounting``), so the rows add up to the input's lines. A duplicate input id
+is a row per occurrence (``notes`` says so).
+
+The count is checked against the input's lines (the sharded records plus the malformed lines) (``ExportError`` otherwise). Blocking and
 streaming (one batch of rows in memory); call it off the event loop.
 """
 
@@ -21,11 +26,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 
+from batch_inference.pipeline.accounting import InputAccount, malformed_message, quarantined_lines
 from batch_inference.pipeline.export import ExportError, _failure, _rows
 from batch_inference.pipeline.layout import RunLayout
 from batch_inference.pipeline.run import PipelineRun, StepOrderError
@@ -46,6 +52,8 @@ class ParquetExportSummary(_Summary):
     columns: list[str]
     replaced: list[str]  # input columns named as the export's own (status, result, error, attempts)
     wall_s: float
+    malformed: int = 0  # rows for input lines that were no record (status failed, error malformed_line)
+    notes: list[str] = field(default_factory=list)  # the input account's warnings (``InputAccount.notes``)
 
 
 def input_schema(run: PipelineRun) -> pa.Schema:
@@ -89,8 +97,8 @@ def _attempts(row: dict[str, Any], status: str, max_rounds: int) -> int | None:
 
 
 def _terminal_rows(run: PipelineRun) -> Iterator[tuple[dict[str, Any], str, str | None]]:
-    """``(row, status, error)`` of every input record once: the run's terminal sets, then
-    the records of quarantined shards."""
+    """``(row, status, error)`` of every input line once: the run's terminal sets, the
+    records of quarantined shards, then the malformed lines (an empty row: no record was read)."""
     spec, so = run.spec, run.storage_options
     for row in _rows((run.layout.results,), so):
         yield row, Status.APPROVED.value, None
@@ -104,6 +112,8 @@ def _terminal_rows(run: PipelineRun) -> Iterator[tuple[dict[str, Any], str, str 
     for q in run.quarantined():
         for row in _rows((q.shard,), so, is_dir=False):
             yield row, Status.FAILED.value, f"shard_quarantined: {q.error}"
+    for entry in quarantined_lines(run.layout.input_quarantine, so):
+        yield {}, Status.FAILED.value, malformed_message(entry)
 
 
 def export_parquet(run: PipelineRun, out: str | None = None, *, rows_per_file: int = 1_000_000) -> ParquetExportSummary:
@@ -132,18 +142,20 @@ def export_parquet(run: PipelineRun, out: str | None = None, *, rows_per_file: i
             approved = status == Status.APPROVED
             if assigned_to_null and isinstance(row.get("id"), str):
                 row = {**row, "id": None}
-            yield {**{name: row.get(name) for name in columns.names}, **({} if "id" in columns.names else {"id": str(row["id"])}),
+            own_id = {} if "id" in columns.names else {"id": str(row["id"]) if "id" in row else None}
+            yield {**{name: row.get(name) for name in columns.names}, **own_id,
                    "status": status, "result": row.get("result") if approved else None, "error": error,
                    "attempts": _attempts(row, status, spec.max_rounds)}
 
     written = write_rows(out or layout.parquet_export, schema, rows(), rows_per_file=rows_per_file,
                          storage_options=run.storage_options)
-    if written.rows != shard.records:
-        raise ExportError(f"run {spec.run!r}: exported {written.rows} records ({by_status}) but the input has "
-                          f"{shard.records}: the run's terminal sets do not add up")
+    account = InputAccount.of_shard(shard, layout.input_quarantine)
+    if written.rows != account.lines:
+        raise ExportError(f"run {spec.run!r}: exported {written.rows} rows ({by_status}) but the input has "
+                          f"{account.summary()}: the run's terminal sets (or {layout.input_quarantine}) do not add up")
     return ParquetExportSummary(out_url=written.url, files=written.files, records=written.rows,
                                 by_status=dict(sorted(by_status.items())), columns=schema.names, replaced=replaced,
-                                wall_s=time.perf_counter() - t0)
+                                wall_s=time.perf_counter() - t0, malformed=account.malformed, notes=account.notes())
 
 
 __all__ = ["ParquetExportSummary", "export_parquet", "input_schema"]

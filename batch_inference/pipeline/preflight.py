@@ -38,6 +38,7 @@ from batch_inference.engines.base import ChatPrompt
 from batch_inference.judges import LLMJudge, MissingFieldError, RuleJudge, build_judge
 from batch_inference.pipeline import inputs
 from batch_inference.engines import EngineConfig
+from batch_inference.pipeline.accounting import InputAccount
 from batch_inference.pipeline.spec import PipelineSpec, SpecError, engine_label
 from batch_inference.prompting import RequestBuilder, RequestError
 from batch_inference.prompting.openai_batch import OpenAIBatchReader, record_id
@@ -65,10 +66,13 @@ class Plan:
     records: int | None = None  # counted only by a full check
     shards: int | None = None
     record_errors: list[str] = field(default_factory=list)
+    account: InputAccount | None = None  # the whole input's lines (a full check only: ``pipeline.accounting``)
 
     def lines(self) -> list[str]:
         fmt = f"{self.input_format}{' (detected)' if self.format_detected else ''}"
         size = f"{self.records} records -> {self.shards} shard(s)" if self.records is not None else "not counted"
+        if self.account is not None and self.account.malformed:
+            size = f"{self.account.summary()} -> {self.shards} shard(s)"
         out = [
             f"run        {self.run}",
             f"input      {self.input} [{fmt}]: {size}",
@@ -78,6 +82,7 @@ class Plan:
             f"strategy   {self.strategy}",
             f"checked    {self.checked_records} record(s) sampled across the input render through infer and judge",
         ]
+        out += [f"warning    {e}" for e in (self.account.notes() if self.account is not None else [])]
         out += [f"warning    {e}" for e in self.record_errors]
         return out
 
@@ -168,9 +173,10 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
     openai = fmt == "openai_batch"
     n_sample = spec.preflight_records
     if full and not sharded:  # one pass: the whole input counted, and the sample spread across all of it
-        n_records, sample = _count(spec, inputs.openai_reader(spec) if openai else None, n_sample)
+        account, sample = _count(spec, inputs.openai_reader(spec) if openai else None, n_sample)
+        n_records: int | None = account.records
     else:
-        n_records, sample = None, inputs.sample_numbered(source, n_sample, so)
+        account, n_records, sample = None, None, inputs.sample_numbered(source, n_sample, so)
     if openai:  # lines with file-level problems are the full check's to report (the file is refused)
         reader = inputs.openai_reader(spec)
         sample = [(line, typed.record()) for line, rec in sample if (typed := reader.line(rec, line)) is not None]
@@ -228,36 +234,35 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
         strategy=spec.strategy, prompt=spec.infer.source, chat=chat or judge_chat,
         constrained=spec.infer.constrained or (spec.judge.kind == "llm" and spec.judge.parse == "json"),
         judge=judge_text, checked_records=len(sample), records=n_records, shards=n_shards, record_errors=record_errors,
+        account=account,
     )
 
 
-def _count(spec: PipelineSpec, reader: OpenAIBatchReader | None, n_sample: int) -> tuple[int, list[tuple[int, dict[str, Any]]]]:
-    """Records in the whole input and ``n_sample`` of them spread across it, in one pass;
-    for OpenAI Batch the sharding pass's file checks too."""
+def _count(spec: PipelineSpec, reader: OpenAIBatchReader | None,
+           n_sample: int) -> tuple[InputAccount, list[tuple[int, dict[str, Any]]]]:
+    """The whole input's account (records, malformed lines, duplicate ids: ``pipeline.accounting``)
+    and ``n_sample`` records spread across it, in one pass; for OpenAI Batch the sharding
+    pass's file checks too."""
     source = inputs.open_input(spec.input, spec.storage_options or None)
+    account = InputAccount()
     report = ReshardReport()
 
-    seen: set[str] = set()
-    dups: dict[str, int] = {}
-    n = 0
-
-    def each() -> Iterator[tuple[int, dict[str, Any]]]:
-        nonlocal n
-        for line, rec in source.iter_numbered_sync(on_error="quarantine", quarantine=report.count_malformed):
-            n += 1
+    def typed(numbered: Iterator[tuple[int, dict[str, Any]]]) -> Iterator[tuple[int, dict[str, Any]]]:
+        for line, rec in numbered:
             if reader is not None:  # the sharding pass's checks, on the typed line (no record built)
                 reader.line(rec, line)
-                cid = record_id(rec, line)
-                if cid in seen:
-                    dups[cid] = dups.get(cid, 1) + 1
-                seen.add(cid)
             yield line, rec
 
-    sample = inputs.spread(each(), n_sample)
+    def malformed(entry: dict[str, Any]) -> None:
+        account.count_malformed(entry)
+        report.count_malformed(entry)
+
+    numbered = source.iter_numbered_sync(on_error="quarantine", quarantine=malformed)
+    sample = inputs.spread(account.counting(typed(numbered), id_of=record_id if reader is not None else None), n_sample)
     if reader is not None:
-        report.duplicate_ids = dups
+        report.duplicate_ids = account.repeats
         inputs.check_openai_input(reader, report, spec.input)
-    return n, sample
+    return account, sample
 
 
 SPEC_ERROR_SHARE = 0.9  # a field missing from at least this share of the sample is the spec's error

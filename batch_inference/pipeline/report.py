@@ -25,6 +25,7 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from batch_inference.pipeline.accounting import InputAccount
 from batch_inference.pipeline.summaries import LedgerView, rate
 
 
@@ -257,7 +258,10 @@ def ledger_table(view: LedgerView, title: str) -> LedgerTable:
     """
     rows: list[dict[str, str]] = []
     bars: dict[int, str] = {}
-    if s := view.shard:
+    if s := view.shard:  # the funnel starts from the input's lines: malformed ones are left out at sharding
+        account = InputAccount.of_shard(s)
+        rows.append({"phase": "input", "in": _n(account.lines), "failed": _n(account.malformed) if account.malformed else "",
+                     "funnel": "", "note": f"lines{f', {account.malformed} malformed left out' if account.malformed else ''}"})
         note = (f"{s.shards} shards" + (f", {s.duplicate_ids} dup ids" if s.duplicate_ids else "")
                 + (", prefix order" if s.layout and s.layout.applied else ""))
         rows.append({"phase": "shard", "in": _n(s.records), "funnel": "", "wall": duration(s.wall_s), "note": note})
@@ -292,8 +296,21 @@ def _cache_cells(hit_rate: float | None, vs_ideal: float | None, duplicates: int
             "dups": _n(duplicates) if duplicates else ""}
 
 
+def input_lines(view: LedgerView) -> list[str]:
+    """Where the input's lines went (``pipeline.accounting``): records, malformed lines left out
+    (named by file:line, and where they are kept), duplicate ids kept."""
+    if (s := view.shard) is None:
+        return []
+    account = InputAccount.of_shard(s, s.quarantine_url or None)
+    return [f"input {account.summary()}", *(f"warning: {note}" for note in account.notes())]
+
+
 def run_lines(view: LedgerView) -> list[str]:
-    """The run's verdict in a few lines (status, terminal counts, conservation)."""
+    """The run's verdict in a few lines (the input's lines, status, terminal counts, conservation)."""
+    return [*input_lines(view), *_verdict_lines(view)]
+
+
+def _verdict_lines(view: LedgerView) -> list[str]:
     if not (r := view.run):
         waiting = [f"round {x.round}: {x.awaiting_review} record(s) sent to human review "
                    "(`batch-inference review SPEC` serves the page; the run goes on once they are decided)"

@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 
 from batch_inference.pipeline import inputs, passes, placement
+from batch_inference.pipeline.accounting import EXAMPLES, InputAccount, line_name
 from batch_inference.pipeline.layout import RunLayout
 from batch_inference.pipeline.ledger import Ledger
 from batch_inference.pipeline.spec import PipelineSpec, SpecChanged, result_changes
@@ -87,16 +88,19 @@ class Resume:
         laid_out = None
         if self.spec.layout.prefix:
             laid_out = await asyncio.to_thread(self._lay_out)
-        if report.malformed:
-            log.warning("run %s: %d malformed input line(s) quarantined: see %s", self.spec.run, report.malformed, self.layout.input_quarantine)
         dups = report.duplicate_ids
-        if dups:
-            log.warning("run %s: %d duplicate input id(s), kept (not merged), e.g. %s", self.spec.run, len(dups), list(dups)[:5])
+        account = InputAccount(records=report.records, malformed=report.malformed,
+                               malformed_at=[line_name(e) for e in report.malformed_lines], duplicate_ids=len(dups),
+                               duplicate_examples=list(dups)[:EXAMPLES], quarantine=self.layout.input_quarantine)
+        for note in account.notes():
+            log.warning("run %s: %s", self.spec.run, note)
         summary = ShardSummary(
             input_url=self.spec.input, output_url=self.layout.sharded, records=report.records,
             shards=await asyncio.to_thread(self._committed_shards),  # the layout pass cuts its own shards
             ids_assigned=report.ids_assigned, duplicate_ids=len(dups), duplicate_examples=list(dups)[:10],
-            wall_s=time.perf_counter() - t0, malformed=report.malformed, input_format=fmt, instance=uuid.uuid4().hex[:12],
+            wall_s=time.perf_counter() - t0, malformed=report.malformed,
+            malformed_examples=account.malformed_at, quarantine_url=self.layout.input_quarantine if report.malformed else "",
+            input_format=fmt, instance=uuid.uuid4().hex[:12],
             layout=laid_out,
         )
         await asyncio.to_thread(self.ledger.write, RunLayout.SHARD, summary.as_dict())

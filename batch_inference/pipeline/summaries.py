@@ -125,6 +125,8 @@ class ShardSummary(_Summary):
     wall_s: float
     resumed: bool = False
     malformed: int = 0  # input lines quarantined at sharding (see RunLayout.input_quarantine)
+    malformed_examples: list[str] = field(default_factory=list)  # ``file:line`` of the first few (``pipeline.accounting``)
+    quarantine_url: str = ""  # where the malformed lines are kept (RunLayout.input_quarantine), when there are any
     input_format: str = "jsonl"  # "jsonl" (native records) or "openai_batch" (converted at sharding)
     # The run instance: drawn when the input is sharded, part of every task id (RunLayout.task_id);
     # empty in a ledger without the field.

@@ -248,7 +248,11 @@ def make_plan(
     notes: list[str] = []
     size = input_size(spec, sample=sample)
     n = records if records is not None else size.records
-    notes.append(f"input: {n:,} records ({'given' if records is not None else size.how})")
+    if records is None and size.account is not None and (size.account.malformed or size.account.duplicate_ids):
+        notes.append(f"input: {size.account.summary()} ({size.how})")
+        notes += [f"input: {note}" for note in size.account.notes()]
+    else:
+        notes.append(f"input: {n:,} records ({'given' if records is not None else size.how})")
     counts, how, _ = prompt_token_counts(spec, size.sample)
     prompt_mean = sum(counts) / len(counts) if counts else (profile.prompt_tokens if profile and profile.prompt_tokens else 100.0)
     notes.append(f"prompt tokens: mean {prompt_mean:.1f} over {len(counts)} sample records ({how})")

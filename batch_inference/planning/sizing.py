@@ -9,6 +9,7 @@ from itertools import islice
 from dataclasses import dataclass
 from typing import Any
 
+from batch_inference.pipeline.accounting import InputAccount
 from batch_inference.pipeline.inputs import evenly_spaced
 from batch_inference.pipeline.spec import PipelineSpec
 from batch_inference.storage import JsonlDir, JsonlFile, input_format, open_source
@@ -32,6 +33,7 @@ class InputSize:
     how: str  # "manifest" | "counted" | "Parquet footers" | "estimated from N records"
     sample: list[dict[str, Any]]
     sampled: str = "the whole input"  # where the sample was drawn from
+    account: InputAccount | None = None  # the lines read, when the input was read whole (``pipeline.accounting``)
 
 
 SAMPLE_SEED = 20_260_601  # a fixed seed: the same input gives the same sample, so plans repeat
@@ -73,6 +75,13 @@ def _spread(d: JsonlDir, k: int) -> tuple[list[dict[str, Any]], str]:
     return sample[:k], where
 
 
+def _counted(src: JsonlFile | JsonlDir, account: InputAccount) -> Iterator[dict[str, Any]]:
+    """The records of ``src``, its malformed lines and duplicate ids counted in ``account``
+    (the one rule: ``pipeline.accounting``), never raised: a run quarantines them."""
+    numbered = src.iter_numbered_sync(on_error="quarantine", quarantine=account.count_malformed)
+    return (rec for _, rec in account.counting(numbered))
+
+
 def input_size(spec: PipelineSpec, *, sample: int = 500, count_limit_bytes: int = 256 << 20) -> InputSize:
     """The input's record count (manifest, count, or estimate) and ``sample`` records drawn
     across the whole input (uniformly where the input is read whole anyway)."""
@@ -88,17 +97,19 @@ def input_size(spec: PipelineSpec, *, sample: int = 500, count_limit_bytes: int 
         if man is not None:
             records, where = _spread(d, sample)
             return InputSize(man.records, "manifest", records, where)
-        n, records = _reservoir(d.iter_records_sync(), sample)
-        return InputSize(n, "counted", records)
+        account = InputAccount()
+        n, records = _reservoir(_counted(d, account), sample)
+        return InputSize(n, "counted", records, account=account)
     f = JsonlFile(src, storage_options=opts)
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(src, **(opts or {}))
     stored = int(fs.size(path))
     if stored <= count_limit_bytes:
-        n, recs = _reservoir(f.iter_records_sync(), sample)
-        return InputSize(n, "counted", recs)
-    head = [r for _, r in zip(range(max(sample, 5_000)), f.iter_records_sync())]
+        account = InputAccount()
+        n, recs = _reservoir(_counted(f, account), sample)
+        return InputSize(n, "counted", recs, account=account)
+    head = [r for _, r in zip(range(max(sample, 5_000)), _counted(f, InputAccount()))]
     raw = b"".join(json.dumps(r).encode() + b"\n" for r in head)
     if f.compressed:
         import zstandard

@@ -98,7 +98,8 @@ def test_a_corrupt_parquet_file_is_refused_by_validate_naming_it(tmp_path: Path)
 
 async def test_a_parquet_file_that_breaks_mid_run_has_its_rows_quarantined_naming_the_file(tmp_path: Path) -> None:
     """The footer reads (validate passes), a row group does not: its 100 rows are quarantined at
-    sharding with the file and row named; the other 200 run and are conserved."""
+    sharding with the file and row named; the other 200 run and are conserved, and the export
+    accounts for all 300."""
     folder = tmp_path / "drop"
     folder.mkdir()
     broken_row_group(folder / "part-0.parquet")
@@ -110,7 +111,11 @@ async def test_a_parquet_file_that_breaks_mid_run_has_its_rows_quarantined_namin
     entries = list(JsonlFile(RunLayout(spec.output, spec.run).input_quarantine).iter_records_sync())
     assert len(entries) == 100 and {e["file"] for e in entries} == {str(folder / "part-0.parquet")}
     assert [e["line"] for e in entries] == list(range(101, 201)) and "row group 1" in entries[0]["reason"]
-    assert pq.read_table(export_parquet(PipelineRun(spec)).out_url).num_rows == 200
+    # every input row is in the export: the 100 left out as failed rows naming their file and row
+    rows = pq.read_table(export_parquet(PipelineRun(spec)).out_url).to_pylist()
+    failed = [r for r in rows if r["status"] == "failed"]
+    assert len(rows) == 300 and len(failed) == 100
+    assert failed[0]["error"].startswith(f"malformed_line: {folder / 'part-0.parquet'}:101: ")
 
 
 async def test_input_format_parquet_names_an_input_that_is_not(tmp_path: Path) -> None:
