@@ -105,6 +105,19 @@ class InputAccount:
         return out
 
 
+def id_lines(files: Iterable[Any], ids: set[str], id_of: Any, limit: int = EXAMPLES) -> dict[str, list[str]]:
+    """``file:line`` (1-based) of up to ``limit`` occurrences of each of ``ids`` in ``files``
+    (JsonlFile readers, in order; ``id_of(rec, line)`` a record's id): a second pass, made
+    only to name the lines of a refused file's duplicate ids."""
+    found: dict[str, list[str]] = {}
+    for f in files:
+        for line, rec in f.iter_numbered_sync(on_error="quarantine", quarantine=lambda entry: None):
+            rid = str(id_of(rec, line))
+            if rid in ids and len(found.setdefault(rid, [])) < limit:
+                found[rid].append(line_name({"file": f.url, "line": line + 1}))
+    return found
+
+
 def quarantined_lines(url: str, storage_options: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
     """The malformed lines a run's shard step kept (``{file, line, reason, raw}`` each)."""
     f = JsonlFile(url, storage_options=storage_options)
@@ -117,4 +130,4 @@ def malformed_message(entry: Mapping[str, Any]) -> str:
     return f"malformed_line: {line_name(entry)}: {entry.get('reason') or 'not a JSON object'} (left out of the run)"
 
 
-__all__ = ["InputAccount", "line_name", "malformed_message", "quarantined_lines"]
+__all__ = ["InputAccount", "id_lines", "line_name", "malformed_message", "quarantined_lines"]

@@ -15,7 +15,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Literal, TypeVar
 
 from batch_inference.pipeline.spec import PipelineSpec, SpecError
-from batch_inference.prompting.openai_batch import OpenAIBatchReader, looks_like_openai_batch
+from batch_inference.pipeline.accounting import EXAMPLES, id_lines
+from batch_inference.prompting.openai_batch import OpenAIBatchReader, looks_like_openai_batch, record_id
 from batch_inference.storage import CorruptShardError, JsonlDir, JsonlFile, ReshardReport, UnreadableInputError, input_format, open_source
 from batch_inference.storage.parquet import ParquetSource, schema_to_text
 from batch_inference.storage.reshard import Source
@@ -189,8 +190,12 @@ def openai_reader(spec: PipelineSpec) -> OpenAIBatchReader:
     return OpenAIBatchReader(models=spec.accepted_models(), constrains=spec.engine.structured_output)
 
 
-def check_openai_input(reader: OpenAIBatchReader, report: ReshardReport, source: str) -> None:
-    """Raise one ``InputError`` listing every file-level problem the sharding pass found."""
+def check_openai_input(reader: OpenAIBatchReader, report: ReshardReport, source: str,
+                       storage_options: dict[str, Any] | None = None) -> None:
+    """Raise one ``InputError`` listing every file-level problem the sharding pass found.
+
+    A duplicate custom_id is named with the ``file:line`` of each occurrence (a second pass
+    over the input, made only for the file it refuses: ``accounting.id_lines``)."""
     if report.malformed:
         by_file: dict[str, list[str]] = {}
         for e in report.malformed_lines:
@@ -198,9 +203,12 @@ def check_openai_input(reader: OpenAIBatchReader, report: ReshardReport, source:
         reader.file_problem("lines that are not JSON objects (quarantined at sharding)", report.malformed,
                             [f"{file} line {', '.join(lines)}" for file, lines in by_file.items()], unit="line(s)")
     if report.duplicate_ids:
+        named = dict(itertools.islice(report.duplicate_ids.items(), EXAMPLES))
+        src = open_input(source, storage_options)
+        lines = id_lines(src.shards() if isinstance(src, JsonlDir) else [src], set(named), record_id)
         reader.file_problem("duplicate custom_id (each must be unique: it is the record id)",
                             sum(report.duplicate_ids.values()),
-                            [f"custom_id {k!r} ({v}x)" for k, v in report.duplicate_ids.items()])
+                            [f"custom_id {k!r} ({v}x: {', '.join(lines.get(k, []))})" for k, v in named.items()])
     message = reader.error(source)
     if message:
         raise InputError(message)

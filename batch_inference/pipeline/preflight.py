@@ -261,7 +261,7 @@ def _count(spec: PipelineSpec, reader: OpenAIBatchReader | None,
     sample = inputs.spread(account.counting(typed(numbered), id_of=record_id if reader is not None else None), n_sample)
     if reader is not None:
         report.duplicate_ids = account.repeats
-        inputs.check_openai_input(reader, report, spec.input)
+        inputs.check_openai_input(reader, report, spec.input, spec.storage_options or None)
     return account, sample
 
 

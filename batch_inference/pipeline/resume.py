@@ -150,7 +150,7 @@ class Resume:
         )
         inputs.check_records(self.spec, report.records, report.malformed)  # refused, not recorded: nothing to run
         if reader is not None:  # refused before any GPU time: the shard step is not recorded
-            inputs.check_openai_input(reader, report, self.spec.input)
+            inputs.check_openai_input(reader, report, self.spec.input, self.storage_options)
         await asyncio.to_thread(self.ledger.write, RunLayout.INPUT_SCHEMA, inputs.schema_entry(source))  # the Parquet export's types
         await asyncio.to_thread(self.ledger.write, RunLayout.SHARD_INPUT,
                                 {"report": asdict(report), "input_format": fmt, "spec": spec_keys})

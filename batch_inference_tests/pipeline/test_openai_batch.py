@@ -120,7 +120,7 @@ async def test_file_level_problems_are_one_error_before_the_run(tmp_path: Path) 
     for needle in ("unsupported body field 'logprobs'", "unsupported body field 'tools'", "custom_id 'tools'",
                    "body.model 'gpt-4o' is not served by this run (accepted: tiny)", "openai_batch.model_aliases",
                    "openai_batch.check_model: false", "url '/v1/embeddings'",
-                   "duplicate custom_id", "'dup' (2x)", "response_format: this run's engine cannot constrain", "custom_id 'schema'"):
+                   "duplicate custom_id", f"'dup' (2x: {spec.input}:1, {spec.input}:2)", "response_format: this run's engine cannot constrain", "custom_id 'schema'"):
         assert needle in text, needle
     assert PipelineRun(spec).ledger.read("shard") is None  # nothing recorded: fix the file and run again
 
@@ -148,7 +148,8 @@ async def test_a_request_without_custom_id_is_named_by_its_line_after_a_blank_an
 
 async def test_a_refusal_names_the_file_and_lines_of_its_malformed_lines_and_duplicates(tmp_path: Path) -> None:
     """Problems of the file rather than of one request line (lines that are no JSON object,
-    a duplicated custom_id) are named too: by file and line, by id; no empty 'e.g.'."""
+    a duplicated custom_id) are named too: by file and line (a duplicate by its id and the
+    file:line of each occurrence); no empty 'e.g.'."""
     spec = openai_spec(tmp_path, [], input_format="openai_batch")
     Path(spec.input).write_bytes(b"\n".join([orjson.dumps(chat_line("a", "x")), b'{"custom_id": ',
                                               orjson.dumps(chat_line("a", "y")), b"[1]"]) + b"\n")
@@ -158,7 +159,8 @@ async def test_a_refusal_names_the_file_and_lines_of_its_malformed_lines_and_dup
         preflight(spec, full=True)
     for text in (str(sharded.value), str(checked.value)):
         assert f"lines that are not JSON objects (quarantined at sharding): 2 line(s), e.g. {spec.input} line 2, 4\n" in text, text
-        assert text.endswith("duplicate custom_id (each must be unique: it is the record id): 2 request(s), e.g. custom_id 'a' (2x)"), text
+        assert text.endswith("duplicate custom_id (each must be unique: it is the record id): 2 request(s), "
+                             f"e.g. custom_id 'a' (2x: {spec.input}:1, {spec.input}:3)"), text
 
 
 async def test_preflight_and_sharding_read_lines_alike(tmp_path: Path) -> None:
@@ -181,7 +183,7 @@ async def test_preflight_and_sharding_read_lines_alike(tmp_path: Path) -> None:
     text = str(sharded.value)
     for needle in ("custom_id must be a non-empty string: 1 request(s), e.g. custom_id 'line 3'", "method 'GET' (only POST)",
                    "body must be an object: 1 request(s), e.g. custom_id 'str-body'", "body.prompt must be one string",
-                   "unsupported line keys ['priority']", "'ok' (2x)"):
+                   "unsupported line keys ['priority']", f"'ok' (2x: {spec.input}:1, {spec.input}:2)"):
         assert needle in text, needle
 
 
