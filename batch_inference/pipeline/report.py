@@ -261,7 +261,7 @@ def ledger_table(view: LedgerView, title: str) -> LedgerTable:
     if s := view.shard:  # the funnel starts from the input's lines: malformed ones are left out at sharding
         account = InputAccount.of_shard(s)
         rows.append({"phase": "input", "in": _n(account.lines), "failed": _n(account.malformed) if account.malformed else "",
-                     "funnel": "", "note": f"lines{f', {account.malformed} malformed left out' if account.malformed else ''}"})
+                     "funnel": "", "wall": "", "note": f"lines{f', {account.malformed} malformed left out' if account.malformed else ''}"})
         note = (f"{s.shards} shards" + (f", {s.duplicate_ids} dup ids" if s.duplicate_ids else "")
                 + (", prefix order" if s.layout and s.layout.applied else ""))
         rows.append({"phase": "shard", "in": _n(s.records), "funnel": "", "wall": duration(s.wall_s), "note": note})
