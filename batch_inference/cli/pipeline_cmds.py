@@ -99,10 +99,15 @@ def status(target: str, storage_options: str | None, as_json: bool) -> None:
     if (recorded := ledger.read(RunLayout.PLAN)) is not None:
         from batch_inference.planning.progress import measured_phases, planned_vs_actual
 
-        console.print(f"planned ({recorded.get('chosen')}) vs actual wall:")
-        for name, planned, actual in planned_vs_actual(recorded, measured_phases(ledger)):
-            ratio = f"  ({actual / planned:.2f}x)" if planned and actual is not None else ""
-            console.print(f"  {name:<22} {duration(planned):>10} {duration(actual):>10}{ratio}")
+        console.print(f"planned ({recorded.get('chosen')}) vs actual wall:", markup=False)
+        for line in recorded.get("basis", [])[:1]:  # what the plan priced: its hardware and model
+            console.print(f"  {line}", markup=False)
+        for phase in planned_vs_actual(recorded, measured_phases(ledger)):
+            planned = duration(phase.planned) if phase.priced else "unpriced"
+            ratio = "" if (r := phase.ratio()) is None else f"  ({r:.2f}x)"
+            if not phase.priced and phase.actual is not None:
+                ratio = "  (not measured by the plan: no ratio)"
+            console.print(f"  {phase.name:<22} {planned:>10} {duration(phase.actual):>10}{ratio}", markup=False)
 
 
 @click.command("validate")

@@ -81,6 +81,8 @@ def plan(spec_path: Path, gpus: int | None, price: float | None, profile_path: P
         click.echo(json.dumps(p.as_dict(), indent=2))
         return
     console = Console(width=None if Console().is_terminal else 160)
+    for line in p.basis:  # first: what hardware and model the figures are for
+        console.print(line, markup=False)
     table = Table(title=f"plan for {spec.run}: {p.records:,} records on {p.replicas} replica(s) x {p.concurrency}")
     banded = any(s.wall_band_s for s in p.strategies)
     pooled = any(s.pools for s in p.strategies)  # a judge with its own pool: each pool's GPU-hours

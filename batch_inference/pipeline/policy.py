@@ -118,14 +118,36 @@ def choose_crossover(
     if shrink < rule.min_shrink:
         return True, f"pending set shrank {shrink:.1%} < {rule.min_shrink:.0%}", figures
     if rule.compare_cost and cost_rounds > cost_in_place:
-        return True, f"projected rounds {cost_rounds:.2f}s > in-place {cost_in_place:.2f}s", figures
+        return True, versus(cost_rounds, cost_in_place), figures
     # say which rule kept the rounds going: only the rules that are on decided
     kept = [f"shrank {shrink:.1%} >= {rule.min_shrink:.0%}"] if rule.min_shrink > 0 else []
     if rule.compare_cost:
-        kept.append(f"projected rounds {cost_rounds:.2f}s <= in-place {cost_in_place:.2f}s")
+        kept.append(versus(cost_rounds, cost_in_place))
     else:
-        kept.append(f"cost comparison off (projected rounds {cost_rounds:.2f}s, in-place {cost_in_place:.2f}s)")
+        a, b = _distinct(cost_rounds, cost_in_place)
+        kept.append(f"cost comparison off (projected rounds {a}s, in-place {b}s)")
     return False, "rounds go on: " + "; ".join(kept), figures
+
+
+def _distinct(a: float, b: float, *, most: int = 6) -> tuple[str, str]:
+    """``a`` and ``b`` with the fewest decimals (2 up to ``most``) at which they read apart."""
+    for digits in range(2, most + 1):
+        fa, fb = f"{a:.{digits}f}", f"{b:.{digits}f}"
+        if fa != fb:
+            return fa, fb
+    return fa, fb
+
+
+def versus(rounds_s: float, in_place_s: float) -> str:
+    """The cost comparison as a reason that reads true: each figure with as many decimals as
+    it takes to tell them apart ("projected rounds 0.91s > in-place 0.91s" read as a
+    contradiction), or, where they agree to the microsecond, that they are equal (a tie keeps the rounds)."""
+    a, b = _distinct(rounds_s, in_place_s)
+    if a != b:
+        return f"projected rounds {a}s {'>' if rounds_s > in_place_s else '<'} in-place {b}s"
+    if rounds_s > in_place_s:
+        return f"projected rounds {a}s > in-place by {rounds_s - in_place_s:.1e}s"
+    return f"projected rounds {rounds_s:.2f}s = in-place {in_place_s:.2f}s (equal to the microsecond: a tie keeps the rounds)"
 
 
 def round_(x: float) -> float:

@@ -196,8 +196,9 @@ class LedgerTable:
     caption); else one block per row. No value is ever cut to ``…``.
     """
 
-    def __init__(self, title: str, rows: list[dict[str, str]], bars: dict[int, str]) -> None:
+    def __init__(self, title: str, rows: list[dict[str, str]], bars: dict[int, str], legend: tuple[str, ...] = ()) -> None:
         self.title, self.rows, self.bars = title, rows, bars  # bars: row index -> its funnel bar
+        self.legend = legend  # lines under the table that explain a mark in it
 
     def table(self, left_out: tuple[str, ...] = ()) -> Table:
         shown = [name for name in left_out if name not in OPTIONAL or self._has(name)]
@@ -241,8 +242,10 @@ class LedgerTable:
             table = self.table(LEAVE_OUT_ORDER[:n])
             if Measurement.get(console, wide, table).maximum <= width:
                 yield table
+                yield from (Text(line) for line in self.legend)
                 return
         yield from self.stacked(width)
+        yield from (Text(line) for line in self.legend)
 
 
 def ledger_table(view: LedgerView, title: str) -> LedgerTable:
@@ -286,7 +289,13 @@ def ledger_table(view: LedgerView, title: str) -> LedgerTable:
             "engine": duration(t.engine_busy_s), "wall": duration(t.wall_s), "out tok/s": _rate(t.output_tokens_per_s),
             "fill": _f(t.avg_fill), **_cache_cells(t.prefix_hit_rate, t.prefill_vs_ideal, t.duplicates), "next": "",
         })
-    return LedgerTable(title, rows, bars)
+    return LedgerTable(title, rows, bars, (TAIL_MARK_LEGEND,) if view.tail else ())
+
+
+# The tail row's "rejected" cell ends in "*": the tail retries a rejected record in place
+# until it is approved or out of attempts, so what it leaves is not one judge's rejection.
+TAIL_MARK_LEGEND = ("* tail: records still rejected when their attempts ran out (max_attempts); "
+                    "the tail retries each rejected record in place until it is approved or out of attempts")
 
 
 def _cache_cells(hit_rate: float | None, vs_ideal: float | None, duplicates: int) -> dict[str, str]:

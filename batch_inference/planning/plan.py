@@ -16,7 +16,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from batch_inference.engines.profiles import get_profile
+from batch_inference.engines.profiles import PROFILES, get_profile
 from batch_inference.engines.simulated import simulated_text_tokens
 from batch_inference.pipeline.report import duration
 from batch_inference.pipeline.spec import PipelineSpec, engine_label
@@ -24,7 +24,8 @@ from batch_inference.planning.cluster import Cluster, Overheads
 from batch_inference.planning.profiling import EngineProfile
 from batch_inference.planning.rates import EngineRates, Workload, engine_rates
 from batch_inference.planning.simulation import SimResult, simulate
-from batch_inference.planning.sizing import PREFIX_SAMPLE, input_size, predict_prefix, prefix_windows, prompt_token_counts
+from batch_inference.planning.sizing import (PREFIX_SAMPLE, as_run_records, input_size, predict_prefix, prefix_windows,
+                                             prompt_token_counts, request_max_tokens)
 
 STRATEGIES = ("rounds", "in_place", "hybrid")
 DEFAULT_GPU_PROFILE = "h200-llama-8b"
@@ -82,6 +83,8 @@ class RunPlan:
     # the engine's prefix cache on the inferred prompts: predicted from the sample's prefix
     # structure, and what it saves the spec's strategy (against the same engine without it)
     prefix: dict[str, Any] | None = None
+    # what the figures are for (the plan's first lines): the hardware and model priced, the spec's engine
+    basis: list[str] = dataclasses.field(default_factory=list)
 
     def for_strategy(self, strategy: str) -> StrategyPlan:
         return next(s for s in self.strategies if s.strategy == strategy)
@@ -99,13 +102,16 @@ class RunPlan:
         }
         if s.cost is not None:
             out["plan.cost"] = round(s.cost, 2)
+        if self.basis:
+            out["plan.basis"] = "; ".join(self.basis)
         for name, pool in s.pools.items():
             out[f"plan.pool.{name}.gpu_hours"] = round(pool["gpu_hours"], 3)
             out[f"plan.pool.{name}.busy_share"] = round(pool["busy_share"], 3)
         if s.wall_band_s is not None:
             out["plan.wall_s.low"], out["plan.wall_s.high"] = (round(x, 1) for x in s.wall_band_s)
         for p in s.phases:
-            out[f"plan.phase.{p['name']}.wall_s"] = p["wall_s"]
+            if p.get("priced", True):  # an unpriced phase's guess is no figure to hold a run to
+                out[f"plan.phase.{p['name']}.wall_s"] = p["wall_s"]
         if self.prefix is not None:
             for key in ("hit_rate", "ideal_hit_rate", "gpu_hours_saved", "cost_saved", "wall_s_saved"):
                 if self.prefix.get(key) is not None:
@@ -221,6 +227,55 @@ def judge_placement(spec: PipelineSpec, w: Workload, rates: EngineRates, profile
     return cluster, judge_rates
 
 
+def plan_basis(spec: PipelineSpec, profile: EngineProfile | None, gpu_profile: str | None) -> list[str]:
+    """What a plan's figures are for, in words a user reads before the figures: the hardware
+    and model its engine time is priced on, and the spec's own engine beside it.
+
+    Without a profile a GPU spec is priced on the default calibrated profile (an H200 running
+    Llama-3.1-8B), whatever its engine is: a plan of the tiny model on CPU said so nowhere
+    near its figures (issue 28 item 4)."""
+    spec_engine = f"the spec's engine: {spec.engine.kind}, model {engine_label(spec.engine)}"
+    sim_opts = spec.engine.simulated if spec.engine.kind == "simulated" else None
+    if profile is not None:
+        return [f"priced for: the hardware and engine a profile measured ({profile.source})", spec_engine, *_judge_basis(spec)]
+    if sim_opts is not None and sim_opts.cost_model == "linear" and gpu_profile is None:
+        return ["priced for: the simulated engine's linear cost model (no hardware, no model: benchmarks only)", spec_engine,
+                *_judge_basis(spec)]
+    name = gpu_profile or (sim_opts.profile if sim_opts is not None and sim_opts.cost_model == "decode" else DEFAULT_GPU_PROFILE)
+    prof = get_profile(name)
+    if gpu_profile is not None:
+        why = f"--engine-profile {name}"
+    elif sim_opts is not None:
+        why = f"the simulated engine's decode profile {name}"
+    else:
+        why = f"{name}, the default: no --profile or --engine-profile given"
+    lines = [f"priced for: {prof.hardware or name} running {prof.model or name} (calibrated decode-step profile: {why})", spec_engine]
+    if gpu_profile is None and sim_opts is None:
+        lines[1] += (" -- not what these figures are for: measure it with `batch-inference profile SPEC` on the target "
+                     f"hardware and pass --profile, or pick --engine-profile ({', '.join(sorted(PROFILES))})")
+    return lines + _judge_basis(spec)
+
+
+def _judge_basis(spec: PipelineSpec) -> list[str]:
+    """A judge with its own model and pool: which, beside the infer engine's line."""
+    if spec.judge_pool is None:
+        return []
+    return [f"the judge's engine: {spec.judge_engine.kind}, model {engine_label(spec.judge_engine)}, on its own pool "
+            f"{spec.judge_pool.name} (priced as the judge assumption below says)"]
+
+
+def assumed_phases(profile: EngineProfile | None, overheads: Overheads | None) -> list[str]:
+    """The phases a plan does not price from a measurement (their names' first or last word):
+    the CPU passes (resharding the input, recompacting a round's rejects) at a rate nobody
+    measured. Their planned wall is a guess, so a run's actual wall is no miss against it
+    (a 2,000-record shard step planned at 10 ms took 13 s: the step's fixed cost)."""
+    if overheads is not None:  # given by the caller: priced as given
+        return []
+    measured = profile.overheads if profile is not None else {}
+    return [name for key, name in (("reshard_records_per_s", "shard"), ("recompact_records_per_s", "recompact"))
+            if key not in measured]
+
+
 def local_overheads(spec: PipelineSpec) -> Overheads:
     """Latencies of the launcher the spec names: nothing to launch in process or locally."""
     if spec.pool.launcher == "k8s":
@@ -253,12 +308,16 @@ def make_plan(
         notes += [f"input: {note}" for note in size.account.notes()]
     else:
         notes.append(f"input: {n:,} records ({'given' if records is not None else size.how})")
-    counts, how, _ = prompt_token_counts(spec, size.sample)
+    sample, fmt = as_run_records(spec, size.sample)
+    counts, how, _ = prompt_token_counts(spec, sample)
+    if fmt == "openai_batch":
+        how += ", the OpenAI Batch requests' bodies"
     prompt_mean = sum(counts) / len(counts) if counts else (profile.prompt_tokens if profile and profile.prompt_tokens else 100.0)
     notes.append(f"prompt tokens: mean {prompt_mean:.1f} over {len(counts)} sample records ({how})")
     prefix = None
     if (block_size := cache_block_size(spec, gpu_profile)) is not None:
         window, where = prefix_windows(spec, prefix_sample)
+        window, _ = as_run_records(spec, window)
         wcounts, _, blocks = prompt_token_counts(spec, window, block_size=block_size)
         prefix = predict_prefix(wcounts, blocks, block_size)
         if prefix is not None:
@@ -271,12 +330,20 @@ def make_plan(
         else:
             notes.append(f"prefix structure: no {block_size}-token block repeats over {len(window):,} records ({where}): "
                          "no prefix-cache saving planned")
-    max_tokens = spec.infer.sampling.max_tokens
+    # each request's own max_tokens: the spec's, or a record's override (an OpenAI Batch request's body)
+    limits = request_max_tokens(spec, sample) or [spec.infer.sampling.max_tokens]
+    max_tokens = max(limits)
+    own = any(m != spec.infer.sampling.max_tokens for m in limits)
     sim_opts = spec.engine.simulated if spec.engine.kind == "simulated" else None
     if profile is not None and profile.output_tokens is not None:
         out_mean, out_how = profile.output_tokens, f"measured by the profile ({profile.source})"
     elif sim_opts is not None:
-        out_mean, out_how = float(min(sim_opts.output_tokens, max_tokens)), "the simulated engine's output_tokens"
+        out_mean = sum(min(sim_opts.output_tokens, m) for m in limits) / len(limits)
+        out_how = "the simulated engine's output_tokens" + (", within each request's own max_tokens" if own else "")
+    elif own:
+        out_mean = sum(limits) / len(limits)
+        out_how = (f"the mean of the sample requests' own max_tokens (up to {max_tokens:,}): an upper bound, "
+                   "run `batch-inference profile` to measure")
     else:
         out_mean, out_how = float(max_tokens), "max_tokens (an upper bound: run `batch-inference profile` to measure)"
     notes.append(f"output tokens: mean {out_mean:.1f} per inference ({out_how})")
@@ -351,11 +418,19 @@ def make_plan(
     if bounds is not None:
         notes.append(f"band: the wall with approval at the ends of its 95% interval over the profile's "
                      f"{sum(profile.measured.get('judged', [])):,} judged records (engine-time noise is not in it)")
+    unpriced = assumed_phases(profile, overheads)
+    if unpriced:
+        rates_of = {"shard": f"the shard phase (resharding at an assumed {o.reshard_records_per_s:,.0f} rec/s)",
+                    "recompact": f"the recompact phases (at an assumed {o.recompact_records_per_s:,.0f} rec/s)"}
+        notes.append(f"not priced: {' and '.join(rates_of[u] for u in unpriced)}: a guess, not measured "
+                     "(`batch-inference profile` measures them); status shows them unpriced, not as a miss")
     plans = []
     for strategy in strategies:
         s = spec.model_copy(update={"strategy": strategy})
         res = simulate(s, w, rates, cluster=cluster, overheads=o, judge_cluster=judge_cluster, judge_rates=judge_rates)
         plan = StrategyPlan.of(res, w, gpu_hour_price, judge_tokens, cluster.replicas)
+        for phase in plan.phases:
+            phase["priced"] = not any(phase["name"].startswith(u) or phase["name"].endswith(u) for u in unpriced)
         if bounds is not None:
             walls = sorted(simulate(s, b, rates, cluster=cluster, overheads=o, judge_cluster=judge_cluster,
                                     judge_rates=judge_rates).wall_s for b in bounds)
@@ -374,4 +449,5 @@ def make_plan(
                           gpu_hours_without=round(without.gpu_hours, 3), gpu_hours_saved=round(without.gpu_hours - chosen.gpu_hours, 3),
                           wall_s_saved=round(without.wall_s - chosen.wall_s, 1),
                           cost_saved=round(without.cost - chosen.cost, 2) if without.cost is not None and chosen.cost is not None else None)
-    return RunPlan(spec.run, n, cluster.replicas, cluster.concurrency, gpu_hour_price, plans, notes, spec.strategy, saving)
+    return RunPlan(spec.run, n, cluster.replicas, cluster.concurrency, gpu_hour_price, plans, notes, spec.strategy, saving,
+                   basis=plan_basis(spec, profile, gpu_profile))

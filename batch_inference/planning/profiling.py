@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from batch_inference.pipeline.layout import RunLayout
-from batch_inference.pipeline.spec import PipelineSpec
+from batch_inference.pipeline.spec import PipelineSpec, engine_label
 from batch_inference.pipeline.summaries import PhaseSummary
 from batch_inference.planning.rates import EngineRates
 from batch_inference.planning.sizing import input_size
@@ -151,8 +151,8 @@ async def measure_profile(spec: PipelineSpec, *, records: int = 10_000, workdir:
     if rates:
         overheads["reshard_records_per_s"] = max(rates)
     return EngineProfile(
-        source=f"measured on {platform.node()} {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {len(sample):,} records, "
-               f"engine {spec.engine.kind}, pool {spec.pool.launcher} {spec.pool.replicas}x{spec.pool.concurrency}",
+        source=f"measured on {platform.node()} ({_hardware()}) {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {len(sample):,} records, "
+               f"engine {spec.engine.kind} model {engine_label(spec.engine)}, pool {spec.pool.launcher} {spec.pool.replicas}x{spec.pool.concurrency}",
         infer_s=infer_c * workers,
         judge_s=judge_c * workers,
         tail_attempt_s=(max(0.0, tail.wall_s - fixed) * workers / attempts) if tail is not None and attempts else 0.0,
@@ -169,6 +169,19 @@ async def measure_profile(spec: PipelineSpec, *, records: int = 10_000, workdir:
                   "tail_wall_s": tail.wall_s if tail is not None else None, "workers": workers,
                   "loadavg": os.getloadavg()[0]},
     )
+
+
+def _hardware() -> str:
+    """This machine's accelerator as a plan names it: its GPUs, else its CPU cores."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            return ", ".join(f"{names.count(n)}x {n}" for n in dict.fromkeys(names))
+    except Exception:  # no torch, or no driver: the CPU is what ran it
+        pass
+    return f"CPU, {os.cpu_count()} cores"
 
 
 def _approval(judge: PhaseSummary) -> tuple[float, int]:

