@@ -71,10 +71,12 @@ test-vllm:
 	$(VLLM_RUN) "$$env/bin/python" .ci/vllm_smoke.py
 
 # The UI over the demo's instance (so `make demo && make dev` shows its runs); Ctrl-C stops it.
+# `make dev PORT=3117` serves it on another port (127.0.0.1 only).
 DAGSTER_HOME ?= $(CURDIR)/.demo/dagster_home
+PORT ?= 3000
 dev: $(STAMP)
 	mkdir -p $(DAGSTER_HOME) && cp -n dagster.yaml $(DAGSTER_HOME)/dagster.yaml || true
-	DAGSTER_HOME=$(DAGSTER_HOME) $(VENV)/bin/dagster dev -h 127.0.0.1 -p 3000 -w workspace.yaml
+	DAGSTER_HOME=$(DAGSTER_HOME) $(VENV)/bin/dagster dev -h 127.0.0.1 -p $(PORT) -w workspace.yaml
 
 bench: $(STAMP)
 	for b in bench/*.py; do $(PY) $$b || exit 1; done

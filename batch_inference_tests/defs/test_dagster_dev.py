@@ -81,3 +81,31 @@ def test_dagster_dev_serves_the_asset_graph_and_runs_it(dagster_dev, write_spec)
     shard = graphql(port, RUNS, {"filter": {"pipelineName": "shard_job"}})["runsOrError"]["results"][0]
     tags = {t["key"]: t["value"] for t in shard["tags"]}
     assert tags["dagster/partition"] == "viaui" and tags["dagster/sensor_name"] == "round_sensor"
+
+
+def test_make_dev_serves_on_the_port_it_is_given(tmp_path):
+    """`make dev PORT=N` serves the UI on N (it was hard-coded to 3000: issue 28 item 6).
+
+    Runs the Makefile's own target; ``-o`` keeps make from rebuilding the venv (the target's
+    prerequisite), so the test never installs anything."""
+    if not DAGSTER.exists() or shutil.which("make") is None:
+        pytest.skip("no .venv/bin/dagster or no make")
+    venv = DAGSTER.parent.parent
+    port = free_port()
+    log = (tmp_path / "make-dev.log").open("wb")
+    proc = subprocess.Popen(
+        ["make", "-o", str(venv / ".installed"), "dev", f"PORT={port}", f"VENV={venv}", f"DAGSTER_HOME={tmp_path / 'home'}"],
+        cwd=ROOT, env={**os.environ, "BATCH_INFERENCE_POOL_MODE": "inprocess"}, stdout=log, stderr=subprocess.STDOUT,
+        preexec_fn=default_signals, start_new_session=True,
+    )
+    try:
+        assert wait_for(lambda: graphql(port, "{ version }", timeout=5).get("version"), 150, f"the webserver on {port}", proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        log.close()
