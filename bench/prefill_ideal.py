@@ -10,7 +10,11 @@ temperature 0. For each shape:
   (``LocalLauncher``, HTTP), main's defaults: ``layout.prefix``, ``pool.dedup``,
   ``pool.affinity`` on;
 - ``local2``: the same on a local pool of TWO worker processes, each with the same KV
-  cache limit.
+  cache limit;
+- ``limit``: the raw engine (the same ``LLM``) given each distinct request once, in prefix
+  order, in one ``LLM.generate`` call (``bench/_limit.py``): the throughput limit, against
+  which local1 and local2 are reported in records/s, over the infer phase and with the shard
+  step added, beside the prefill-token figures.
 
 Prefill computed is what vLLM's scheduler says it prefilled: prompt tokens looked up
 minus those its prefix cache supplied (``prefix_cache_stats``: ``queries - hits``), plus
@@ -48,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import _raw_vllm
+from _limit import against_limit, measure_limit
 from _raw_vllm import load, serve
 import workload_aware
 from workload_aware import build, encoded, write_input
@@ -119,6 +124,12 @@ def raw_server(model: str, blocks: int, max_num_seqs: int | None) -> None:
     acc = count_prefix_stats(llm)
 
     def handle(job: dict[str, Any]) -> dict[str, Any]:
+        if job.get("order") == "limit":  # the throughput limit on this same LLM: each distinct request once, prefix order
+            before = list(acc)
+            out = measure_limit(llm, lambda recs: encoded(tok, recs), job["records"], job["output"])
+            d = dict(zip(PREFIX_FIELDS, (a - b for a, b in zip(acc, before))))
+            return {**out, "computed": d["queries"] - d["hits"] + d["preempted_queries"] - d["preempted_hits"],
+                    "preempted_queries": d["preempted_queries"]}
         sampling = VllmSamplingParams(max_tokens=job["output"], min_tokens=job["output"], temperature=0.0)
         ids = encoded(tok, job["records"])
         out: dict[str, Any] = {"ideal": ideal(ids, block_size), "prompt_tokens": sum(map(len, ids)), "requests": len(ids)}
@@ -160,7 +171,7 @@ async def run_local(args: argparse.Namespace, client: Any, model: str, root: Pat
         per_worker[e] = {k: int(a.get(k, 0)) - int(b.get(k, 0)) for k in ("queries", "hits", "preempted_queries", "preempted_hits", "computed", "requests")}
     computed = sum(w["computed"] for w in per_worker.values())
     layout = view.shard.layout
-    return {"seconds": infer.wall_s, "records": infer.records_in, "computed": computed,
+    return {"seconds": infer.wall_s, "shard_s": view.shard.wall_s, "records": infer.records_in, "computed": computed,
             "queries": sum(w["queries"] for w in per_worker.values()), "hits": sum(w["hits"] for w in per_worker.values()),
             "preempted_queries": sum(w["preempted_queries"] for w in per_worker.values()),
             "engine_requests": sum(w["requests"] for w in per_worker.values()),
@@ -191,22 +202,28 @@ async def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict
                 data = root / f"in-{shape}-{rep}.jsonl"
                 write_input(data, records, args.output)
                 row: dict[str, Any] = {"shape": shape, "repeat": rep, "records": len(records)}
-                paths = ["raw", "local1", "local2"] if rep % 2 == 0 else ["local2", "local1", "raw"]
+                paths = ["raw", "limit", "local1", "local2"] if rep % 2 == 0 else ["local2", "local1", "limit", "raw"]
                 for path in paths:
                     before = load()
                     if path == "raw":
                         res = await asyncio.to_thread(raw.request, {"records": records, "output": args.output})
                         row["ideal"] = res.pop("ideal")
                         row["prompt_tokens"] = res["prompt_tokens"]
+                    elif path == "limit":  # the raw engine (same LLM, same cache) on each distinct request once, prefix order
+                        res = await asyncio.to_thread(raw.request, {"records": records, "output": args.output, "order": "limit"})
                     else:  # every pool sees these prompts for the first time: its cache holds nothing of them
                         res = await run_local(args, clients[path], model, root, f"{shape}-{rep}-{path}", data, len(records))
                     res["load"] = [before, load()]
                     row[path] = res
-                for path in ("raw", "local1", "local2"):
+                for path in ("raw", "limit", "local1", "local2"):
                     row[path]["vs_ideal"] = row[path]["computed"] / row["ideal"]["tokens"]
+                row["raw"]["records"] = len(records)
+                for path in ("raw", "local1", "local2"):  # records/s against the same run's limit (raw: no shard step)
+                    row[path].update(against_limit(row[path], row["limit"]))
                 rows.append(row)
                 print(json.dumps({"shape": shape, "repeat": rep, "ideal": row["ideal"]["tokens"],
-                                  **{p: [row[p]["computed"], round(row[p]["vs_ideal"], 3)] for p in ("raw", "local1", "local2")},
+                                  **{p: [row[p]["computed"], round(row[p]["vs_ideal"], 3)] for p in ("raw", "limit", "local1", "local2")},
+                                  "of_limit": {p: [round(row[p]["of_limit"], 3), round(row[p]["of_limit_shard"], 3)] for p in ("raw", "local1", "local2")},
                                   "ledger": [row[p]["ledger_vs_ideal"] for p in ("local1", "local2")]}), flush=True)
     finally:
         for client in clients.values():
@@ -262,7 +279,33 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], wall: float, be
         ratio = statistics.median(r["local2"]["computed"] / max(1, r["local1"]["computed"]) for r in rs)
         met = med["local1"] <= TARGET_ONE and ratio <= 1.0
         lines.append(f"| {shape} | {med['raw']:.2f} | {med['local1']:.2f} | {med['local2']:.2f} | {ratio:.3f} | {'yes' if met else 'no'} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + throughput_report(args, rows)) + "\n"
+
+
+def throughput_report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]:
+    """Records/s against the throughput limit measured in the same run (``bench/_limit.py``)."""
+    lines = ["", "## Records/s against the throughput limit of the same run", "",
+             "**limit** = the raw engine above (the same `LLM` object and KV cache) given each distinct request once, in "
+             "prefix order, in one `LLM.generate` call, its cache emptied first (`bench/_limit.py`), in records/s of every "
+             "input record; its prefill computed is beside (x ideal). local1 / local2 = the pipeline's infer phase, "
+             "over its own wall, and with the shard step (where the layout pass runs) added (`+shard`). Target: >= 0.95 of "
+             "the limit with the shard step, median of 3.", "",
+             "| shape | repeat | limit rec/s | limit prefill x ideal | raw / limit | local1 / limit | local1+shard / limit | "
+             "local2 / limit | local2+shard / limit | shard step s (l1 / l2) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['repeat']} | {r['limit']['records_s']:.1f} | {r['limit']['vs_ideal']:.2f} | "
+                     f"{r['raw']['of_limit']:.2f} | {r['local1']['of_limit']:.2f} | {r['local1']['of_limit_shard']:.2f} | "
+                     f"{r['local2']['of_limit']:.2f} | {r['local2']['of_limit_shard']:.2f} | "
+                     f"{r['local1']['shard_s']:.2f} / {r['local2']['shard_s']:.2f} |")
+    lines += ["", "Median per shape:", "", "| shape | raw / limit | local1 / limit | local1+shard / limit | local2 / limit | "
+              "local2+shard / limit |", "|---|---|---|---|---|---|"]
+    for shape in args.shapes.split(","):
+        rs = [r for r in rows if r["shape"] == shape]
+        if rs:
+            m = {(p, k): statistics.median(r[p][k] for r in rs) for p in ("raw", "local1", "local2") for k in ("of_limit", "of_limit_shard")}
+            lines.append(f"| {shape} | {m['raw', 'of_limit']:.2f} | {m['local1', 'of_limit']:.2f} | {m['local1', 'of_limit_shard']:.2f} | "
+                         f"{m['local2', 'of_limit']:.2f} | {m['local2', 'of_limit_shard']:.2f} |")
+    return lines
 
 
 def main() -> None:

@@ -1,0 +1,26 @@
+"""bench/_limit.py: the throughput limit's request order and the ratios the shape benches report."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+_limit = pytest.importorskip("_limit")
+
+
+def test_limit_order_runs_each_distinct_request_once_with_shared_prefixes_adjacent() -> None:
+    ids = [[5, 1, 9], [7, 2], [5, 1, 3], [7, 2], [5, 1, 9], [5, 1]]  # interleaved families, exact repeats
+    order = _limit.limit_order(ids)
+    assert order == [[5, 1], [5, 1, 3], [5, 1, 9], [7, 2]]  # duplicates once; a prefix before what extends it
+
+
+def test_against_limit_reports_the_phase_alone_and_with_the_shard_step() -> None:
+    limit = {"records_s": 100.0}
+    run = {"records": 240, "seconds": 3.0, "shard_s": 1.0}
+    got = _limit.against_limit(run, limit)
+    assert got["records_s"] == pytest.approx(80.0) and got["of_limit"] == pytest.approx(0.8)
+    assert got["records_s_shard"] == pytest.approx(60.0) and got["of_limit_shard"] == pytest.approx(0.6)
+    assert _limit.against_limit({"records": 240, "seconds": 3.0}, limit)["of_limit_shard"] == pytest.approx(0.8)  # raw: no shard step
