@@ -24,6 +24,9 @@ from typing import Any
 from batch_inference.storage import JsonlFile
 
 EXAMPLES = 5  # lines or ids a note names before "..."
+# Ids a check holds in memory to find repeats (~100 MB at most): past them the check stops and
+# says so. The shard step checks every id (a fixed-size Bloom filter, ``storage.reshard``).
+ID_CHECK_LIMIT = 1_000_000
 
 
 def line_name(entry: Mapping[str, Any]) -> str:
@@ -42,6 +45,7 @@ class InputAccount:
     duplicate_examples: list[str] = field(default_factory=list)  # the first few such ids
     quarantine: str | None = None  # where the malformed lines are kept (a run's), if anywhere
     repeats: dict[str, int] = field(default_factory=dict, repr=False)  # id -> occurrences (>1), when counted here
+    ids_checked: int | None = None  # records whose ids were checked for repeats, when fewer than all
 
     @property
     def lines(self) -> int:
@@ -56,16 +60,20 @@ class InputAccount:
         if len(self.malformed_at) < EXAMPLES:
             self.malformed_at.append(line_name(entry))
 
-    def counting(self, numbered: Iterable[tuple[int, dict[str, Any]]], *, id_of: Any = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    def counting(self, numbered: Iterable[tuple[int, dict[str, Any]]], *, id_of: Any = None,
+                 max_ids: int | None = ID_CHECK_LIMIT) -> Iterator[tuple[int, dict[str, Any]]]:
         """``numbered`` passed through, each record counted and its id (``id_of(rec, line)``,
         default the record's own ``id``; a record without one gets a unique one) checked for
-        repeats. The ids are held in memory: a full check reads the whole input once."""
+        repeats. The ids are held in memory, so only the first ``max_ids`` records' are
+        checked (None: all); ``notes`` says when the check stopped short."""
         seen: set[str] = set()
         repeats: dict[str, int] = {}
         for line, rec in numbered:
             self.records += 1
             rid = id_of(rec, line) if id_of is not None else rec.get("id")
-            if rid is not None:
+            if max_ids is not None and self.records > max_ids:
+                self.ids_checked = max_ids
+            elif rid is not None:
                 key = str(rid)
                 if key in seen:
                     repeats[key] = repeats.get(key, 1) + 1
@@ -102,6 +110,9 @@ class InputAccount:
             named = ", ".join(repr(x) for x in self.duplicate_examples) + (", ..." if self.duplicate_ids > len(self.duplicate_examples) else "")
             out.append(f"{self.duplicate_ids:,} id(s) appear more than once in the input: {named}; each occurrence is "
                        "kept as a record of its own, so the id appears once per occurrence in the results and the export")
+        if self.ids_checked is not None:
+            out.append(f"ids checked for repeats over the first {self.ids_checked:,} record(s) only (of {self.records:,}); "
+                       "the run's shard step checks every id")
         return out
 
 

@@ -38,7 +38,7 @@ from batch_inference.engines.base import ChatPrompt
 from batch_inference.judges import LLMJudge, MissingFieldError, RuleJudge, build_judge
 from batch_inference.pipeline import inputs
 from batch_inference.engines import EngineConfig
-from batch_inference.pipeline.accounting import InputAccount
+from batch_inference.pipeline.accounting import ID_CHECK_LIMIT, InputAccount
 from batch_inference.pipeline.spec import PipelineSpec, SpecError, engine_label
 from batch_inference.prompting import RequestBuilder, RequestError
 from batch_inference.prompting.openai_batch import OpenAIBatchReader, record_id
@@ -258,7 +258,8 @@ def _count(spec: PipelineSpec, reader: OpenAIBatchReader | None,
         report.count_malformed(entry)
 
     numbered = source.iter_numbered_sync(on_error="quarantine", quarantine=malformed)
-    sample = inputs.spread(account.counting(typed(numbered), id_of=record_id if reader is not None else None), n_sample)
+    sample = inputs.spread(account.counting(typed(numbered), id_of=record_id if reader is not None else None,
+                                             max_ids=None if reader is not None else ID_CHECK_LIMIT), n_sample)
     if reader is not None:
         report.duplicate_ids = account.repeats
         inputs.check_openai_input(reader, report, spec.input, spec.storage_options or None)

@@ -195,3 +195,17 @@ def test_a_round_materialised_twice_gets_one_follow_up(defs, instance, write_spe
         assert defs.resolve_job_def("round_job").execute_in_process(instance=instance, partition_key="twice|r00").success
     keys = [r.run_key for r in tick(defs, instance, None).run_requests]
     assert keys == ["twice:shard", "twice|r00", "twice|r01"]
+
+
+def test_the_sharded_asset_accounts_for_every_input_line(defs, instance, write_spec, tmp_path):
+    """A run launched through Dagster says what the CLI says (``pipeline.accounting``): the
+    input's lines, the malformed ones by file:line, and the repeated ids, on the sharded asset."""
+    spec_path = write_spec("acct", records=30)
+    src = tmp_path / "inputs" / "acct.jsonl"
+    with src.open("ab") as f:
+        f.write(b'{"id": "broken", \n[1, 2]\n{"id": "acct-0003", "prompt": "again"}\n')  # lines 31, 32; 33 repeats an id
+    assert start_run(defs, instance, start_run_config(str(spec_path))).success
+    drive(defs, instance)
+    meta = latest(instance, SHARDED, "acct")
+    assert meta["input_lines"] == 33 and meta["malformed"] == 2 and meta["records"] == 31, meta
+    assert f"{src}:31, {src}:32" in meta["input_warnings"] and "'acct-0003'" in meta["input_warnings"], meta

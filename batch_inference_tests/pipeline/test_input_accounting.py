@@ -90,3 +90,12 @@ def test_every_line_is_accounted_for_from_run_to_export(spec_path: Path) -> None
     failed = [r for r in table if r["status"] == "failed"]
     assert [r["error"].split(": ")[1] for r in failed] == named(src)
     assert all(r["id"] is None and r["prompt"] is None and r["result"] is None for r in failed)
+
+
+def test_validate_holds_a_bounded_number_of_ids_and_says_when_it_stopped(spec_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The full check holds ids in memory to find repeats: past its limit it stops checking
+    and says so, rather than growing with the input (the shard step checks every id)."""
+    monkeypatch.setattr("batch_inference.pipeline.preflight.ID_CHECK_LIMIT", 100)
+    out = cli_out("validate", str(spec_path))
+    assert "ids checked for repeats over the first 100 record(s) only (of 197)" in out, out
+    assert "'q5'" not in out  # its repeat is line 200, past the limit

@@ -21,6 +21,7 @@ from batch_inference.defs.runs.start import SourceConfig, SpecSource, start_sour
 from batch_inference.defs.specs import load_spec
 from batch_inference.defs.steps import run_cpu_step, run_gpu_step
 from batch_inference.defs.storage.resources import StorageResource
+from batch_inference.pipeline.accounting import InputAccount
 from batch_inference.pipeline.layout import RunLayout
 from batch_inference.pipeline.summaries import ShardSummary, rate
 
@@ -72,7 +73,12 @@ def build_run_assets(k: PipelineKeys, spec_source: SpecSource, *, deps: list[dg.
         outcome = run_cpu_step(spec, lambda run: run.sharded_input())
         summary, shards = outcome.summary, outcome.shards
         wall = summary.wall_s
+        account = InputAccount.of_shard(summary, summary.quarantine_url or None)  # the CLI's rule: pipeline.accounting
+        warnings = {"input_warnings": dg.MetadataValue.md("\n".join(f"- {n}" for n in account.notes()))} if account.notes() else {}
         return dg.MaterializeResult(metadata=with_row_count({
+            "input_lines": dg.MetadataValue.int(account.lines),
+            "malformed": dg.MetadataValue.int(account.malformed),
+            **warnings,
             "records": dg.MetadataValue.int(summary.records),
             "shards": dg.MetadataValue.int(summary.shards),
             "ids_assigned": dg.MetadataValue.int(summary.ids_assigned),
