@@ -153,6 +153,9 @@ def test_the_start_job_records_the_plan_and_rounds_show_eta_and_planned_wall(def
     meta = latest(instance, SOURCE, "planned")
     assert meta["plan.records"] == 40 and meta["plan.wall_s"] > 0 and "plan.error" not in meta
     assert "approval per attempt" in meta["plan.assumptions"]
+    # what the figures are for, and no planned wall for a phase nobody priced (issue 28 item 4)
+    assert meta["plan.basis"].startswith("priced for: ") and "the spec's engine: " in meta["plan.basis"]
+    assert "plan.phase.round 0 infer.wall_s" in meta and not any(k.startswith("plan.phase.shard") for k in meta), sorted(meta)
     drive(defs, instance)
     rejected = latest(instance, REJECTED, "planned|r00")
     assert rejected["planned_run_wall_s"] == pytest.approx(meta["plan.wall_s"], abs=0.06)  # metadata rounds to 0.1 s
