@@ -59,3 +59,21 @@ RUNS = """
 query($filter: RunsFilter) {
   runsOrError(filter: $filter) { ... on Runs { results { runId jobName status tags { key value } } } }
 }"""
+
+
+def write_entry_points(site: Path) -> Path:
+    """This repository's ``[project.entry-points]`` as an install records them, in ``site``.
+
+    The shared venv's editable install may predate an entry point (they are registered at
+    install time); a test puts ``site`` first on PYTHONPATH so ``importlib.metadata`` (and so
+    ``dg``) reads the declaration pyproject.toml makes now.
+    """
+    import tomllib
+
+    info = site / "batch_inference-0.1.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    points = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: batch_inference\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text("".join(
+        f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in entries.items()) for group, entries in points.items()))
+    return site

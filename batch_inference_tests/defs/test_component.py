@@ -8,6 +8,7 @@ manager. The pipeline is driven by ticking its real round sensor (``defs.driver`
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 
@@ -107,3 +108,23 @@ def test_two_pipelines_in_one_project_upstream_to_downstream(tmp_path: Path) -> 
             assert downstream.success
             got = instance.get_latest_materialization_event(dg.AssetKey("scored_rows")).asset_materialization.metadata
             assert got["rows"].value == meta["approved"].value > 0
+
+
+def test_structured_output_check_validates_each_result_against_its_format(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from batch_inference.defs.runs.checks import structured_output_errors
+
+    results = tmp_path / "results"
+    results.mkdir()
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "required": ["x"]}}}
+    rows = [{"id": "a", "result": '{"x": 1}', "response_format": schema},
+            {"id": "b", "result": '{"y": 1}', "response_format": schema},
+            {"id": "c", "result": "not json", "body": {"response_format": {"type": "json_object"}}},
+            {"id": "d", "result": "free text"}]
+    (results / "round-00-part-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = SimpleNamespace(infer=SimpleNamespace(response_format=None), storage_options={})
+    checked, invalid = structured_output_errors(spec, str(results))
+    assert checked == 3
+    assert [e["id"] for e in invalid] == ["b", "c"]
+    assert "required" in invalid[0]["error"] and "not strict JSON" in invalid[1]["error"]

@@ -51,7 +51,7 @@ def test_multi_round_run_on_the_tiny_model(defs, instance, write_spec, tiny_mode
     assert "| round 00 -> next_round |" in res["funnel"]
     assert res["dagster/row_count"] == res["approved"] and approved["dagster/row_count"] == approved["records"]
     assert check_results(instance, RESULTS) == {"conservation": True, "no_duplicate_ids": True, "run_quarantine_empty": True,
-                                                "approval_floor": True}
+                                                "approval_floor": True, "structured_output_valid": True}
     assert check_results(instance, REJECTED) == {"round_conservation": True, "review_age": True}
 
     # Done: more ticks request nothing (run keys are spent, the cursor is past every event).
@@ -181,8 +181,9 @@ def test_the_daemon_resolves_the_sensors_requests(defs, write_spec, tmp_path):
         start_run(defs, instance, start_run_config(str(write_spec("daemon", records=10))))
         assert defs.resolve_job_def("shard_job").execute_in_process(instance=instance, partition_key="daemon").success
         sensor = defs.resolve_sensor_def("round_sensor")
+        resources = {k: v for k, v in (defs.resources or {}).items() if k in sensor.required_resource_keys}  # not the IO manager
         context = dg.build_sensor_context(instance_ref=instance.get_ref(), definitions=defs, sensor_name="round_sensor",
-                                          resources=dict(defs.resources or {}))
+                                          resources=resources)
         data = sensor.evaluate_tick(context)
         assert [(r.job_name, r.partition_key) for r in data.run_requests] == [
             ("shard_job", "daemon"), ("round_job", "daemon|r00")]

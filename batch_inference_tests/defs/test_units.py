@@ -291,7 +291,7 @@ def test_the_code_location_is_every_domains_definitions_merged():
     assert sorted((k.asset_key.to_user_string(), k.name) for k in defs.resolve_asset_graph().asset_check_keys) == [
         ("failed", "quarantine_empty"), ("rejected", "review_age"), ("rejected", "round_conservation"),
         ("results", "approval_floor"), ("results", "conservation"), ("results", "no_duplicate_ids"),
-        ("results", "run_quarantine_empty")]
+        ("results", "run_quarantine_empty"), ("results", "structured_output_valid")]
     assert sorted(j.name for j in repo.get_all_jobs() if not j.name.startswith("__")) == [
         "results_job", "review_job", "round_job", "shard_job", "start_pipeline_run", "tail_job"]
     assert [s.name for s in repo.sensor_defs] == ["round_sensor"]

@@ -11,6 +11,7 @@ fewer than the pipeline's floor of the input records were approved.
 """
 
 from collections.abc import Iterator
+from typing import Any
 
 import dagster as dg
 
@@ -33,6 +34,9 @@ def build_run_checks(k: PipelineKeys, approval_floor: float = 0.0) -> dg.AssetCh
                               description="no shard of the run was quarantined (WARN)"),
             dg.AssetCheckSpec("approval_floor", asset=k.results, partitions_def=k.runs,
                               description=f"approved / input records >= {approval_floor} (WARN; the pipeline's approval_floor)"),
+            dg.AssetCheckSpec("structured_output_valid", asset=k.results, partitions_def=k.runs,
+                              description="every approved result of a request with a response_format (the spec's or the "
+                                          "record's) is JSON that satisfies it"),
         ],
     )
     def run_checks(context: dg.AssetCheckExecutionContext, storage: StorageResource) -> Iterator[dg.AssetCheckResult]:
@@ -78,7 +82,38 @@ def build_run_checks(k: PipelineKeys, approval_floor: float = 0.0) -> dg.AssetCh
                       "floor": dg.MetadataValue.float(approval_floor)},
         )
 
+        checked, invalid = structured_output_errors(spec, pipeline_run.layout.results)
+        yield dg.AssetCheckResult(
+            check_name="structured_output_valid", asset_key=k.results, passed=not invalid,
+            description=(f"{len(invalid)} of {checked} structured result(s) invalid" if invalid else
+                         f"{checked} structured result(s), all valid" if checked else "no structured output requested"),
+            metadata={"checked": dg.MetadataValue.int(checked), "invalid": dg.MetadataValue.int(len(invalid)),
+                      "examples": dg.MetadataValue.json(invalid[:20])},
+        )
+
     return run_checks
 
 
 run_checks = build_run_checks(DEFAULT)
+
+
+def structured_output_errors(spec: Any, results_url: str, *, keep: int = 1000) -> tuple[int, list[dict[str, str]]]:
+    """(results checked, invalid ones as {id, error}) for every result row whose request had a
+    response_format: the record's own (``response_format``, or an OpenAI Batch line's
+    ``body.response_format``), else the spec's ``infer.response_format``."""
+    from batch_inference.engines.structured import format_error
+    from batch_inference.prompting.config import ResponseFormatConfig
+    from batch_inference.storage import JsonlDir
+
+    default = spec.infer.response_format.to_format() if spec.infer.response_format is not None else None
+    checked, invalid = 0, []
+    for row in JsonlDir(results_url, storage_options=spec.storage_options).iter_records_sync():
+        own = row.get("response_format") or (row.get("body") or {}).get("response_format")
+        fmt = ResponseFormatConfig.model_validate(own).to_format() if own else default
+        if fmt is None:
+            continue
+        checked += 1
+        error = format_error(str(row.get("result") or ""), fmt)
+        if error is not None and len(invalid) < keep:
+            invalid.append({"id": str(row.get("id")), "error": error})
+    return checked, invalid
