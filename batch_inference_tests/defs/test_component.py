@@ -18,6 +18,7 @@ from dagster.components.testing import create_defs_folder_sandbox
 
 from batch_inference import BatchInferenceComponent
 from batch_inference.defs.driver import drive
+from batch_inference.defs.runs.start import SpecSource
 from batch_inference_tests.defs.helpers import simulated_spec, write_input
 
 PIPELINE_ASSETS = ["approved", "failed", "inferred", "openai_batch_export", "parquet_export", "pending", "rejected", "results",
@@ -37,6 +38,9 @@ def test_scaffold_writes_a_defs_yaml_that_loads() -> None:
         assert body["type"] == "batch_inference.components.batch_inference_component.BatchInferenceComponent" or \
             body["type"].endswith("BatchInferenceComponent")
         assert body["attributes"]["schedule"] == {"cron": "0 2 * * *", "run_name": "scoring-{date}"}
+        # the scaffolded spec is a valid spec (its input is the user's to write): a run of it would start
+        spec = SpecSource(inline=body["attributes"]["spec"], base_dir=str(path)).load(run="scoring-1")
+        assert spec.input == str(path / "prompts.jsonl") and spec.engine.kind == "simulated"
         with sandbox.build_all_defs() as defs:
             dg.Definitions.validate_loadable(defs)
             keys = sorted(k.to_user_string() for k in defs.resolve_all_asset_keys())
