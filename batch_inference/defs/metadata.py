@@ -12,7 +12,7 @@ from typing import Any
 
 import dagster as dg
 
-from batch_inference.pipeline.summaries import LedgerView, PhaseSummary, RoundView, cache_hit_rate, prefill_vs_ideal, rate
+from batch_inference.pipeline.summaries import LedgerView, PhaseSummary, RoundView, RunSummary, cache_hit_rate, prefill_vs_ideal, rate
 
 MAX_LISTED_SHARDS = 20
 
@@ -97,12 +97,35 @@ def cache_metadata(summary: PhaseSummary | RoundView) -> dict[str, Any]:
         "duplicate_tokens_in": dg.MetadataValue.int(sum(p.duplicate_tokens_in for p in phases)),
         "duplicate_tokens_out": dg.MetadataValue.int(sum(p.duplicate_tokens_out for p in phases)),
     }
+    # the cross-run result cache (pool.result_cache): requests earlier runs answered
+    lookups, hits = sum(p.result_cache_lookups for p in phases), sum(p.result_cache_hits for p in phases)
+    meta["result_cache_lookups"] = dg.MetadataValue.int(lookups)
+    meta["result_cache_hits"] = dg.MetadataValue.int(hits)
+    meta["engine_requests"] = dg.MetadataValue.int(sum(p.engine_requests for p in phases))
+    if lookups:
+        meta["result_cache_hit_rate"] = dg.MetadataValue.float(rate(hits, lookups))
     if (hit_rate := cache_hit_rate(phases)) is not None:
         meta["prefix_cache_hit_rate"] = dg.MetadataValue.float(hit_rate)
         meta["prefill_tokens"] = dg.MetadataValue.int(sum(p.prefill_tokens for p in phases))
     if (vs_ideal := prefill_vs_ideal(phases)) is not None:
         meta["ideal_prefill_tokens"] = dg.MetadataValue.int(sum(p.ideal_prefill_tokens or 0 for p in phases))
         meta["prefill_vs_ideal"] = dg.MetadataValue.float(vs_ideal)
+    return meta
+
+
+def result_cache_run_metadata(summary: RunSummary) -> dict[str, Any]:
+    """The run's cross-run result cache (``pool.result_cache``): requests looked up, answered
+    by earlier runs, their rate, the requests the engines ran, and the store after the trim."""
+    meta: dict[str, Any] = {
+        "result_cache_lookups": dg.MetadataValue.int(summary.result_cache_lookups),
+        "result_cache_hits": dg.MetadataValue.int(summary.result_cache_hits),
+        "engine_requests": dg.MetadataValue.int(summary.engine_requests),
+    }
+    if (hit_rate := summary.result_cache_hit_rate) is not None:
+        meta["result_cache_hit_rate"] = dg.MetadataValue.float(hit_rate)
+    for key in ("entries", "bytes", "evicted"):
+        if key in summary.result_cache:
+            meta[f"result_cache.{key}"] = dg.MetadataValue.int(int(summary.result_cache[key]))
     return meta
 
 

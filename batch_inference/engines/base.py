@@ -115,6 +115,8 @@ class Completion:
     # prompt tokens the engine's prefix cache supplied (vLLM's num_cached_tokens); None: the
     # engine keeps no prefix cache or does not say
     cached_tokens: int | None = None
+    # answered from the cross-run result cache (pool.result_cache): no engine computed it
+    from_cache: bool = False
 
     @classmethod
     def failed(cls, error: str, prompt_tokens: int = 0) -> Completion:

@@ -166,6 +166,9 @@ class FanOut:
             prefix_queried=sum(int(x.get("prefix_queried", 0)) for x in recs),
             prefix_hits=sum(int(x.get("prefix_hits", 0)) for x in recs),
             ideal_prefill_tokens=ideal_prefill(recs),
+            result_cache_lookups=sum(int(x.get("result_cache_lookups", 0)) for x in recs),
+            result_cache_hits=sum(int(x.get("result_cache_hits", 0)) for x in recs),
+            engine_requests=sum(int(x.get("engine_requests", 0)) for x in recs),
         )
 
     def _file(self, url: str) -> JsonlFile:

@@ -335,4 +335,13 @@ def _verdict_lines(view: LedgerView) -> list[str]:
         f"duplicated in results {c.duplicate_results}; {c.method})",
         f"results: {r.results_url}",
     ]
+    if r.result_cache_lookups or r.result_cache:
+        hit = r.result_cache_hit_rate
+        store = r.result_cache
+        line = (f"result cache: {r.result_cache_hits:,} of {r.result_cache_lookups:,} deterministic requests answered by earlier runs"
+                f" ({hit:.0%} hit rate); engines ran {r.engine_requests:,} request(s)" if hit is not None
+                else f"result cache: nothing looked up; engines ran {r.engine_requests:,} request(s)")
+        if "entries" in store:
+            line += f"; store {store['entries']:,} entries, {_k(store['bytes'])}B" + (f", {store['evicted']:,} evicted" if store["evicted"] else "")
+        lines.append(line)
     return lines

@@ -35,6 +35,7 @@ from batch_inference.pipeline.summaries import (
     ShardSummary,
     StepOutcome,
 )
+from batch_inference.pool.result_cache import ResultCache
 from batch_inference.pool.protocol import JUDGE_POOL_OUTPUT, REVIEW_OUTPUT, SubmitOrder, TaskResult, TaskRunner, TaskSpec
 from batch_inference.prompting.prefix import PrefixSigner
 from batch_inference.review import lifecycle as review
@@ -192,7 +193,7 @@ class PipelineRun:
                 affinity=families.get(index),
                 outputs={"output": join(self.layout.inferred(r), part(index))}, infer=self.spec.request_infer,
                 chunk_size=self.spec.chunk_size, round=r, storage_options_ref=self.spec.pool.storage_options_ref, order=self._order,
-                dedup_scope=self._dedup_scope(r, "infer", instance),
+                result_cache=self.spec.result_cache_url, dedup_scope=self._dedup_scope(r, "infer", instance),
             )
 
         summary = await self._fan_out(Phase(
@@ -228,7 +229,7 @@ class PipelineRun:
                 affinity=families.get(index),
                 outputs=outputs,
                 judge=self.spec.judge.task_config(), infer=self.spec.request_infer, chunk_size=self.spec.chunk_size, round=r,
-                storage_options_ref=self.spec.pool.storage_options_ref, order=self._order, dedup_scope=self._dedup_scope(r, "judge", instance),
+                storage_options_ref=self.spec.pool.storage_options_ref, order=self._order, result_cache=self.spec.result_cache_url, dedup_scope=self._dedup_scope(r, "judge", instance),
             )
 
         fan = self._fanout(Phase(
@@ -420,7 +421,7 @@ class PipelineRun:
                 outputs=outputs, infer=self.spec.request_infer, judge=self.spec.judge.task_config(), max_attempts=attempts_left,
                 chunk_size=self.spec.chunk_size,
                 round=from_round, storage_options_ref=self.spec.pool.storage_options_ref, order=self._order,
-                dedup_scope=self._dedup_scope(from_round, "retry", instance),
+                result_cache=self.spec.result_cache_url, dedup_scope=self._dedup_scope(from_round, "retry", instance),
             )
 
         def split(index: int, result: TaskResult) -> dict[str, Any]:
@@ -548,6 +549,19 @@ class PipelineRun:
             sources.append(IdSource("failed", tuple(q.shard for q in quarantined), is_dir=False))
         return sources
 
+    def _trim_result_cache(self) -> dict[str, Any]:
+        """Bound the cross-run result cache (``cache.max_bytes``, oldest entries first); what it
+        holds after. A failed trim costs the bound for now, never the run (the next run trims)."""
+        url = self.spec.result_cache_url
+        if url is None:
+            return {}
+        try:
+            report = ResultCache(url, self.storage_options).trim(self.spec.cache.max_bytes)
+        except Exception as exc:
+            log.warning("run %s: trimming the result cache %s failed: %s", self.spec.run, url, exc)
+            return {"url": url, "error": str(exc)}
+        return {"url": url, "max_bytes": self.spec.cache.max_bytes, **report.as_dict()}
+
     def _finalize(self) -> RunSummary:
         t0 = time.perf_counter()
         shard = ShardSummary.from_dict(self._require(RunLayout.SHARD, "run shard() first"))
@@ -579,6 +593,10 @@ class PipelineRun:
             tokens_in=sum(p.tokens_in for p in phases), tokens_out=sum(p.tokens_out for p in phases),
             engine_busy_s=sum(p.engine_busy_s for p in phases),
             wall_s=sum(p.wall_s for p in phases) + shard.wall_s + (time.perf_counter() - t0),
+            result_cache_lookups=sum(p.result_cache_lookups for p in phases),
+            result_cache_hits=sum(p.result_cache_hits for p in phases),
+            engine_requests=sum(p.engine_requests for p in phases),
+            result_cache=self._trim_result_cache(),
         )
         self.ledger.write(RunLayout.RUN, summary.as_dict())
         if not report.ok:

@@ -217,6 +217,21 @@ class OpenAIBatchOptions(_Strict):
     check_model: bool = Field(True, description="refuse requests naming another model (false: answer them all)")
 
 
+class CacheSpec(_Strict):
+    """The cross-run result cache (``pool.result_cache``, docs/cache.md).
+
+    Deterministic requests (temperature 0, or an explicit seed) a run computed are kept,
+    keyed by the model's identity (its files' fingerprint), adapter, rendered prompt,
+    sampling and attempt; a later run answers identical requests from it. It decides no
+    result (a hit is the completion the engine computed for the same request), so a
+    resumed run may turn it on or off.
+    """
+
+    enabled: bool = Field(True, description="reuse and keep deterministic results across runs (false: compute every request)")
+    url: Annotated[str | None, PATH] = Field(None, description="the cache's folder (default: <output>/_result_cache; shared by runs)")
+    max_bytes: int = Field(10 << 30, ge=1 << 20, description="the store is trimmed to this size at each run's end (oldest first)")
+
+
 class InputOptions(_Strict):
     """How the input is read, beyond its URL (``input: {url: ..., allow_empty: true}``)."""
 
@@ -247,6 +262,7 @@ class PipelineSpec(_Strict):
     shard_records: int = Field(20_000, ge=1)
     chunk_size: int = Field(2_000, ge=1)
     dedup: bool = Field(True, description="identical deterministic requests of a phase run once per worker (pool.dedup)")
+    cache: CacheSpec = Field(default_factory=CacheSpec)
     pool: PoolSpec = Field(default_factory=PoolSpec)
     review: ReviewPolicy = Field(default_factory=ReviewPolicy)
     layout: LayoutSpec = Field(default_factory=LayoutSpec)
@@ -387,6 +403,13 @@ class PipelineSpec(_Strict):
         if self.infer.adapters or not self.engine.adapters:
             return self.infer
         return self.infer.model_copy(update={"adapters": self.engine.adapters})
+
+    @property
+    def result_cache_url(self) -> str | None:
+        """Where the cross-run result cache lives (None: the spec turned it off)."""
+        if not self.cache.enabled:
+            return None
+        return self.cache.url or self.output.rstrip("/") + "/_result_cache"
 
     def folder_digests(self) -> dict[str, str]:
         """Each local folder whose files decide results (models, adapters) -> its fingerprint

@@ -179,8 +179,18 @@ class PhaseSummary(_Summary):
     # blocks over every worker, a merged sketch: ~1.6% error, plus the tokens past them);
     # None where the engine keeps no prefix cache.
     ideal_prefill_tokens: int | None = None
+    # The cross-run result cache (pool.result_cache): deterministic requests looked up, those
+    # an earlier run's results answered (no engine work), and the requests the engine ran.
+    result_cache_lookups: int = 0
+    result_cache_hits: int = 0
+    engine_requests: int = 0
 
     _nested: ClassVar[dict[str, Any]] = {"quarantined": _entries}
+
+    @property
+    def result_cache_hit_rate(self) -> float | None:
+        """Requests answered from the result cache / looked up (None: nothing looked up)."""
+        return rate(self.result_cache_hits, self.result_cache_lookups) if self.result_cache_lookups else None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "quarantined", _entries(list(self.quarantined)))
@@ -303,8 +313,20 @@ class RunSummary(_Summary):
     engine_busy_s: float
     wall_s: float
     quarantined: int = 0  # of ``failed``: records of shards quarantined (the rest: record errors)
+    # The cross-run result cache over every phase (inference and judge requests): looked up,
+    # answered from it, requests the engines ran; and the store after this run's trim
+    # (``pool.result_cache.TrimReport``; empty: the cache is off).
+    result_cache_lookups: int = 0
+    result_cache_hits: int = 0
+    engine_requests: int = 0
+    result_cache: dict[str, Any] = field(default_factory=dict)
 
     _nested: ClassVar[dict[str, Any]] = {"conservation": ConservationReport.from_dict}
+
+    @property
+    def result_cache_hit_rate(self) -> float | None:
+        """Requests answered from the result cache / looked up (None: nothing looked up)."""
+        return rate(self.result_cache_hits, self.result_cache_lookups) if self.result_cache_lookups else None
 
     def __post_init__(self) -> None:
         if isinstance(self.conservation, Mapping):

@@ -30,6 +30,7 @@ from batch_inference.engines.structured import format_error
 from batch_inference.pool.dedup import Orphaned, request_key
 from batch_inference.pool.engine_host import EngineHost
 from batch_inference.pool.protocol import TaskRunner, TaskSpec
+from batch_inference.pool.result_cache import ResultCache, cache_key
 from batch_inference.pool.request import GenRequest
 from batch_inference.prompting import Request, RequestBuilder, RequestError
 from batch_inference.prompting.prefix import prompt_order_key
@@ -65,6 +66,10 @@ class TaskMeter:
     # past those blocks, which every request computes
     prefix_blocks: DistinctBlocks | None = None
     prefix_tail_tokens: int = 0
+    # the cross-run result cache (pool.result_cache): deterministic requests looked up, and
+    # those it answered (their tokens count as the task's; the engine computed none)
+    cache_lookups: int = 0
+    cache_hits: int = 0
 
     def sign(self, tokens: list[Tokens | Completion], signature: Any, block_size: int) -> None:
         """Adds the encoded requests' blocks to the phase's ideal (blocking: off the event loop)."""
@@ -94,6 +99,12 @@ class TaskMeter:
         self.duplicate_tokens_in += completion.prompt_tokens
         self.duplicate_tokens_out += completion.completion_tokens
 
+    def add_cache_hit(self, completion: Completion) -> None:
+        """A request answered from the result cache: its row carries its usage, no engine ran it."""
+        self.tokens_in += completion.prompt_tokens
+        self.tokens_out += completion.completion_tokens
+        self.cache_hits += 1
+
     @property
     def avg_fill(self) -> float:
         """Fill of the batches this task's requests rode in, weighted per request."""
@@ -112,6 +123,16 @@ class TaskContext:
     meter: TaskMeter = field(default_factory=TaskMeter)
     warnings: list[str] = field(default_factory=list)  # reported in TaskResult.warnings
     schema_invalid: int = 0  # constrained completions that failed their format (counted in the task's counts)
+    _cache: ResultCache | None = field(default=None, init=False, repr=False)
+
+    @property
+    def result_cache(self) -> ResultCache | None:
+        """The spec's cross-run result cache (``pool.result_cache``), or None."""
+        if self.spec.result_cache is None:
+            return None
+        if self._cache is None:
+            self._cache = ResultCache(self.spec.result_cache, self.storage_options)
+        return self._cache
 
     def file(self, url: str) -> JsonlFile:
         return JsonlFile(url, storage_options=self.storage_options)
@@ -163,6 +184,9 @@ class TaskContext:
         scope = self.spec.dedup_scope
         memo = self.host.memo if scope is not None else None
         ignores_seed = greedy_ignores_seed(self.host.engine)
+        cache_keys: dict[int, str] = {}
+        if (cache := self.result_cache) is not None and live:
+            live, cache_keys = await self._from_cache(cache, requests, attempts, live, out, ignores_seed)
         leaders: list[int] = []  # go to the engine
         keys: dict[int, bytes] = {}  # leaders under a memo key
         waits: dict[int, asyncio.Future[Completion]] = {}  # every live request's future
@@ -226,7 +250,49 @@ class TaskContext:
             again = await self._run_plain([requests[i] for i in orphans])  # type: ignore[misc]
             for i, result in zip(orphans, again):
                 out[i] = result
+        if cache is not None and cache_keys:
+            await self._to_cache(cache, {key: c for i, key in cache_keys.items()
+                                         if isinstance(c := out[i], Completion) and c.error is None and not c.from_cache})
         return out
+
+    async def _from_cache(self, cache: ResultCache, requests: Sequence[Request | BaseException], attempts: Sequence[int] | None,
+                          live: list[int], out: list[Completion | BaseException], ignores_seed: bool,
+                          ) -> tuple[list[int], dict[int, str]]:
+        """Answer what the result cache holds (one bulk lookup for the chunk): the requests left
+        to compute, and the cache keys of those that may be stored once computed."""
+        identity = await self.host.identity()
+        keys: dict[int, str] = {}
+        for i in live:
+            r = requests[i]
+            assert isinstance(r, Request)
+            if not r.explicit_seed:  # sampled under a seed nobody asked for: a fresh sample each run
+                continue
+            key = cache_key(identity, r.prompt, r.params, attempts[i] if attempts is not None else 0, greedy_ignores_seed=ignores_seed)
+            if key is not None:
+                keys[i] = key
+        self.meter.cache_lookups += len(keys)
+        if not keys:
+            return live, keys
+        try:
+            found = await cache.get_many(list(keys.values()))
+        except Exception as exc:  # the cache is a saving, never a reason to fail a task: compute them
+            self.warnings.append(f"result cache lookup in {cache.url} failed ({rows.error_text(exc)}): computed instead")
+            return live, {}
+        hits = {i for i, key in keys.items() if key in found}
+        for i in hits:
+            completion = found[keys[i]]
+            self.meter.add_cache_hit(completion)
+            out[i] = self.checked_completion(requests[i].params, completion)  # type: ignore[union-attr]
+        return [i for i in live if i not in hits], {i: k for i, k in keys.items() if i not in hits}
+
+    async def _to_cache(self, cache: ResultCache, entries: dict[str, Completion]) -> None:
+        """Store the chunk's computed results (one bulk write); a failed write costs reuse only."""
+        if not entries:
+            return
+        try:
+            await cache.put_many(entries)
+        except Exception as exc:
+            self.warnings.append(f"result cache write to {cache.url} failed ({rows.error_text(exc)}): {len(entries)} result(s) not kept")
 
     def checked_completion(self, params: SamplingParams, completion: Completion) -> Completion:
         """``checked_completion``, counting the completions that failed their format (``schema_invalid``)."""

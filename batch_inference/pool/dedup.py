@@ -44,14 +44,25 @@ class Orphaned(Exception):
     """The request this one waited on failed or was cancelled: run it on its own."""
 
 
-def request_key(scope: str, prompt: Prompt, params: SamplingParams, attempt: int, *,
-                greedy_ignores_seed: bool) -> bytes | None:
-    """The memo key of one request, or None when its outcome is not deterministic."""
+def request_identity(prompt: Prompt, params: SamplingParams, *, greedy_ignores_seed: bool) -> tuple[Any, ...] | None:
+    """What makes two requests the same computation (the prompt as rendered by the builder and
+    the sampling), or None when the outcome is not deterministic: the one rule the memo and
+    the cross-run cache (``pool.result_cache``) share."""
     if params.temperature > 0 and params.seed is None:
         return None
     if params.temperature == 0 and greedy_ignores_seed:
         params = replace(params, seed=None)
     body = ("chat", prompt.messages) if isinstance(prompt, ChatPrompt) else ("text", prompt)
+    return (body, params)
+
+
+def request_key(scope: str, prompt: Prompt, params: SamplingParams, attempt: int, *,
+                greedy_ignores_seed: bool) -> bytes | None:
+    """The memo key of one request, or None when its outcome is not deterministic."""
+    identity = request_identity(prompt, params, greedy_ignores_seed=greedy_ignores_seed)
+    if identity is None:
+        return None
+    body, params = identity
     digest = hashlib.blake2b(repr((scope, attempt, body, params)).encode("utf-8", "surrogatepass"), digest_size=16)
     return digest.digest()
 

@@ -76,6 +76,16 @@ class EngineHost:
         # behind the storage layer's read/write hops and the GPU would sit idle.
         self._engine_thread: ThreadPoolExecutor | None = None
         self._together = asyncio.Lock()  # one run of ``together`` requests admitted at a time (FIFO)
+        self._identity: str | None = None
+
+    async def identity(self) -> str:
+        """The model's identity for the result cache (``pool.result_cache.engine_identity``):
+        its files fingerprinted once per worker, off the event loop."""
+        if self._identity is None:
+            from batch_inference.pool.result_cache import engine_identity
+
+            self._identity = await asyncio.to_thread(engine_identity, self.engine_config)
+        return self._identity
 
     async def start(self) -> None:
         """Build the engine and its way in; on any failure release what was made (the engine

@@ -110,7 +110,7 @@ class PoolJudging:
             task_id=f"{ctx.spec.task_id}/judge/{digest}", kind="judge", input_url=urls.join(folder, "input.jsonl.zst"),
             outputs={"approved": urls.join(folder, "approved.jsonl.zst"), "rejected": urls.join(folder, "rejected.jsonl.zst")},
             judge=self.config, chunk_size=ctx.spec.chunk_size, round=ctx.spec.round,
-            storage_options_ref=ctx.spec.storage_options_ref, dedup_scope=ctx.spec.dedup_scope,
+            storage_options_ref=ctx.spec.storage_options_ref, dedup_scope=ctx.spec.dedup_scope, result_cache=ctx.spec.result_cache,
         )
         async with _wave_files(ctx.spec.task_id, f"writing the wave of {len(rows)} to {task.input_url}"):
             async with ctx.file(task.input_url).writer() as w:

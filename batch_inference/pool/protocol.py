@@ -61,6 +61,9 @@ class TaskSpec(_Wire):
     # Identical deterministic requests of tasks that share this scope (one phase: run
     # instance, round, kind) run once per worker (pool.dedup); None: every request runs.
     dedup_scope: str | None = Field(None, min_length=1, max_length=512)
+    # The cross-run result cache's folder (pool.result_cache): deterministic requests found
+    # there are answered from it, those computed are stored; None: no cache.
+    result_cache: str | None = Field(None, min_length=1)
     # The prefix family of the shard's records (pipeline.affinity): a pool of several
     # workers sends one family's tasks to one worker while it has a free slot, so its
     # engine's prefix cache holds the family (pool.client). None: any worker.
@@ -86,7 +89,7 @@ class TaskSpec(_Wire):
 
     def urls(self) -> list[str]:
         """Every URL the task reads or writes (for the worker's storage-root check)."""
-        return [self.input_url, *self.outputs.values()]
+        return [self.input_url, *self.outputs.values(), *([self.result_cache] if self.result_cache else [])]
 
     def output_files(self) -> list[str]:
         """The output shards a finished task has committed (not the retry task's checkpoint store,
@@ -122,6 +125,12 @@ class TaskResult(_Wire):
     prefix_blocks: str | None = None
     prefix_block_size: int | None = None
     prefix_tail_tokens: int = 0
+    # The cross-run result cache (pool.result_cache): deterministic requests looked up, those
+    # answered from it (no engine work; their rows carry their usage), and the requests the
+    # engine ran.
+    result_cache_lookups: int = 0
+    result_cache_hits: int = 0
+    engine_requests: int = 0
     cached: bool = False
     warnings: list[str] = []  # e.g. checkpoint flushes that failed and were retried
 

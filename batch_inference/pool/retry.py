@@ -123,6 +123,7 @@ class Sample:
     row: dict[str, Any] | None = None  # set once the sample is finished
     usage: dict[str, int] | None = None  # the inferred result's, carried to the approved row (as an infer row carries it)
     finish_reason: str | None = None
+    cached: bool = False  # the inferred result came from the cross-run result cache (pool.result_cache)
 
     @property
     def attempts(self) -> int:
@@ -143,9 +144,11 @@ class Sample:
         resumed task re-infers it, never re-judges it."""
         self.result, self.last_error = None, last_error
         self.usage = self.finish_reason = None
+        self.cached = False
         self.attempt += 1
         # states merge field by field on load: the spent attempt's usage is cleared with its result
-        ckpt.add({"id": self.rid, "attempt": self.attempt, "last_result": None, "usage": None, "finish_reason": None})
+        ckpt.add({"id": self.rid, "attempt": self.attempt, "last_result": None, "usage": None, "finish_reason": None,
+                  "cached": False})
 
 
 class RetryTask:
@@ -179,7 +182,7 @@ class RetryTask:
         state = self.states.pop(rid, None) or {}
         sample = Sample(record, rid, strip_results(record), prior_attempts(record),
                         int(state.get("attempt", 0)), state.get("last_result"),
-                        usage=state.get("usage"), finish_reason=state.get("finish_reason"))
+                        usage=state.get("usage"), finish_reason=state.get("finish_reason"), cached=bool(state.get("cached")))
         if state.get("final"):
             sample.row = {**sample.base, **state["final"]}
         return sample
@@ -210,8 +213,9 @@ class RetryTask:
                 s.result, s.last_error = res.text, None
                 s.usage = {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens}
                 s.finish_reason = res.finish_reason
+                s.cached = res.from_cache
                 self.ckpt.add({"id": s.rid, "attempt": s.attempt, "last_result": s.result,
-                               "usage": s.usage, "finish_reason": s.finish_reason})
+                               "usage": s.usage, "finish_reason": s.finish_reason, "cached": s.cached})
 
     async def judge(self, wave: list[Sample]) -> None:
         """One judging call for every inferred sample of the wave, one wave of the task at a time."""
@@ -227,7 +231,8 @@ class RetryTask:
             if verdict.approved:
                 s.final(self.ckpt, {"result": s.result, "status": Status.APPROVED, "error": None,
                                     "attempts": s.attempts + 1, "verdict": verdict.to_dict(),
-                                    "usage": s.usage, "finish_reason": s.finish_reason})
+                                    "usage": s.usage, "finish_reason": s.finish_reason,
+                                    **({"cached": True} if s.cached else {})})
             else:
                 s.next_attempt(self.ckpt)
 

@@ -97,7 +97,7 @@ class WorkerRuntime:
         self.started_at = time.monotonic()
         self.last_activity = time.monotonic()
         self.counters = {"completed": 0, "failed": 0, "cached": 0, "refused": 0, "abandoned": 0,
-                         "records": 0, "tokens_in": 0, "tokens_out": 0, "duplicates": 0,
+                         "records": 0, "tokens_in": 0, "tokens_out": 0, "duplicates": 0, "result_cache_lookups": 0, "result_cache_hits": 0,
                          "prefix_queried": 0, "prefix_hits": 0}
 
     # -- tasks --------------------------------------------------------------
@@ -209,6 +209,7 @@ class WorkerRuntime:
             prefix_blocks=m.prefix_blocks.to_text() if m.prefix_blocks is not None else None,
             prefix_block_size=prefix_block_size(self.host.engine) if m.prefix_blocks is not None else None,
             prefix_tail_tokens=m.prefix_tail_tokens,
+            result_cache_lookups=m.cache_lookups, result_cache_hits=m.cache_hits, engine_requests=m.requests,
             warnings=ctx.warnings,
         )
         for warning in ctx.warnings:
@@ -218,6 +219,8 @@ class WorkerRuntime:
         self.counters["tokens_in"] += m.tokens_in
         self.counters["tokens_out"] += m.tokens_out
         self.counters["duplicates"] += m.duplicates
+        self.counters["result_cache_lookups"] += m.cache_lookups
+        self.counters["result_cache_hits"] += m.cache_hits
         self.counters["prefix_queried"] += m.prefix_queried
         self.counters["prefix_hits"] += m.prefix_hits
         self.finished[spec.task_id] = (spec, result)

@@ -47,6 +47,8 @@ async def run_infer(ctx: TaskContext) -> dict[str, int]:
                 if isinstance(res, Completion) and res.error is None:
                     row.update(result=res.text, error=None, finish_reason=res.finish_reason,
                                usage={"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens})
+                    if res.from_cache:  # answered from an earlier run's identical request (pool.result_cache)
+                        row["cached"] = True
                     counts["ok"] += 1
                 else:
                     error = res.error if isinstance(res, Completion) else error_text(res)

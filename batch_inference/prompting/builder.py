@@ -53,6 +53,10 @@ class Request:
 
     prompt: Prompt
     params: SamplingParams
+    # False for a sampled request (temperature > 0) whose seed was derived from no base seed
+    # (neither the spec nor the record set one): repeatable, but nobody asked for the same
+    # sample twice, so the cross-run result cache (pool.result_cache) never answers it.
+    explicit_seed: bool = True
 
 
 def _content(value: Any, record_id: Any, where: str) -> str:
@@ -132,6 +136,10 @@ class RequestBuilder:
 
         One ``SamplingParams`` per record and attempt, built once from the checked overrides:
         the engine converts that one to its own."""
+        return self._params(record, attempt)[0]
+
+    def _params(self, record: dict[str, Any], attempt: int) -> tuple[SamplingParams, int | None]:
+        """``params`` and the base seed it was derived from (None: no one set one)."""
         rid = record.get("id")
         updates: dict[str, Any] = {}
         base_seed = self.base_seed
@@ -141,12 +149,15 @@ class RequestBuilder:
         fmt = self._response_format(record.get("response_format"), rid) if "response_format" in record else self.response_format
         adapter = self._adapter(record, rid)
         try:
-            return replace(self.base, **updates, seed=derive_seed(base_seed, str(rid), attempt), response_format=fmt, adapter=adapter)
+            params = replace(self.base, **updates, seed=derive_seed(base_seed, str(rid), attempt), response_format=fmt, adapter=adapter)
         except ValueError as exc:  # e.g. min_tokens > max_tokens
             raise RequestError(ErrorKind.BAD_SAMPLING, rid, f"{self.config.sampling_field}: {exc}") from None
+        return params, base_seed
 
     def build(self, record: dict[str, Any], attempt: int) -> Request:
-        return Request(self.prompt(record), self.params(record, attempt))
+        prompt = self.prompt(record)
+        params, base_seed = self._params(record, attempt)
+        return Request(prompt, params, explicit_seed=base_seed is not None or params.temperature == 0)
 
     # -- per-record overrides -----------------------------------------------------------
 

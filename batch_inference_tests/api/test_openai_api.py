@@ -281,3 +281,28 @@ def test_a_model_with_a_judge_retries_and_each_line_says_which_attempt_was_appro
         assert done.usage.input_tokens == sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in out) > 0
         assert done.usage.output_tokens == sum(x["response"]["body"]["usage"]["completion_tokens"] for x in out) > 0
         assert {x["error"]["code"] for x in err} <= {"exhausted", "max_attempts"}
+
+
+def test_a_resubmitted_batch_is_answered_from_the_result_cache(tmp_path: Path) -> None:
+    """The API's batches are pipeline runs under one output root: a second batch of the same
+    deterministic requests (temperature 0, or a seed) computes none of them (docs/cache.md);
+    a sampled request without a seed is computed again."""
+    with serving(write_config(tmp_path)) as server:
+        c = client(server)
+        lines = [chat_line(f"q{i}", f"question {i}", temperature=0) for i in range(10)]
+        lines += [chat_line(f"s{i}", f"sampled {i}", temperature=0.9, seed=5) for i in range(4)]
+        lines += [chat_line(f"u{i}", f"unseeded {i}", temperature=0.9) for i in range(3)]
+        first = wait_status(c, submit(c, lines).id, ("completed",))
+        second = wait_status(c, submit(c, lines).id, ("completed",))
+        out1, _ = delivered(c, first)
+        out2, _ = delivered(c, second)
+        by_id = {x["custom_id"]: x["response"]["body"] for x in out1}
+        for line in out2:  # the same answers and usage, seeded and greedy alike
+            if not line["custom_id"].startswith("u"):
+                body = line["response"]["body"]
+                assert body["choices"] == by_id[line["custom_id"]]["choices"] and body["usage"] == by_id[line["custom_id"]]["usage"]
+        runs = server.config.parent / "api-data" / "runs"
+        summaries = {b.id: json.loads(next((runs / b.id).rglob("run.json")).read_text()) for b in (first, second)}
+        assert (summaries[first.id]["result_cache_hits"], summaries[first.id]["engine_requests"]) == (0, 17)
+        assert (summaries[second.id]["result_cache_hits"], summaries[second.id]["result_cache_lookups"]) == (14, 14)
+        assert summaries[second.id]["engine_requests"] == 3  # the unseeded samples only

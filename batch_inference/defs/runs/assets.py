@@ -14,7 +14,7 @@ import dagster as dg
 from pydantic import Field
 
 from batch_inference.defs.keys import CPU_OP_TAGS, DEFAULT, GPU_OP_TAGS, GPU_POOL, PipelineKeys
-from batch_inference.defs.metadata import funnel_markdown, location, phase_metadata, shard_list, with_row_count
+from batch_inference.defs.metadata import funnel_markdown, location, phase_metadata, result_cache_run_metadata, shard_list, with_row_count
 from batch_inference.defs.pool.resources import PoolResource
 from batch_inference.defs.recovery import record_worker
 from batch_inference.defs.runs.start import SourceConfig, SpecSource, start_source
@@ -164,6 +164,7 @@ def build_run_assets(k: PipelineKeys, spec_source: SpecSource, *, deps: list[dg.
             "ledger": location(layout.ledger),
             "shard_urls": shard_list(outcome.shards),
             "funnel": dg.MetadataValue.md(funnel_markdown(outcome.view)),
+            **result_cache_run_metadata(summary),
         }, rows=summary.approved))
 
 

@@ -1,0 +1,207 @@
+"""Results kept across runs: a content-addressed store of deterministic completions.
+
+A scheduled run over a corpus that grew by a few records recomputes nothing it computed
+before. The run's request memo (``pool.dedup``) computes identical requests of one phase
+once per worker; this is its persistent sibling, with the same rule of what may be reused
+(``dedup.request_identity``: temperature 0, or an explicit seed) and the same request
+identity (the prompt as rendered by the builder: text, or the chat messages the engine
+renders with its one template; the sampling, adapter included; the attempt), plus the
+model's identity (``engine_identity``: the engine config's result-deciding keys and a
+content fingerprint of the model's and every adapter's files, ``speckeys.folder_digest``).
+A changed weight or adapter file changes every key: it never hits.
+
+Layout, under the run's output root (``<output>/_result_cache`` unless the spec says):
+one small JSON object per key, ``<k[:2]>/<k[2:4]>/<k>.json``, written once and never
+changed (content-addressed: two workers writing the same key write the same answer, the
+last one wins and both are right). A read that is not a whole entry of its own key (a torn
+local write, foreign damage) is a miss, never an error. Lookups go in bulk: a task looks up
+a whole chunk's keys with one ``fs.cat`` of their paths, which s3fs (and every async
+fsspec store) runs concurrently, and writes a chunk's new entries with one ``fs.pipe``.
+
+Bounded: ``trim`` (the driver, once per run) deletes the oldest entries (by modification
+time: on local disk a hit refreshes it, so least recently used; on an object store the write
+time) until the store is under ``max_bytes``. docs/cache.md says what it costs and where
+the layout stops scaling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from batch_inference import speckeys
+from batch_inference.engines import Completion, EngineConfig, Prompt, SamplingParams
+from batch_inference.pool.dedup import request_identity
+from batch_inference.storage.urls import fs_for, is_local
+
+log = logging.getLogger(__name__)
+
+FORMAT = "v1"  # in every key: a change of what an entry means starts a fresh keyspace
+
+
+def engine_identity(config: EngineConfig) -> str:
+    """The model's identity for cache keys: the engine's result-deciding keys (kind, model
+    path, dtype, seed, max_model_len, adapter folders) and the content fingerprint of the
+    model folder and of every adapter folder (blocking: reads a few MiB per file)."""
+    data = config.model_dump(mode="json")
+    decided = {key: value for key, (_, value) in speckeys.decided(EngineConfig, data).items()}
+    folders: dict[str, str | None] = {}
+    for key, (mark, value) in speckeys.decided(EngineConfig, data).items():
+        if mark.folders and isinstance(value, str):
+            folders[key] = speckeys.folder_digest(value)
+    blob = json.dumps({"engine": decided, "files": folders, "simulated": data.get("simulated") if config.kind == "simulated" else None},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def cache_key(identity: str, prompt: Prompt, params: SamplingParams, attempt: int, *, greedy_ignores_seed: bool) -> str | None:
+    """The store's key of one request on the model ``identity`` (hex), or None when its outcome
+    is not deterministic (temperature > 0 without a seed): never reused."""
+    body = request_identity(prompt, params, greedy_ignores_seed=greedy_ignores_seed)
+    if body is None:
+        return None
+    digest = hashlib.blake2b(repr((FORMAT, identity, attempt, body)).encode("utf-8", "surrogatepass"), digest_size=20)
+    return digest.hexdigest()
+
+
+@dataclass
+class TrimReport:
+    """What one ``trim`` found and removed."""
+
+    entries: int
+    bytes: int
+    evicted: int
+    evicted_bytes: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {"entries": self.entries, "bytes": self.bytes, "evicted": self.evicted, "evicted_bytes": self.evicted_bytes}
+
+
+class ResultCache:
+    """The store at ``url`` (local or any fsspec URL): bulk ``get_many`` / ``put_many``, ``trim``."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.fs, self.root = fs_for(self.url, dict(storage_options or {}))
+        self.local = is_local(self.fs)
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{key[:2]}/{key[2:4]}/{key}.json"
+
+    # -- blocking halves (run off the event loop) ---------------------------------------
+
+    def get_many_sync(self, keys: Sequence[str]) -> dict[str, Completion]:
+        """The entries found among ``keys`` (missing and unreadable ones left out)."""
+        if not keys:
+            return {}
+        paths = {self._path(k): k for k in dict.fromkeys(keys)}
+        if self.local:  # one open per key: no listing, no exists() round trip
+            blobs: dict[str, bytes] = {}
+            for p in paths:
+                try:
+                    with open(p, "rb") as f:
+                        blobs[p] = f.read()
+                    os.utime(p)  # a hit is a use: trim evicts the least recently used
+                except OSError:
+                    continue
+        else:
+            try:
+                blobs = self.fs.cat(list(paths), on_error="omit")
+            except FileNotFoundError:
+                blobs = {}
+            blobs = {self.fs._strip_protocol(p) if p not in paths else p: b for p, b in blobs.items()}
+        found: dict[str, Completion] = {}
+        for path, blob in blobs.items():
+            key = paths.get(path)
+            if key is None:
+                continue
+            if (completion := _decode(key, blob)) is not None:
+                found[key] = completion
+        return found
+
+    def put_many_sync(self, entries: Mapping[str, Completion]) -> None:
+        """Store successful completions (a failed one is never an answer to reuse)."""
+        blobs = {self._path(k): _encode(k, c) for k, c in entries.items() if c.error is None}
+        if not blobs:
+            return
+        if self.local:
+            for path, blob in blobs.items():
+                parent = path.rsplit("/", 1)[0]
+                os.makedirs(parent, exist_ok=True)
+                tmp = f"{parent}/.{os.path.basename(path)}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+                with open(tmp, "wb") as f:
+                    f.write(blob)
+                os.replace(tmp, path)  # atomic: a reader sees the whole entry or none
+        else:
+            self.fs.pipe(blobs)  # one PUT per entry, run concurrently; an object store PUT is atomic
+
+    def trim(self, max_bytes: int) -> TrimReport:
+        """Delete the oldest entries until the store holds at most ``max_bytes`` (blocking)."""
+        try:
+            self.fs.invalidate_cache(self.root)
+            listing = self.fs.find(self.root, detail=True)
+        except FileNotFoundError:
+            return TrimReport(0, 0, 0, 0)
+        entries = [(info.get("size") or 0, _mtime(info), path) for path, info in listing.items()
+                   if path.endswith(".json") and info.get("type", "file") == "file"]
+        total = sum(size for size, _, _ in entries)
+        evicted: list[str] = []
+        evicted_bytes = 0
+        if total > max_bytes:
+            for size, _, path in sorted(entries, key=lambda e: e[1]):
+                if total - evicted_bytes <= max_bytes:
+                    break
+                evicted.append(path)
+                evicted_bytes += size
+            for i in range(0, len(evicted), 1000):
+                try:
+                    self.fs.rm(evicted[i:i + 1000])
+                except FileNotFoundError:  # another run trimmed it first
+                    pass
+        return TrimReport(len(entries) - len(evicted), total - evicted_bytes, len(evicted), evicted_bytes)
+
+    # -- async ---------------------------------------------------------------------------
+
+    async def get_many(self, keys: Sequence[str]) -> dict[str, Completion]:
+        return await asyncio.to_thread(self.get_many_sync, keys)
+
+    async def put_many(self, entries: Mapping[str, Completion]) -> None:
+        await asyncio.to_thread(self.put_many_sync, entries)
+
+
+def _mtime(info: Mapping[str, Any]) -> float:
+    value = info.get("mtime", info.get("LastModified", info.get("last_modified", 0)))
+    if hasattr(value, "timestamp"):
+        return float(value.timestamp())
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _encode(key: str, c: Completion) -> bytes:
+    return json.dumps({"key": key, "text": c.text, "prompt_tokens": c.prompt_tokens,
+                       "completion_tokens": c.completion_tokens, "finish_reason": c.finish_reason},
+                      ensure_ascii=False).encode("utf-8", "surrogatepass")
+
+
+def _decode(key: str, blob: bytes) -> Completion | None:
+    """The entry's completion, or None when the bytes are not a whole entry of this key."""
+    try:
+        data = json.loads(blob)
+        if data.get("key") != key or not isinstance(data.get("text"), str):
+            return None
+        return Completion(text=data["text"], prompt_tokens=int(data["prompt_tokens"]),
+                          completion_tokens=int(data["completion_tokens"]), finish_reason=data["finish_reason"], from_cache=True)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+__all__ = ["FORMAT", "ResultCache", "TrimReport", "cache_key", "engine_identity"]
