@@ -338,7 +338,7 @@ def _verdict_lines(view: LedgerView) -> list[str]:
     if r.result_cache_lookups or r.result_cache:
         hit = r.result_cache_hit_rate
         store = r.result_cache
-        line = (f"result cache: {r.result_cache_hits:,} of {r.result_cache_lookups:,} deterministic requests answered by earlier runs"
+        line = (f"result cache: {r.result_cache_hits:,} of {r.result_cache_lookups:,} deterministic requests answered from the result cache"
                 f" ({hit:.0%} hit rate); engines ran {r.engine_requests:,} request(s)" if hit is not None
                 else f"result cache: nothing looked up; engines ran {r.engine_requests:,} request(s)")
         if "entries" in store:
