@@ -146,4 +146,8 @@ def default_roots(spec: PipelineSpec) -> list[str]:
         src = os.path.abspath(src)
         if not os.path.isdir(src):
             src = os.path.dirname(src)
-    return [spec.output if "://" in spec.output else os.path.abspath(spec.output), src]
+    roots = [spec.output if "://" in spec.output else os.path.abspath(spec.output), src]
+    cache = spec.result_cache_url
+    if cache is not None and spec.cache.url is not None:  # a result cache outside the output (docs/cache.md)
+        roots.append(cache if "://" in cache else os.path.abspath(cache))
+    return roots

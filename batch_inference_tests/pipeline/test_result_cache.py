@@ -215,3 +215,29 @@ async def test_the_cache_keys_decide_no_result_so_a_resume_may_change_them(tmp_p
         PipelineSpec.parse(spec_dict(tmp_path, cache={"enabled": "sometimes"}))
     with pytest.raises(Exception, match="cache.max_byte"):
         PipelineSpec.parse(spec_dict(tmp_path, cache={"max_byte": 5}))
+
+
+@pytest.mark.slow
+async def test_a_cache_outside_the_output_is_a_storage_root_of_the_workers(local_pool: Any, tmp_path: Path) -> None:
+    """Worker processes refuse URLs outside their storage roots: a run's default roots hold the
+    cache's folder when it is not under the output, and a rerun on those workers hits."""
+    import asyncio
+
+    from batch_inference.pipeline.runner import default_roots
+
+    src = _corpus(tmp_path / "in.jsonl", 30)
+    elsewhere = tmp_path / "shared-cache"
+
+    def spec(run: str) -> PipelineSpec:
+        return _spec(tmp_path, run, src, cache={"url": str(elsewhere)}, output=str(tmp_path / "runs"))
+
+    roots = default_roots(spec("a"))
+    assert str(elsewhere) in roots and str(tmp_path / "runs") in roots
+    launcher = await asyncio.to_thread(local_pool, engine_config=spec("a").engine.model_dump(), replicas=1, concurrency=2,
+                                       storage_roots=roots)
+    client = await asyncio.to_thread(launcher.client, retries=0)
+    async with client:
+        first = await run_pipeline(spec("a"), runner=client)
+        again = await run_pipeline(spec("b"), runner=client)
+    assert first.quarantined == again.quarantined == 0
+    assert (again.result_cache_hits, again.engine_requests) == (60, 0) and list(elsewhere.rglob("*.json"))
