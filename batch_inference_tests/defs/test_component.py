@@ -132,3 +132,44 @@ def test_structured_output_check_validates_each_result_against_its_format(tmp_pa
     assert checked == 3
     assert [e["id"] for e in invalid] == ["b", "c"]
     assert "required" in invalid[0]["error"] and "not strict JSON" in invalid[1]["error"]
+
+
+def test_the_first_tick_starts_one_run_over_the_upstreams_newest_materialisation_not_its_history(tmp_path: Path) -> None:
+    # a component added to a project whose upstream was materialised three times before: one run, over the newest
+    prompts = [tmp_path / f"prompts-{i}.jsonl" for i in range(3)]
+    for path in prompts:
+        write_input(path, 5)
+    with create_defs_folder_sandbox() as sandbox:
+        sandbox.scaffold_component(component_cls=BatchInferenceComponent, defs_path="scoring", defs_yaml_contents={
+            "type": "batch_inference.BatchInferenceComponent",
+            "attributes": {"spec": _spec(tmp_path), "deps": ["raw_prompts"]},
+        })
+        (sandbox.defs_folder_path / "user_assets.py").write_text(textwrap.dedent('''
+            import dagster as dg
+
+            @dg.asset(config_schema={"path": str})
+            def raw_prompts(context) -> dg.MaterializeResult:
+                return dg.MaterializeResult(metadata={"path": dg.MetadataValue.path(context.op_config["path"])})
+        '''))
+        with sandbox.build_all_defs() as defs:
+            instance = dg.DagsterInstance.ephemeral()
+            for path in prompts:
+                assert dg.materialize([defs.get_assets_def("raw_prompts")], instance=instance,
+                                      run_config={"ops": {"raw_prompts": {"config": {"path": str(path)}}}}).success
+            sensor = defs.get_sensor_def("scoring__round_sensor")
+            with dg.build_sensor_context(instance=instance, definitions=defs, sensor_name="scoring__round_sensor", resources=dict(defs.resources or {})) as context:
+                first = sensor.evaluate_tick(context)
+            starts = [r for r in first.run_requests or [] if r.job_name == "scoring__start_pipeline_run"]
+            assert len(starts) == 1, starts
+            assert str(prompts[-1]) in json.dumps(starts[0].run_config)
+            # the next tick (its cursor kept) starts nothing more; a new materialisation starts one more
+            with dg.build_sensor_context(instance=instance, definitions=defs, sensor_name="scoring__round_sensor", cursor=first.cursor,
+                                         resources=dict(defs.resources or {})) as context:
+                again = sensor.evaluate_tick(context)
+            assert not [r for r in again.run_requests or [] if r.job_name == "scoring__start_pipeline_run"]
+            assert dg.materialize([defs.get_assets_def("raw_prompts")], instance=instance,
+                                  run_config={"ops": {"raw_prompts": {"config": {"path": str(prompts[0])}}}}).success
+            with dg.build_sensor_context(instance=instance, definitions=defs, sensor_name="scoring__round_sensor", cursor=again.cursor,
+                                         resources=dict(defs.resources or {})) as context:
+                third = sensor.evaluate_tick(context)
+            assert len([r for r in third.run_requests or [] if r.job_name == "scoring__start_pipeline_run"]) == 1

@@ -211,6 +211,16 @@ def _records_since(instance: dg.DagsterInstance, after: int, skip: frozenset[int
     return records[:MAX_EVENTS_PER_TICK]
 
 
+def _newest_upstream(instance: dg.DagsterInstance, deps: Iterable[dg.AssetKey]) -> dict[dg.AssetKey, int]:
+    """Each upstream key's newest materialisation's storage id (keys never materialised are left out)."""
+    newest: dict[dg.AssetKey, int] = {}
+    for key in deps:
+        page = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key), limit=1, ascending=False)
+        if page.records:
+            newest[key] = page.records[0].storage_id
+    return newest
+
+
 def start_action(record: dg.EventLogRecord, k: PipelineKeys, start_job: Any) -> Action:
     """Start a run of ``k`` over what an upstream materialisation wrote (its metadata's path):
     the run is named after the upstream's materialisation time, so one upstream event starts one run."""
@@ -253,8 +263,14 @@ def build_round_sensor(k: PipelineKeys, jobs: PipelineJobs, *, deps: tuple[dg.As
         requested: set[str] = {r.run_key for r in requests if r.run_key}
         waiting: set[str] = set()  # pipeline runs with an event whose Dagster run has not finished
         records = _records_since(instance, cursor.after, cursor.handled, (*watched(k), *deps))
+        # a sensor's first tick starts one run over each upstream's newest materialisation, never
+        # one per materialisation in its history (a component added to a project with a past)
+        newest = _newest_upstream(instance, deps) if context.cursor is None else {}
         for record in records:
             key, partition = record.asset_key, record.partition_key
+            if key in newest and record.storage_id < newest[key]:
+                cursor.handled.add(record.storage_id)
+                continue
             pipeline = pipeline_of(partition) if partition is not None else None
             if pipeline in waiting:
                 continue  # keep one pipeline's events in order: after the one it waits on
