@@ -32,6 +32,11 @@ shape, back to back and repeated:
   ``layout.prefix`` on (the default);
 - ``off``: the same with ``layout.prefix: false``.
 
+Every in-process measurement also records the engine's own scheduler figures at each update
+(``_limit.StepCounters``: running and waiting requests, preemptions, prefix-cache hits) and,
+for the pipeline, the requests its ``StreamGate`` had in flight: the report compares the
+limit's steps with the pipeline's (issue 32 item 2).
+
 ``llm.reset_prefix_cache()`` empties each engine's cache before every measurement. Every
 record asks for exactly ``--output`` tokens (``max_tokens = min_tokens``) at temperature 0,
 so every path decodes the same tokens. Pipeline figures are the ledger's infer phase
@@ -61,7 +66,7 @@ from pathlib import Path
 from typing import Any
 
 import _raw_vllm
-from _limit import against_limit, measure_limit
+from _limit import StepCounters, against_limit, count_engine_steps, count_llm_steps, measure_limit
 from _raw_vllm import load, serve
 
 REPORTS = Path(__file__).resolve().parent / "reports"
@@ -141,10 +146,16 @@ def raw_server(model: str, blocks: int) -> None:
     from batch_inference.engines.vllm_engine import engine_kwargs
 
     cfg = EngineConfig.model_validate(engine_config(model, blocks))
-    llm = LLM(**engine_kwargs(cfg))
+    llm = LLM(**engine_kwargs(cfg), disable_log_stats=False)  # its scheduler's figures, per step (the pipeline's engine keeps them too)
     tok = llm.get_tokenizer()
+    counters = count_llm_steps(llm)
 
     def handle(job: dict[str, Any]) -> dict[str, Any]:
+        counters.reset()
+        out = run(job)
+        return {**out, "engine": counters.summary()}
+
+    def run(job: dict[str, Any]) -> dict[str, Any]:
         if job["order"] == "limit":  # each distinct request once, in prefix order, one generate call
             return measure_limit(llm, lambda recs: encoded(tok, recs), job["records"], job["output"])
         sampling = VllmSamplingParams(max_tokens=job["output"], min_tokens=job["output"], temperature=0.0)
@@ -182,17 +193,19 @@ def pipeline_spec(model: str, blocks: int, root: Path, run: str, data: Path, n: 
         launcher="inprocess", layout={"prefix": prefix})
 
 
-async def run_pipeline_once(spec: Any, pool: Any) -> dict[str, Any]:
+async def run_pipeline_once(spec: Any, pool: Any, counters: StepCounters) -> dict[str, Any]:
     from batch_inference.pipeline import Ledger, RunLayout, run_pipeline
 
     await pool.host.engine.reset_prefix_cache()
+    counters.reset()
     summary = await run_pipeline(spec, runner=pool)
+    engine = counters.summary()
     view = Ledger(RunLayout(spec.output, spec.run), spec.storage_options).view()
     infer = view.rounds[0].infer
     assert infer is not None and summary.conservation["ok"]
     layout = view.shard.layout
     return {"records": infer.records_in, "tokens": infer.tokens_out, "prompt_tokens": infer.tokens_in, "seconds": infer.wall_s,
-            "shard_s": view.shard.wall_s, "failed": summary.failed,
+            "shard_s": view.shard.wall_s, "failed": summary.failed, "engine": engine,
             "layout": layout.as_dict() if layout is not None else None}
 
 
@@ -240,6 +253,7 @@ async def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict
     in_process = [x for x in shapes if x not in POOL_SHAPES]
     raw = await asyncio.to_thread(RawProcess, model, args.blocks) if in_process else None
     pool = await InProcessPool(engine_config(model, args.blocks), concurrency=10).__aenter__() if in_process else None
+    counters = count_engine_steps(pool.host.engine, pool.host.gate) if pool is not None else StepCounters()
     rows: list[dict[str, Any]] = []
     try:
         for rep in range(args.repeats):
@@ -271,7 +285,7 @@ async def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict
                     else:
                         spec = pipeline_spec(model, args.blocks, root, f"{shape}-{rep}-{path}", data, len(records), args.output,
                                              prefix=path == "on")
-                        res = await run_pipeline_once(spec, pool)
+                        res = await run_pipeline_once(spec, pool, counters)
                     res.update(records_s=res["records"] / res["seconds"], tok_s=len(records) * args.output / res["seconds"],
                                load=[before, load()])
                     row[path] = res
@@ -358,7 +372,33 @@ def report(args: argparse.Namespace, all_rows: list[dict[str, Any]], wall: float
         lay = r["on"]["layout"] or {}
         lines.append(f"| {r['shape']} | {r['repeat']} | {lay.get('applied')} | {lay.get('blocks')} | {lay.get('gain', 0):.1%} | "
                      f"{lay.get('cuts_shared')} | {lay.get('sign_s')} | {lay.get('sort_s')} | {r['on']['shard_s']:.2f} | {r['off']['shard_s']:.2f} |")
-    return "\n".join(lines + pool_report(args, [r for r in all_rows if r["shape"] in POOL_SHAPES])) + "\n"
+    return "\n".join(lines + counters_report(rows) + pool_report(args, [r for r in all_rows if r["shape"] in POOL_SHAPES])) + "\n"
+
+
+def counters_report(rows: list[dict[str, Any]]) -> list[str]:
+    """The engine's own scheduler figures per update (``_limit.StepCounters``): where the limit's rest goes."""
+    rows = [r for r in rows if "engine" in r["limit"]]
+    if not rows:
+        return []
+    lines = ["", "## The engine's counters: the limit against the pipeline", "",
+             "vLLM's scheduler figures at every update it hands its stat loggers (about one engine step), over the "
+             "steps with a request running: steps, running requests (mean / median / max), waiting requests (mean), "
+             "requests preempted and looked up again, the share of prompt tokens looked up that the prefix cache "
+             "supplied, and for `on` the requests the pipeline had in flight at the engine (its `StreamGate`, mean) and "
+             "when the first step ran after the measurement began (s; the pipeline's includes its shard step).", "",
+             "| shape | repeat | path | rec/s | steps | running mean / p50 / max | waiting mean | preempted | cache hits | "
+             "in flight mean | first step s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for path in ("limit", "on", "raw"):
+            e = r[path].get("engine") or {}
+            if not e:
+                continue
+            flight = f"{e['in_flight_mean']:.1f}" if e.get("in_flight_mean") is not None else "-"
+            first = f"{e['first_step_s']:.2f}" if e.get("first_step_s") is not None else "-"
+            lines.append(f"| {r['shape']} | {r['repeat']} | {path} | {r[path]['records_s']:.1f} | {e['steps']} | "
+                         f"{e['running_mean']:.1f} / {e['running_p50']} / {e['running_max']} | {e['waiting_mean']:.1f} | "
+                         f"{e['preempted']} | {e['hit_share']:.1%} | {flight} | {first} |")
+    return lines
 
 
 def pool_report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]:

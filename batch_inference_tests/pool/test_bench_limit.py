@@ -24,3 +24,19 @@ def test_against_limit_reports_the_phase_alone_and_with_the_shard_step() -> None
     assert got["records_s"] == pytest.approx(80.0) and got["of_limit"] == pytest.approx(0.8)
     assert got["records_s_shard"] == pytest.approx(60.0) and got["of_limit_shard"] == pytest.approx(0.6)
     assert _limit.against_limit({"records": 240, "seconds": 3.0}, limit)["of_limit_shard"] == pytest.approx(0.8)  # raw: no shard step
+
+
+def test_step_counters_summarise_the_scheduler_updates_with_a_request_running() -> None:
+    from types import SimpleNamespace as NS
+
+    c = _limit.StepCounters()
+    prefix = NS(queries=100, hits=75, preempted_requests=1)
+    for running, waiting, flight in ((0, 0, 0), (4, 6, 10), (8, 2, 10), (6, 0, 6)):
+        c.add(NS(num_running_reqs=running, num_waiting_reqs=waiting, prefix_cache_stats=prefix), flight)
+    c.add(None)  # an update without scheduler figures counts nothing
+    s = c.summary()
+    assert (s["steps"], s["running_max"], s["running_p50"], s["preempted"]) == (3, 8, 6, 4)
+    assert s["running_mean"] == pytest.approx(6.0) and s["waiting_mean"] == pytest.approx(8 / 3)
+    assert s["in_flight_mean"] == pytest.approx(26 / 3) and s["hit_share"] == pytest.approx(0.75)
+    c.reset()
+    assert c.summary()["steps"] == 0 and c.summary()["in_flight_mean"] is None
