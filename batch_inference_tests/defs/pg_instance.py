@@ -20,7 +20,7 @@ from batch_inference_tests.fixtures.postgres import PostgresServer
 DEPLOY_INSTANCE = Path(__file__).resolve().parents[2] / "deploy" / "dagster" / "dagster.yaml"
 
 
-def deploy_instance_config(server: PostgresServer, *, keep: tuple[str, ...] = ("storage", "run_queue", "run_monitoring",
+def deploy_instance_config(server: PostgresServer, *, keep: tuple[str, ...] = ("storage", "concurrency", "run_monitoring",
                                                                              "telemetry")) -> dict[str, Any]:
     config = yaml.safe_load(DEPLOY_INSTANCE.read_text())
     out = {key: copy.deepcopy(config[key]) for key in keep if key in config}

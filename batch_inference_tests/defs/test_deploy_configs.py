@@ -94,7 +94,8 @@ def test_k8s_instance_config():
     assert launcher.__name__ == "K8sRunLauncher"
     logs = check_class_config(config["compute_logs"])
     assert logs.__name__ == "S3ComputeLogManager"
-    assert config["run_queue"]["tag_concurrency_limits"][0]["key"] == "batch_inference/gpu"
+    assert config["concurrency"]["runs"]["tag_concurrency_limits"][0]["key"] == "batch_inference/gpu"
+    assert config["concurrency"]["pools"] == {"granularity": "op", "default_limit": 4}  # the GPU pool across nodes
     assert config["telemetry"]["enabled"] is False
     # K8sRunLauncher checks run-worker health and resumes a run in a new pod.
     k8s = launcher.__new__(launcher)  # no cluster needed for these two properties
@@ -127,8 +128,10 @@ def test_helm_values_match_the_instance_config():
     assert validate_config(S3ComputeLogManager.config_type(), logs).success
     assert logs["prefix"] == instance["compute_logs"]["config"]["prefix"]
 
-    queued = snake_keys(values["dagsterDaemon"]["runCoordinator"]["config"]["queuedRunCoordinator"])
-    assert queued == instance["run_queue"]
+    assert values["dagsterDaemon"]["runCoordinator"]["type"] == "QueuedRunCoordinator"
+    assert not values["dagsterDaemon"]["runCoordinator"]["config"]["queuedRunCoordinator"]  # the chart refuses both
+    concurrency = values["concurrency"]
+    assert {"runs": snake_keys(concurrency["runs"]), "pools": snake_keys(concurrency["pools"])} == instance["concurrency"]
     assert snake_keys(values["dagsterDaemon"]["runMonitoring"]) == instance["run_monitoring"]
     assert values["dagsterDaemon"]["runRetries"]["enabled"] is False
     assert values["postgresql"]["enabled"] is False and values["telemetry"]["enabled"] is False

@@ -50,7 +50,7 @@ def pg_s3_instance(tmp_path: Path, postgres: PostgresServer, seaweedfs: SeaweedS
            "AWS_SECRET_ACCESS_KEY": seaweedfs.secret}
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    keep = ("storage", "run_queue", "run_monitoring", "compute_logs", "telemetry")
+    keep = ("storage", "concurrency", "run_monitoring", "compute_logs", "telemetry")
     home = deploy_instance_home(tmp_path / "dagster_home", postgres, keep=keep)
     monkeypatch.setenv("DAGSTER_HOME", str(home))
     with dg.DagsterInstance.get() as instance:

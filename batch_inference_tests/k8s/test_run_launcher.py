@@ -58,7 +58,7 @@ def k8s_instance(k8s: K8sCluster, namespace, postgres: PostgresServer, tmp_path:
     for key, value in {**postgres.env(db), "BATCH_INFERENCE_POOL_ENDPOINTS": "http://10.244.0.9:8700",
                        "BATCH_INFERENCE_POOL_TOKEN": "pool-token"}.items():
         monkeypatch.setenv(key, value)
-    config = deploy_instance_config(postgres, keep=("storage", "run_queue", "run_launcher", "run_monitoring", "telemetry"))
+    config = deploy_instance_config(postgres, keep=("storage", "concurrency", "run_launcher", "run_monitoring", "telemetry"))
     home = write_k8s_instance(k8s, ns, config, tmp_path / "dagster_home", postgres_password="x")
     monkeypatch.setenv("DAGSTER_HOME", str(home))
     with dg.DagsterInstance.get() as instance:
