@@ -26,12 +26,17 @@ from typing import Any
 
 import orjson
 
+from typing import TYPE_CHECKING
+
 from batch_inference.api.config import ApiConfig
 from batch_inference.api.fair import FairShare
 from batch_inference.api.store import Store, new_id
 from batch_inference.pipeline.layout import RunLayout
 from batch_inference.pipeline.spec import PipelineSpec, SpecError
 from batch_inference.prompting.openai_batch import ENDPOINTS, error_line
+
+if TYPE_CHECKING:
+    from batch_inference.api.dagster_runs import DagsterBatches
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +69,11 @@ class BatchManager:
         self._open_lock = asyncio.Lock()
         self._exit = contextlib.AsyncExitStack()
         self._save_lock: dict[str, asyncio.Lock] = {}
+        self.dagster: DagsterBatches | None = None
+        if config.dagster is not None:
+            from batch_inference.api.dagster_runs import DagsterBatches
+
+            self.dagster = DagsterBatches(config.dagster.home)
 
     # -- state ---------------------------------------------------------------------
 
@@ -247,6 +257,10 @@ class BatchManager:
 
     def spec_for(self, state: dict[str, Any]) -> PipelineSpec:
         """The pipeline spec of a batch: its model's engine, pool and judge over its ``input.jsonl``."""
+        return PipelineSpec.parse(self.spec_data(state), source=f"model {state['run']!r} of the API config")
+
+    def spec_data(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``spec_for``'s keys, before parsing (the Dagster start job parses them with the batch's run and input)."""
         name = state["run"]
         m = self.config.models[name]
         pool = m.pool if "name" in m.pool.model_fields_set else m.pool.model_copy(update={"name": f"api-{name}"})
@@ -260,7 +274,7 @@ class BatchManager:
             "shard_records": m.shard_records, "chunk_size": m.chunk_size, "pool": pool,
             "storage_options": self.config.storage_options,
         }
-        return PipelineSpec.parse(data, source=f"model {name!r} of the API config")
+        return data
 
     def check_models(self) -> None:
         """Every model's spec builds (engine folder, judge, pool): a config error stops the server at start."""
@@ -288,7 +302,30 @@ class BatchManager:
 
         spec = await asyncio.to_thread(self.spec_for, state)
         share = await self.share(state["run"])
+        if self.dagster is not None and await self._run_in_dagster(state, spec, share):
+            return
         await run_pipeline(spec, runner=share.for_batch(state["id"]))
+
+    async def _run_in_dagster(self, state: dict[str, Any], spec: PipelineSpec, share: FairShare) -> bool:
+        """The batch's steps as Dagster runs of its model's pipeline (``api.dagster_runs``), in a
+        thread; a cancel of this task stops the batch's tasks and waits for the thread to end, so
+        nothing writes to the run after the stop delivers it. False: finish in process."""
+        from batch_inference.api.dagster_runs import ThreadBridge
+
+        assert self.dagster is not None
+        bridge = ThreadBridge(share.for_batch(state["id"]), asyncio.get_running_loop())
+        data = self.spec_data(state)
+        work = asyncio.ensure_future(asyncio.to_thread(self.dagster.run, state["id"], state["run"], data, spec.input, bridge))
+        try:
+            done = await asyncio.shield(work)
+        except asyncio.CancelledError:
+            bridge.stop()
+            await asyncio.gather(work, return_exceptions=True)
+            raise
+        if not done:
+            log.warning("batch %s: its Dagster runs did not reach results (a run a killed server left unfinished?): "
+                        "finishing it in this process", state["id"])
+        return done
 
     async def _finish(self, batch_id: str, stopped: str | None) -> None:
         """Export the run (all of it, or what finished before a stop), register the files, end the batch."""

@@ -80,6 +80,12 @@ class Limits(_Strict):
         return value
 
 
+class DagsterConfig(_Strict):
+    """A Dagster instance the batches run on, as the pipeline's Dagster runs."""
+
+    home: str = Field(min_length=1, description="a DAGSTER_HOME (its dagster.yaml, else a sqlite instance in it): the one `dagster dev` uses")
+
+
 class ApiConfig(_Strict):
     """``api.yaml``."""
 
@@ -90,7 +96,7 @@ class ApiConfig(_Strict):
     limits: Limits = Field(default_factory=Limits)
     tick_s: float = Field(5.0, gt=0, description="how often batch progress, expiry and file expiry are looked at")
     base_url: str | None = Field(None, description="the URL clients reach this server at (Anthropic results_url); default: the request's own")
-    dagster: str | None = Field(None, description="not supported yet: batches run in this process (the embedded default)")
+    dagster: DagsterConfig | None = Field(None, description="each batch runs as Dagster runs of its model's pipeline on this instance; default: in this process, no Dagster")
 
     @field_validator("models")
     @classmethod
@@ -98,13 +104,6 @@ class ApiConfig(_Strict):
         for name in value:
             if not name or len(name) > 256 or any(c.isspace() for c in name):
                 raise ValueError(f"model name {name!r}: 1-256 characters, no spaces")
-        return value
-
-    @field_validator("dagster")
-    @classmethod
-    def _no_dagster(cls, value: str | None) -> str | None:
-        if value is not None:
-            raise ValueError("a Dagster instance is not supported by the API server yet: leave it out (batches run in this process)")
         return value
 
     @classmethod
@@ -127,6 +126,8 @@ class ApiConfig(_Strict):
             return value
 
         data["storage"], data["tokens_file"] = here(data.get("storage")), here(data.get("tokens_file"))
+        if isinstance(data.get("dagster"), dict) and isinstance(data["dagster"].get("home"), str):
+            data["dagster"]["home"] = here(os.path.expanduser(data["dagster"]["home"]))
         for m in (data.get("models") or {}).values():
             if isinstance(m, dict):
                 for engine in (m.get("engine"), (m.get("judge") or {}).get("engine") if isinstance(m.get("judge"), dict) else None):

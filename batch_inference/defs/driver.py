@@ -98,11 +98,13 @@ def drive(
     sensor_name: str = "round_sensor",
     on_launch: Callable[[LaunchedRun], None] | None = None,
     log_level: str | None = None,
+    only: Callable[[dg.RunRequest], bool] | None = None,
 ) -> DriveResult:
     """Tick the sensor and run what it requests until a tick requests nothing new.
 
     ``log_level`` (e.g. ``"WARNING"``) quiets the console logger of the executed runs;
-    the event log in the instance keeps everything either way.
+    the event log in the instance keeps everything either way. ``only`` keeps the requests
+    this caller executes (the API server drives each batch's partitions from its own thread).
     """
     loggers = {"loggers": {"console": {"config": {"log_level": log_level}}}} if log_level else {}
     out = DriveResult(cursor=cursor)
@@ -110,7 +112,8 @@ def drive(
         data = tick(defs, instance, out.cursor, sensor_name)
         out.ticks += 1
         out.cursor = data.cursor or out.cursor
-        fresh = [r for r in data.run_requests or [] if not _already_launched(instance, sensor_name, r.run_key)]
+        fresh = [r for r in data.run_requests or []
+                 if (only is None or only(r)) and not _already_launched(instance, sensor_name, r.run_key)]
         if not fresh:
             return out
         for request in fresh:

@@ -32,6 +32,7 @@ class PipelineJobs:
     tail: dg.UnresolvedAssetJobDefinition
     results: dg.UnresolvedAssetJobDefinition
     review: dg.UnresolvedAssetJobDefinition
+    tail_op: str = "tail_retry"  # the op of the tail asset, which the tail job's run config names (prefixed under a prefix)
 
     @property
     def all(self) -> list[dg.UnresolvedAssetJobDefinition]:
@@ -60,6 +61,7 @@ def build_jobs(k: PipelineKeys) -> PipelineJobs:
         review=dg.define_asset_job(
             k.name("review_job"), selection=dg.AssetSelection.assets(k.reviewed), tags=NO_DAGSTER_RETRIES,
             description="Close a round's human review (its queue is empty or its timeout policy applies) and decide what follows."),
+        tail_op=k.tail_retry.to_python_identifier(),
     )
 
 

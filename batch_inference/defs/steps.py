@@ -10,14 +10,36 @@ synchronously), one event loop per step on the inside.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+import threading
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from batch_inference.defs.pool.resources import PoolResource
     from batch_inference.pipeline import PipelineRun, PipelineSpec
+    from batch_inference.pool.protocol import TaskRunner
 
 T = TypeVar("T")
+
+_HOSTED: dict[str, TaskRunner] = {}
+_HOSTED_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def hosted_runner(run: str, runner: TaskRunner) -> Iterator[None]:
+    """While open, the GPU steps of pipeline run ``run`` executed in this process dispatch
+    through ``runner`` instead of opening one from the pool resource: a host that already
+    holds the model's pool (the API server, sharing it fairly across batches) runs the steps
+    as Dagster runs without loading the model a second time."""
+    with _HOSTED_LOCK:
+        _HOSTED[run] = runner
+    try:
+        yield
+    finally:
+        with _HOSTED_LOCK:
+            if _HOSTED.get(run) is runner:
+                del _HOSTED[run]
 
 
 def _spec_errors_fail_the_step(spec: PipelineSpec, body: Awaitable[T]) -> T:
@@ -48,6 +70,10 @@ def run_gpu_step(spec: PipelineSpec, pool: PoolResource, step: Callable[[Pipelin
     from batch_inference.pipeline import PipelineRun, open_runner
     from batch_inference.planning.progress import eta_after_round
 
+    with _HOSTED_LOCK:
+        hosted = _HOSTED.get(spec.run)
+    if hosted is not None:
+        return _spec_errors_fail_the_step(spec, step(PipelineRun(spec, runner=hosted, eta=eta_after_round)))
     placed = pool.apply(spec)
     if judge_pool is not None:
         placed = judge_pool.apply(placed)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ from typing import Any
 
 import orjson
 import yaml
+from openai import OpenAI
 
 TOKEN = "test-key-0123456789abcdef"
 SIMULATED = {"kind": "simulated", "simulated": {"latency_a_s": 0.002, "latency_b_s": 0.0, "output_tokens": 4}}
@@ -98,3 +100,39 @@ def wait_for(check: Any, *, timeout_s: float = 60.0, every_s: float = 0.1, what:
             return value
         time.sleep(every_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+SLOW = {"kind": "simulated", "simulated": {"latency_a_s": 0.06, "latency_b_s": 0.0, "output_tokens": 4}}
+
+
+def slow_model(**keys: Any) -> dict[str, Any]:
+    """A model whose batches take seconds (shards of 10, two in flight): time to cancel or kill one."""
+    return {"tiny": {"engine": SLOW, "pool": {"concurrency": 2}, "shard_records": 10, "chunk_size": 5, **keys}}
+
+
+def client(server: Server, key: str = TOKEN) -> OpenAI:
+    return OpenAI(base_url=server.v1, api_key=key, max_retries=0)
+
+
+def submit(c: OpenAI, lines: list[dict[str, Any]], **kw: Any) -> Any:
+    f = c.files.create(file=("batch.jsonl", jsonl(lines)), purpose="batch")
+    return c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window=kw.pop("window", "24h"), **kw)
+
+
+def wait_status(c: OpenAI, batch_id: str, statuses: tuple[str, ...], timeout_s: float = 120.0) -> Any:
+    return wait_for(lambda: (b := c.batches.retrieve(batch_id)).status in statuses and b, timeout_s=timeout_s,
+                    what=f"batch {batch_id} to be {statuses}")
+
+
+def lines_of(c: OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in c.files.content(file_id).text.splitlines()] if file_id else []
+
+
+def delivered(c: OpenAI, batch: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The output and error lines of an ended batch, each custom_id checked to be in exactly one."""
+    out, err = lines_of(c, batch.output_file_id), lines_of(c, batch.error_file_id)
+    ids = [x["custom_id"] for x in out + err]
+    assert len(ids) == len(set(ids)), "a custom_id is in the files twice"
+    assert batch.request_counts.completed == len(out) and batch.request_counts.failed == len(err)
+    assert batch.request_counts.completed + batch.request_counts.failed == batch.request_counts.total == len(ids)
+    return out, err

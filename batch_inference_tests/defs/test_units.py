@@ -53,6 +53,19 @@ def test_tail_after_round_n_starts_from_round_n_plus_1():
     assert "shrank 10%" in action.run_request().tags["batch_inference/reason"]
 
 
+def test_a_prefixed_pipelines_tail_config_names_its_own_op():
+    """The tail asset's op under a prefix is ``scoring__tail_retry``: a run config naming
+    ``tail_retry`` made every prefixed tail job fail with DagsterInvalidConfigError."""
+    from batch_inference.defs.jobs import build_jobs
+    from batch_inference.defs.keys import PipelineKeys
+
+    k = PipelineKeys(("scoring",))
+    action = follow_up(k.rejected, "n|r04", meta(decision="tail"), k, build_jobs(k))
+    assert action.run_config == {"ops": {"scoring__tail_retry": {"config": {"from_round": 5}}}}
+    in_place = follow_up(k.sharded, "n", {"strategy": dg.MetadataValue.text("in_place")}, k, build_jobs(k))
+    assert in_place.job_name == "scoring__tail_job" and in_place.run_config == {"ops": {"scoring__tail_retry": {"config": {"from_round": 0}}}}
+
+
 def test_unknown_decision_is_loud():
     with pytest.raises(ValueError, match="no known decision"):
         follow_up(REJECTED, "n|r00", {})

@@ -96,7 +96,7 @@ def _round_action(key: RoundKey, reason: str, jobs: PipelineJobs = _DEFAULT_JOBS
 
 def _tail_action(run: str, from_round: int, reason: str, jobs: PipelineJobs = _DEFAULT_JOBS) -> Action:
     return Action(jobs.tail.name, run, f"{run}:tail", run, reason,
-                  run_config={"ops": {"tail_retry": {"config": {"from_round": from_round}}}})
+                  run_config={"ops": {jobs.tail_op: {"config": {"from_round": from_round}}}})
 
 
 def _results_action(run: str, reason: str, jobs: PipelineJobs = _DEFAULT_JOBS) -> Action:
