@@ -94,3 +94,25 @@ def test_sigkill_under_dagster_then_restart_resumes_in_dagster(tmp_path: Path) -
             [(r.tags.get("dagster/run_key"), r.status) for r in tail]
         assert instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=k.results, asset_partitions=[batch.id]),
                                                limit=1).records
+
+
+def test_a_judged_batch_runs_its_rounds_and_tail_as_dagster_runs(tmp_path: Path) -> None:
+    engine = {"kind": "simulated", "simulated": {"approval_rate": 0.5, "latency_a_s": 0.002, "latency_b_s": 0.0, "output_tokens": 4}}
+    model = {"engine": engine, "judge": {"kind": "llm", "template": "Judge this answer: {result}"}, "strategy": "hybrid",
+             "max_rounds": 4, "max_attempts": 4, "pool": {"concurrency": 2}, "shard_records": 10, "chunk_size": 5}
+    lines = [chat_line(f"r{i}", f"question {i}") for i in range(60)]
+    with serving(write_config(tmp_path, {"tiny": model}, dagster={"home": "./dagster_home"})) as server:
+        c = client(server)
+        done = wait_status(c, submit(c, lines).id, ("completed", "failed"))
+        assert done.status == "completed", (done.errors, server.log.read_text()[-3000:])
+        out, err = delivered(c, done)
+    assert sorted(x["custom_id"] for x in out + err) == sorted(x["custom_id"] for x in lines)
+    k = pipeline_keys("tiny")
+    with dg.DagsterInstance.from_config(str(tmp_path / "dagster_home")) as instance:
+        runs = instance.get_runs()
+        assert all(r.status == dg.DagsterRunStatus.SUCCESS for r in runs), [(r.job_name, r.status) for r in runs]
+        rounds = sorted(r.tags["dagster/partition"] for r in runs if r.job_name == k.name("round_job"))
+        assert rounds and rounds[0] == f"{done.id}|r00", rounds
+        assert {r.job_name for r in runs} >= {k.name("results_job")}
+        assert instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=k.results, asset_partitions=[done.id]),
+                                               limit=1).records
