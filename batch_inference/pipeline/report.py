@@ -26,7 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from batch_inference.pipeline.accounting import InputAccount
-from batch_inference.pipeline.summaries import LedgerView, rate
+from batch_inference.pipeline.summaries import LedgerView, PhaseSummary, rate
 
 
 OFF_TTY_WIDTH = 160  # the ledger table's columns fit without wrapping
@@ -179,14 +179,16 @@ def _rate(tokens_per_s: float) -> str:
 # When even the rest does not fit, each row is printed as a block of "name value" lines.
 # "cache" (the engine's prefix-cache hit rate), "vs ideal" (prompt tokens prefilled / each
 # distinct prefix computed once) and "dups" (requests answered by an identical one) appear
-# only when some row has them (OPTIONAL).
+# only when some row has them (OPTIONAL); so does "reused" (requests answered by the
+# cross-run result cache / looked up, docs/cache.md).
 COLUMNS: tuple[tuple[str, str], ...] = (
     ("phase", "left"), ("in", "right"), ("approved", "right"), ("rejected", "right"), ("failed", "right"),
     ("funnel", "left"), ("tokens in/out", "right"), ("engine", "right"), ("wall", "right"), ("out tok/s", "right"),
-    ("fill", "right"), ("cache", "right"), ("vs ideal", "right"), ("dups", "right"), ("next", "left"),
+    ("fill", "right"), ("cache", "right"), ("vs ideal", "right"), ("dups", "right"), ("reused", "right"),
+    ("next", "left"),
 )
-OPTIONAL: frozenset[str] = frozenset({"cache", "vs ideal", "dups"})
-LEAVE_OUT_ORDER: tuple[str, ...] = ("vs ideal", "dups", "fill", "cache", "out tok/s", "engine", "tokens in/out", "funnel bar", "wall")
+OPTIONAL: frozenset[str] = frozenset({"cache", "vs ideal", "dups", "reused"})
+LEAVE_OUT_ORDER: tuple[str, ...] = ("vs ideal", "dups", "reused", "fill", "cache", "out tok/s", "engine", "tokens in/out", "funnel bar", "wall")
 
 
 class LedgerTable:
@@ -276,7 +278,7 @@ def ledger_table(view: LedgerView, title: str) -> LedgerTable:
             "rejected": _n(rnd.rejected if judged else None), "failed": _n(rnd.failed), "funnel": f"{rnd.approval:.0%}",
             "tokens in/out": f"{_k(rnd.tokens_in)}/{_k(rnd.tokens_out)}", "engine": duration(rnd.engine_busy_s),
             "wall": duration(rnd.wall_s), "out tok/s": _rate(rnd.output_tokens_per_s), "fill": _f(rnd.avg_fill),
-            **_cache_cells(rnd.prefix_hit_rate, rnd.prefill_vs_ideal, rnd.duplicates),
+            **_cache_cells(rnd.prefix_hit_rate, rnd.prefill_vs_ideal, rnd.duplicates), **_reused(rnd.phases),
             "next": rnd.decision.kind if rnd.decision else "review" if rnd.awaiting_review else "-",
         })
     if t := view.tail:
@@ -287,7 +289,8 @@ def ledger_table(view: LedgerView, title: str) -> LedgerTable:
             "rejected": f"{_n(t.max_attempts)}*", "failed": _n(t.records_failed),
             "funnel": f"{approval:.0%}", "tokens in/out": f"{_k(t.tokens_in)}/{_k(t.tokens_out)}",
             "engine": duration(t.engine_busy_s), "wall": duration(t.wall_s), "out tok/s": _rate(t.output_tokens_per_s),
-            "fill": _f(t.avg_fill), **_cache_cells(t.prefix_hit_rate, t.prefill_vs_ideal, t.duplicates), "next": "",
+            "fill": _f(t.avg_fill), **_cache_cells(t.prefix_hit_rate, t.prefill_vs_ideal, t.duplicates), **_reused([t]),
+            "next": "",
         })
     return LedgerTable(title, rows, bars, (TAIL_MARK_LEGEND,) if view.tail else ())
 
@@ -312,6 +315,12 @@ def input_lines(view: LedgerView) -> list[str]:
         return []
     account = InputAccount.of_shard(s, s.quarantine_url or None)
     return [f"input {account.summary()}", *(f"warning: {note}" for note in account.notes())]
+
+
+def _reused(phases: list[PhaseSummary]) -> dict[str, str]:
+    """The result cache's hit rate over the phases (empty where nothing was looked up)."""
+    lookups = sum(p.result_cache_lookups for p in phases)
+    return {"reused": f"{rate(sum(p.result_cache_hits for p in phases), lookups):.0%}" if lookups else ""}
 
 
 def run_lines(view: LedgerView) -> list[str]:

@@ -58,6 +58,15 @@ async def test_a_rerun_with_ten_percent_new_records_computes_only_the_new_ones(t
     view = PipelineRun(spec2).ledger.view()
     assert sum(p.result_cache_hits for r in view.rounds for p in r.phases) == 400
     status = "\n".join(run_lines(view))
+    from rich.console import Console
+
+    from batch_inference.pipeline.report import ledger_table
+
+    console = Console(width=240)  # wide enough for every column, whatever the terminal
+    with console.capture() as captured:  # the ledger table: each round's share answered by the cache
+        console.print(ledger_table(view, "night-2"))
+    table = captured.get()
+    assert "reused" in table and any("round 0" in line and "91%" in line for line in table.splitlines())
     assert "result cache: 400 of 440" in status and "(91% hit rate)" in status and "engines ran 40 request(s)" in status
     assert second.result_cache["entries"] == 440 and second.result_cache["evicted"] == 0
     # and in the Dagster metadata of each round and of the results
