@@ -45,6 +45,7 @@ def make_spec(args: argparse.Namespace, root: Path, strategy: str, own: bool) ->
     if own:
         judge["engine"] = engine(args, seed=1)
     return PipelineSpec.parse({
+        "cache": {"enabled": False},  # benches measure the engine: every run computes its requests (bench/result_cache.py measures the cache)
         "run": f"{strategy}-{'own' if own else 'shared'}", "input": str(root / "input.jsonl"), "output": str(root / "runs"),
         "engine": engine(args, seed=0), "infer": {"template": "Answer: {prompt}", "sampling": {"max_tokens": 16, "seed": 1}},
         "judge": judge, "strategy": strategy, "max_rounds": args.attempts, "max_attempts": args.attempts,

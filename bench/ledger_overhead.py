@@ -50,6 +50,7 @@ def spec_for(tmp: Path, base: str, options: dict[str, Any], shards: int, limit: 
     if not src.exists():
         src.write_bytes(b"".join(orjson.dumps({"id": f"r{i:06d}", "prompt": f"q {i}"}) + b"\n" for i in range(shards)))
     return PipelineSpec.parse({
+        "cache": {"enabled": False},  # benches measure the engine: every run computes its requests (bench/result_cache.py measures the cache)
         "run": "bench-ledger", "input": str(src), "output": base, "storage_options": options,
         "engine": {"kind": "simulated"}, "infer": {"template": "{prompt}", "sampling": {"max_tokens": 4}},
         "judge": {"kind": "llm", "template": "{result}"}, "shard_records": 1, "pool": {"concurrency": limit},

@@ -45,6 +45,7 @@ def spec_for(tmp: Path, records: int) -> PipelineSpec:
     src = tmp / "input.jsonl"
     src.write_bytes(b"".join(orjson.dumps({"prompt": f"question {i}"}) + b"\n" for i in range(records)))
     return PipelineSpec.parse({
+        "cache": {"enabled": False},  # benches measure the engine: every run computes its requests (bench/result_cache.py measures the cache)
         "run": "bench-review", "input": str(src), "output": str(tmp / "out"),
         "engine": {"kind": "simulated", "simulated": {"latency_a_s": 0.0, "latency_b_s": 0.0}},
         "infer": {"template": "{prompt}", "sampling": {"max_tokens": 8}}, "judge": {"kind": "human"},

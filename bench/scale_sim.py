@@ -35,6 +35,7 @@ DOCS = ROOT / "docs"
 def spec_for(strategy: str, *, shard_records: int = 20_000, max_rounds: int = 5, max_attempts: int = 5,
              compare_cost: bool = True, replicas: int = 32, concurrency: int = 10) -> PipelineSpec:
     return PipelineSpec.parse({
+        "cache": {"enabled": False},  # benches measure the engine: every run computes its requests (bench/result_cache.py measures the cache)
         "run": "scale-sim", "input": "sim://input", "output": "sim://runs",
         "engine": {"kind": "simulated", "simulated": {"cost_model": "decode", "profile": "h200-llama-8b"}},
         "infer": {"template": "{prompt}"}, "judge": {"kind": "llm", "template": "{prompt} -> {result}"},

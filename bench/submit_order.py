@@ -74,6 +74,7 @@ async def run_once(kind: str, model: str | None, root: Path, name: str, records:
     data = root / f"{name}.jsonl"
     data.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records))
     spec = PipelineSpec.parse({
+        "cache": {"enabled": False},  # benches measure the engine: every run computes its requests (bench/result_cache.py measures the cache)
         "run": name, "input": str(data), "output": str(root / "runs"), "engine": engine_config(kind, model),
         "infer": {"template": "{prompt}", "sampling": {"max_tokens": 2048, "temperature": 1.0, "seed": 1}},
         "judge": {"kind": "rule", "callable": "regex", "kwargs": {"pattern": ""}},
