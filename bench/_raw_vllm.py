@@ -115,7 +115,10 @@ def reexec_in_vllm_env(script: str, kvcache_space_gib: str) -> None:
 
 def pipeline_spec(*, engine: dict[str, Any], root: Path, run: str, data: Path, infer: dict[str, Any], shard_records: int,
                   launcher: str, concurrency: int = 10, **extra: Any) -> Any:
-    """One round of the infer phase over ``data``: the judge approves every record (``extra``: more spec keys)."""
+    """One round of the infer phase over ``data``: the judge approves every record (``extra``: more spec keys).
+
+    The cross-run result cache is off: every measurement runs the same prompts again in
+    the same output folder, and a cache hit would measure the cache, not the engine."""
     from batch_inference.pipeline import PipelineSpec
 
     return PipelineSpec.parse({
@@ -123,5 +126,5 @@ def pipeline_spec(*, engine: dict[str, Any], root: Path, run: str, data: Path, i
         "run": run, "input": str(data), "output": str(root / "runs"), "engine": engine, "infer": infer,
         "judge": {"kind": "rule", "callable": "regex", "kwargs": {"pattern": ""}},  # approves all: one round
         "strategy": "rounds", "max_rounds": 1, "shard_records": shard_records, "chunk_size": 2000,
-        "pool": {"launcher": launcher, "concurrency": concurrency}, **extra,
+        "pool": {"launcher": launcher, "concurrency": concurrency}, "cache": {"enabled": False}, **extra,
     })

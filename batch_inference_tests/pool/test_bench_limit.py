@@ -40,3 +40,13 @@ def test_step_counters_summarise_the_scheduler_updates_with_a_request_running() 
     assert s["in_flight_mean"] == pytest.approx(26 / 3) and s["hit_share"] == pytest.approx(0.75)
     c.reset()
     assert c.summary()["steps"] == 0 and c.summary()["in_flight_mean"] is None
+
+
+def test_the_benches_pipeline_spec_turns_the_result_cache_off(tmp_path: Path) -> None:
+    """Every measurement reruns the same prompts in one output folder: a cache hit would time the cache."""
+    _raw_vllm = pytest.importorskip("_raw_vllm")
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"id": "a", "prompt": "hi"}\n')
+    spec = _raw_vllm.pipeline_spec(engine={"kind": "simulated"}, root=tmp_path, run="r", data=data, infer={},
+                                   shard_records=10, launcher="inprocess")
+    assert spec.cache.enabled is False and spec.result_cache_url is None
