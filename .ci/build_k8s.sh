@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Builds the Kubernetes control plane the infra tests run against: kube-apiserver,
-# kube-controller-manager and kubectl 1.20.2 from Debian's `kubernetes` source package
-# (every Go dependency vendored, so it builds offline with Debian's Go), plus etcd from
-# Debian's `etcd-server`. No kubelet, k3s or kind exists in these registries.
+# Builds the Kubernetes cluster the infra tests run against: kube-apiserver,
+# kube-controller-manager, kube-scheduler, kubelet, kube-proxy and kubectl 1.20.2 from
+# Debian's `kubernetes` source package (every Go dependency vendored, so it builds offline
+# with Debian's Go), plus etcd from Debian's `etcd-server`. No kubelet binary, k3s or kind
+# exists in these registries, so the node components come from the same source.
 #
-# The binaries are cached outside the repo under a versioned path and rebuilt only when
-# missing (the first build takes ~7-11 min on 2 cores). Idempotent, safe to run
+# The binaries are cached outside the repo under a versioned path; only the missing ones
+# are built (an older cache with the control plane alone gains the node binaries without
+# rebuilding the rest). The first build takes ~7-11 min on 2 cores for the control plane
+# and a few more for the node binaries. Idempotent, safe to run
 # concurrently (flock), and the install is atomic (build elsewhere, then one rename).
 # Prints the bin directory on its last line.
 set -euo pipefail
@@ -13,11 +16,11 @@ set -euo pipefail
 K8S_VERSION=1.20.2
 CACHE=${BATCH_INFERENCE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/batch_inference}
 DEST=$CACHE/kubernetes-$K8S_VERSION
-BINARIES=(kube-apiserver kube-controller-manager kubectl)
+BINARIES=(kube-apiserver kube-controller-manager kubectl kube-scheduler kubelet kube-proxy)
 
-have_all() {
+missing_binaries() {  # prints the binaries not in the cache yet
     local b
-    for b in "${BINARIES[@]}"; do [[ -x $DEST/bin/$b ]] || return 1; done
+    for b in "${BINARIES[@]}"; do [[ -x $DEST/bin/$b ]] || echo "$b"; done
 }
 
 apt_install() {  # apt_install PKG... : installs the ones that are missing
@@ -34,7 +37,8 @@ exec 9>"$CACHE/kubernetes-$K8S_VERSION.lock"
 flock 9
 
 apt_install etcd-server
-if have_all; then
+mapfile -t MISSING < <(missing_binaries)
+if ((${#MISSING[@]} == 0)); then
     echo "$DEST/bin"
     exit 0
 fi
@@ -63,9 +67,12 @@ export GOPATH=$WORK/gopath GOCACHE=$WORK/gocache GO111MODULE=off CGO_ENABLED=0
 cd "$GOPATH/src/k8s.io/kubernetes"
 make gen_openapi >"$WORK/gen_openapi.log" 2>&1 || { tail -30 "$WORK/gen_openapi.log" >&2; exit 1; }
 mkdir -p "$WORK/out/bin"
+# Keep what is already cached; build only the missing binaries into the new tree.
+[[ -d $DEST/bin ]] && cp -a "$DEST/bin/." "$WORK/out/bin/"
+targets=(); for b in "${MISSING[@]}"; do targets+=("./cmd/$b"); done
 v=k8s.io/kubernetes/vendor/k8s.io/component-base/version
 go build -ldflags "-s -w -X $v.gitVersion=v$K8S_VERSION -X $v.gitMajor=1 -X $v.gitMinor=$(cut -d. -f2 <<<"$K8S_VERSION")" \
-    -o "$WORK/out/bin/" ./cmd/kube-apiserver ./cmd/kube-controller-manager ./cmd/kubectl
+    -o "$WORK/out/bin/" "${targets[@]}"
 echo "kubernetes $upstream (Debian source), $(go version)" >"$WORK/out/VERSION"
 
 rm -rf "$DEST.old"
