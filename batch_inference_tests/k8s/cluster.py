@@ -11,7 +11,9 @@ node agent (``node_agent.py``), and processes started in the cluster namespace (
 pipeline driver) reach both. The test process reaches the API server through one
 forwarded port on 127.0.0.1 (``forward.py``). Nothing is routed outside these namespaces.
 
-No kubelet, kube-scheduler or kube-proxy: ``node_agent.py`` stands in for the first two.
+The ``k8s`` fixture's cluster has no kubelet, kube-scheduler or kube-proxy:
+``node_agent.py`` stands in for the first two. The ``k8s_node`` fixture's cluster has a
+real node instead (``node.py``: kubelet, containerd + runc, kube-scheduler, kube-proxy).
 """
 
 from __future__ import annotations
@@ -157,6 +159,17 @@ class K8sCluster:
 
         self._poll(ready, timeout_s, f"node {node} not Ready after {timeout_s:.0f}s", "node-agent")
 
+    def stop_one(self, name: str, timeout_s: float = 15) -> None:
+        """Stop one of the cluster's processes by PID (SIGTERM, then SIGKILL)."""
+        proc = self.procs.pop(name, None)
+        if proc is not None and proc.poll() is None:
+            stop_pid(proc.pid, sig=signal.SIGTERM, timeout_s=timeout_s)
+        if proc is not None:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
     def stop(self) -> None:
         for name in reversed(list(self.procs)):
             proc = self.procs.pop(name)
@@ -201,9 +214,15 @@ class K8sCluster:
         """``argv`` run inside the cluster's network namespace."""
         return ["ip", "netns", "exec", self.netns, *argv]
 
-    def _spawn(self, name: str, argv: list[str], *, env: dict[str, str] | None = None, **kw: Any) -> subprocess.Popen[bytes]:
+    def _spawn(self, name: str, argv: list[str], *, env: dict[str, str] | None = None, net_only: bool = False,
+               **kw: Any) -> subprocess.Popen[bytes]:
+        """``net_only``: enter the cluster's network namespace alone (``nsenter --net``), keeping the
+        host's mounts. ``ip netns exec`` also makes a mount namespace with a fresh /sys, where the
+        cgroup hierarchies are missing and mounts made (a pod's volumes) are seen by nobody else:
+        the kubelet, containerd and kube-proxy need the former."""
         log = (self.root / f"{name}.log").open("ab")
-        proc = subprocess.Popen(self.in_netns(argv), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        wrapped = ["nsenter", f"--net=/var/run/netns/{self.netns}", "--", *argv] if net_only else self.in_netns(argv)
+        proc = subprocess.Popen(wrapped, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=env or {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}, **kw)
         log.close()
         self.procs[name] = proc

@@ -5,6 +5,7 @@ of their own plus the test node agent with 4 GPUs; every process is stopped by P
 every namespace removed at the end, also when a test fails. ``namespace(live=...)``
 gives a test its own Kubernetes namespace: ``live`` ones (prefix ``live-``) have their
 pods' commands run for real by the node agent; the others are reported Running only.
+``k8s_node`` (``make test-pods``) is another cluster with a real node (``node.py``).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from batch_inference_tests.fixtures.infra import require
-from batch_inference_tests.k8s.cluster import K8sCluster, binaries_missing
+from batch_inference_tests.k8s.cluster import K8S_BIN, K8sCluster, binaries_missing
 from batch_inference_tests.k8s.helpers import wait_until
+from batch_inference_tests.k8s.node import RealNode, build_images, node_missing
 
 LIVE_PREFIX = "live-"
 
@@ -57,3 +59,24 @@ def namespace(k8s: K8sCluster) -> Iterator[Callable[..., str]]:
     for name in made:  # bounded, generously: on 2 loaded cores the controllers can take a while
         wait_until(lambda: name not in {n.metadata.name for n in core.list_namespace().items}, 240,
                    f"namespace {name} to go (its pods when the wait began: {[p.metadata.name for p in core.list_namespaced_pod(name).items]})")
+
+
+@pytest.fixture(scope="session")
+def k8s_node() -> Iterator[tuple[K8sCluster, RealNode]]:
+    """A second cluster whose node is real (``node.py``): kubelet + containerd + runc running
+    the project's image, kube-scheduler, kube-proxy. No node agent in it."""
+    missing = binaries_missing() + node_missing(K8S_BIN)
+    require(not missing, f"Kubernetes node not built/installed ({', '.join(missing)})")
+    require(os.geteuid() == 0 and shutil.which("ip") is not None, "a node needs root and iproute2")
+    images = build_images()  # cached by .ci/build_k8s_node.sh; a miss builds them (minutes)
+    cluster = K8sCluster()
+    node: RealNode | None = None
+    try:
+        cluster.start()
+        node = RealNode(cluster, K8S_BIN)
+        node.start(images)
+        yield cluster, node
+    finally:
+        if node is not None:
+            node.stop()
+        cluster.stop()

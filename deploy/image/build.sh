@@ -20,7 +20,7 @@
 #
 # Cached under ~/.cache/batch_inference/image in three steps: the base rootfs (keyed on the
 # Debian suite and package list), the venv of pinned dependencies (keyed on the constraints,
-# pyproject.toml, the variant and this script) and the image (keyed on the wheel's
+# the wheel's Requires-Dist, the variant and DEPS_RECIPE) and the image (keyed on the wheel's
 # contents). A code change rebuilds only the last (~1-2 min: mostly writing the ~1.4 GB
 # archive). Prints the archive path on its last line.
 set -euo pipefail
@@ -75,7 +75,12 @@ WORK=$(mktemp -d "$CACHE/build.XXXXXX")
 trap 'root rm -rf "$WORK"' EXIT
 "$PYTHON" -m pip wheel -q --no-deps -w "$WORK/project" "$REPO" >/dev/null
 WHEEL=$(ls "$WORK"/project/batch_inference-*.whl)
-deps_key=$( { sha "$REPO/.ci/constraints.txt" "$REPO/pyproject.toml" "$0"; echo "$VARIANT $base_key"; } | sha | cut -c1-12)
+DEPS_RECIPE=1  # bump when step 2 changes
+requires=$("$PYTHON" -c 'import sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+print("\n".join(sorted(l for l in z.read(meta).decode().splitlines() if l.startswith(("Requires-Dist", "Requires-Python")))))' "$WHEEL")
+deps_key=$( { sha "$REPO/.ci/constraints.txt"; echo "$requires"; echo "$VARIANT $base_key $DEPS_RECIPE"; } | sha | cut -c1-12)
 DEPS=$CACHE/deps-$VARIANT-$deps_key
 if [[ ! -d $DEPS ]]; then
     t0=$SECONDS
@@ -104,7 +109,7 @@ fi
 #    wheel file (its zip timestamps change on every build).
 key=$( { "$PYTHON" -c 'import hashlib, sys, zipfile
 z = zipfile.ZipFile(sys.argv[1])
-for n in sorted(z.namelist()): print(n, hashlib.sha256(z.read(n)).hexdigest())' "$WHEEL"; echo "$deps_key"; } | sha | cut -c1-16)
+for n in sorted(z.namelist()): print(n, hashlib.sha256(z.read(n)).hexdigest())' "$WHEEL"; echo "$deps_key"; sha "$0"; } | sha | cut -c1-16)
 ARCHIVE=$CACHE/batch-inference-$VARIANT-$key.oci.tar
 if [[ ! -f $ARCHIVE ]]; then
     t0=$SECONDS
