@@ -173,3 +173,43 @@ def test_the_first_tick_starts_one_run_over_the_upstreams_newest_materialisation
                                          resources=dict(defs.resources or {})) as context:
                 third = sensor.evaluate_tick(context)
             assert len([r for r in third.run_requests or [] if r.job_name == "scoring__start_pipeline_run"]) == 1
+
+
+def test_the_next_nights_run_hits_the_result_cache_for_every_unchanged_record(tmp_path: Path) -> None:
+    # night 1 over 40 records; night 2's upstream writes the same 40 plus 4 new: only the new ones are computed
+    night1, night2 = tmp_path / "night-1.jsonl", tmp_path / "night-2.jsonl"
+    write_input(night1, 40)
+    write_input(night2, 40)
+    with night2.open("ab") as f:
+        for i in range(4):
+            f.write(json.dumps({"id": f"new{i}", "prompt": f"something new {i}"}).encode() + b"\n")
+    with create_defs_folder_sandbox() as sandbox:
+        sandbox.scaffold_component(component_cls=BatchInferenceComponent, defs_path="scoring", defs_yaml_contents={
+            "type": "batch_inference.BatchInferenceComponent",
+            "attributes": {"spec": _spec(tmp_path), "deps": ["raw_prompts"]},
+        })
+        (sandbox.defs_folder_path / "user_assets.py").write_text(textwrap.dedent('''
+            import dagster as dg
+
+            @dg.asset(config_schema={"path": str})
+            def raw_prompts(context) -> dg.MaterializeResult:
+                return dg.MaterializeResult(metadata={"path": dg.MetadataValue.path(context.op_config["path"])})
+        '''))
+        with sandbox.build_all_defs() as defs:
+            instance = dg.DagsterInstance.ephemeral()
+            cursor = None
+            nights = []
+            for path in (night1, night2):
+                assert dg.materialize([defs.get_assets_def("raw_prompts")], instance=instance,
+                                      run_config={"ops": {"raw_prompts": {"config": {"path": str(path)}}}}).success
+                result = drive(defs, instance, cursor=cursor, sensor_name="scoring__round_sensor", log_level="WARNING")
+                assert result.launched and all(r.success for r in result.launched)
+                cursor = result.cursor
+                nights.append(instance.get_latest_materialization_event(dg.AssetKey(["scoring", "results"])).asset_materialization)
+            first, second = (n.metadata for n in nights)
+            assert nights[0].partition != nights[1].partition and second["records"].value == 44
+            assert first["result_cache_hits"].value == 0 and first["result_cache_lookups"].value > 0
+            computed = second["result_cache_lookups"].value - second["result_cache_hits"].value
+            # every request of the 40 unchanged records is answered from night 1; the 4 new ones are computed
+            assert second["result_cache_hits"].value >= first["result_cache_lookups"].value, (dict(first), dict(second))
+            assert 4 <= computed <= 4 * 5, computed  # at most max_attempts requests per new record
