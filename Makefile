@@ -61,7 +61,7 @@ test-infra: $(INFRA_STAMP)
 # ~10 min the first time, ~1-2 min after a code change), kube-scheduler and kube-proxy.
 # Not in `test` (so not in CI) yet: not run 3x clean before it landed (docs/RELIABILITY.md).
 test-pods: $(INFRA_STAMP)
-	bash .ci/build_k8s.sh
+	bash .ci/build_k8s.sh --node
 	bash .ci/build_k8s_node.sh
 	BATCH_INFERENCE_INFRA=require $(PY) -m pytest -q -ra -m pods batch_inference_tests
 

@@ -5,6 +5,8 @@
 # with Debian's Go), plus etcd from Debian's `etcd-server`. No kubelet binary, k3s or kind
 # exists in these registries, so the node components come from the same source.
 #
+# `--node` adds the node's binaries (kube-scheduler, kubelet, kube-proxy: `make test-pods`);
+# without it only the control plane the infra tests use is built (`make test-infra`, CI).
 # The binaries are cached outside the repo under a versioned path; only the missing ones
 # are built (an older cache with the control plane alone gains the node binaries without
 # rebuilding the rest). The first build takes ~7-11 min on 2 cores for the control plane
@@ -16,7 +18,8 @@ set -euo pipefail
 K8S_VERSION=1.20.2
 CACHE=${BATCH_INFERENCE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/batch_inference}
 DEST=$CACHE/kubernetes-$K8S_VERSION
-BINARIES=(kube-apiserver kube-controller-manager kubectl kube-scheduler kubelet kube-proxy)
+BINARIES=(kube-apiserver kube-controller-manager kubectl)
+if [[ ${1:-} == --node ]]; then BINARIES+=(kube-scheduler kubelet kube-proxy); fi
 
 missing_binaries() {  # prints the binaries not in the cache yet
     local b
