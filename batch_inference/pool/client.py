@@ -61,6 +61,7 @@ class PoolClient:
         max_refusals: int | None = 100,  # None: refused (busy) tasks wait as long as it takes
         down_cooldown_s: float = 5.0,
         refresh: RefreshFn | None = None,
+        max_unreachable_s: float = 300.0,
     ) -> None:
         if not endpoints:
             raise ValueError("PoolClient needs at least one worker endpoint")
@@ -74,6 +75,9 @@ class PoolClient:
         self.max_refusals = max_refusals
         self.down_cooldown_s = down_cooldown_s
         self.refresh = refresh
+        # how long a task waits for a worker it can connect to (pods replaced after a spot
+        # reclaim, a pool restarting) before it fails; waiting spends none of its retries
+        self.max_unreachable_s = max_unreachable_s
         self.in_flight: dict[str, int] = {e: 0 for e in self.endpoints}
         self.down_until: dict[str, float] = {}
         self.retried = 0  # tasks re-sent after a failure, for reports
@@ -254,10 +258,12 @@ class PoolClient:
             log.exception("refreshing the pool's endpoints failed")
             return
         if endpoints:
+            # a worker that refused connections stays down for its cooldown even if listed
+            # again: Kubernetes' Endpoints lag a deleted pod by seconds, and clearing it here
+            # sent the retries straight back to the dead address
             self.endpoints = [e.rstrip("/") for e in endpoints]
             for e in self.endpoints:
                 self.in_flight.setdefault(e, 0)
-                self.down_until.pop(e, None)
 
     def _backoff(self, n: int) -> float:
         return min(self.max_backoff_s, self.backoff_s * 2 ** max(0, n - 1)) * random.uniform(0.5, 1.0)
@@ -269,7 +275,8 @@ class PoolClient:
         session = self._ensure_session()
         body = spec.model_dump_json().encode()
         errors: list[str] = []
-        failures = refusals = 0
+        failures = refusals = unreached = 0
+        unreached_since: float | None = None  # since when no worker could be connected to
         tried: dict[str, int] = {}  # endpoint -> the step at which this task last went there
         for step in itertools.count():
             endpoint = await self._choose(tried, spec.affinity)
@@ -277,12 +284,27 @@ class PoolClient:
             try:
                 async with session.post(f"{endpoint}/tasks", data=body, headers={"Content-Type": "application/json"}) as resp:
                     status, payload = resp.status, await resp.read()
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                status, payload = -1, b""  # never reached a worker: it is gone, or not up yet
+                errors.append(f"{endpoint}: {type(exc).__name__}: {exc}".rstrip(": "))
+                self._mark_down(endpoint)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
                 status, payload = 0, b""
                 errors.append(f"{endpoint}: {type(exc).__name__}: {exc}".rstrip(": "))
                 self._mark_down(endpoint)
             finally:
                 self.in_flight[endpoint] -= 1
+            if status == -1:
+                # the task is not to blame for a worker it never reached: it waits for one
+                # (the endpoints are refreshed) without spending a retry, up to a bound
+                now = time.monotonic()
+                unreached_since = now if unreached_since is None else unreached_since
+                if now - unreached_since > self.max_unreachable_s:
+                    raise TaskFailed(spec, [*errors[-5:], f"no worker could be reached for {now - unreached_since:.0f}s"])
+                unreached += 1
+                await asyncio.sleep(self._backoff(min(unreached, 5)))
+                continue
+            unreached_since = None
             if status == 200:
                 self.down_until.pop(endpoint, None)
                 return TaskResult.model_validate_json(payload)

@@ -215,3 +215,30 @@ async def test_affinity_falls_back_when_its_worker_dies_and_stays_on_the_fallbac
         assert dead in pool.down_until
     assert ran == [fallback] * 4  # the next worker in the family's order, every time
 
+
+
+async def test_a_worker_never_reached_costs_no_retry_while_the_task_waits_for_one(serve) -> None:
+    # a spot reclaim: the task's workers are gone and the replacements are not up yet; with
+    # no retries left to spend it still runs once a refresh names a live worker
+    good = Scripted("good", [])
+    good_url, dead = await serve(good), _dead_endpoint()
+    calls = 0
+
+    async def refresh() -> list[str]:
+        nonlocal calls
+        calls += 1
+        return [dead] if calls < 3 else [dead, good_url]  # Endpoints still list the dead pod
+
+    async with PoolClient([dead], retries=0, backoff_s=0.02, down_cooldown_s=60, refresh=refresh) as pool:
+        result = await pool.run_task(SPEC)
+        assert pool.retried == 0 and dead in pool.down_until  # a refresh listing it again keeps it down
+        more = await asyncio.gather(*(pool.run_task(SPEC.model_copy(update={"task_id": f"m{i}"})) for i in range(4)))
+    assert result.worker == "good" and all(r.worker == "good" for r in more) and good.hits == 5
+
+
+async def test_no_worker_reachable_for_longer_than_the_bound_fails_the_task_naming_them() -> None:
+    dead = _dead_endpoint()
+    async with PoolClient([dead], retries=5, backoff_s=0.02, max_unreachable_s=0.3) as pool:
+        with pytest.raises(TaskFailed) as info:
+            await pool.run_task(SPEC)
+    assert any(dead in e for e in info.value.errors) and "no worker could be reached" in info.value.errors[-1]
