@@ -17,7 +17,9 @@ Every call blocks (fsspec): the server calls them through ``asyncio.to_thread``.
 
 from __future__ import annotations
 
+import errno
 import re
+import time
 import secrets
 from collections.abc import Iterator
 from typing import Any
@@ -120,9 +122,20 @@ class Store:
             for raw in f:
                 yield raw.rstrip(b"\r\n")
 
-    def remove(self, url: str) -> None:
-        """Delete ``url`` (a file or a folder); gone already is fine."""
-        try:
-            self.fs.rm(self._path(url), recursive=True)
-        except FileNotFoundError:
-            pass
+    def remove(self, url: str, *, attempts: int = 20, pause_s: float = 0.25) -> None:
+        """Delete ``url`` (a file or a folder); gone already is fine.
+
+        A stopped batch's last worker-side task may still write a checkpoint for a moment
+        after the batch ended (a worker finishes a task its caller left, and commits
+        nothing): a folder that filled up again while it was removed is removed again.
+        """
+        for attempt in range(attempts):
+            try:
+                self.fs.rm(self._path(url), recursive=True)
+                return
+            except FileNotFoundError:
+                return
+            except OSError as exc:
+                if exc.errno != errno.ENOTEMPTY or attempt == attempts - 1:
+                    raise
+                time.sleep(pause_s)
