@@ -213,3 +213,50 @@ def test_the_next_nights_run_hits_the_result_cache_for_every_unchanged_record(tm
             # every request of the 40 unchanged records is answered from night 1; the 4 new ones are computed
             assert second["result_cache_hits"].value >= first["result_cache_lookups"].value, (dict(first), dict(second))
             assert 4 <= computed <= 4 * 5, computed  # at most max_attempts requests per new record
+
+
+def test_two_upstream_materialisations_in_the_same_second_start_two_runs(tmp_path: Path) -> None:
+    # a run was named after its upstream event's second alone: two deps materialised by one
+    # run of the user's (or one dep twice within a second) made one run name, and Dagster's
+    # run-key dedup dropped the second start without a word
+    paths = {name: tmp_path / f"{name}.jsonl" for name in ("prompts_a", "prompts_b")}
+    for path in paths.values():
+        write_input(path, 5)
+    with create_defs_folder_sandbox() as sandbox:
+        sandbox.scaffold_component(component_cls=BatchInferenceComponent, defs_path="scoring", defs_yaml_contents={
+            "type": "batch_inference.BatchInferenceComponent",
+            "attributes": {"spec": _spec(tmp_path), "deps": ["prompts_a", "prompts_b"]},
+        })
+        (sandbox.defs_folder_path / "user_assets.py").write_text(textwrap.dedent(f'''
+            import dagster as dg
+
+            @dg.asset
+            def prompts_a() -> dg.MaterializeResult:
+                return dg.MaterializeResult(metadata={{"path": dg.MetadataValue.path({str(paths["prompts_a"])!r})}})
+
+            @dg.asset
+            def prompts_b() -> dg.MaterializeResult:
+                return dg.MaterializeResult(metadata={{"path": dg.MetadataValue.path({str(paths["prompts_b"])!r})}})
+        '''))
+        with sandbox.build_all_defs() as defs:
+            instance = dg.DagsterInstance.ephemeral()
+            sensor = defs.get_sensor_def("scoring__round_sensor")
+            resources = dict(defs.resources or {})
+            with dg.build_sensor_context(instance=instance, definitions=defs, sensor_name="scoring__round_sensor", resources=resources) as context:
+                cursor = sensor.evaluate_tick(context).cursor
+            assert dg.materialize([defs.get_assets_def("prompts_a"), defs.get_assets_def("prompts_b")], instance=instance).success
+            records = [instance.fetch_materializations(dg.AssetKey(name), limit=1).records[0] for name in paths]
+            # the same second, for certain: the second event as if it had landed in the first one's second
+            from batch_inference.defs.rounds.sensors import start_action
+            from batch_inference.defs.keys import PipelineKeys
+            same_second = records[0]._replace(storage_id=records[0].storage_id + 1000)
+            k = PipelineKeys(("scoring",))
+            job = defs.get_job_def("scoring__start_pipeline_run")
+            assert start_action(records[0], k, job).run_key != start_action(same_second, k, job).run_key
+            with dg.build_sensor_context(instance=instance, definitions=defs, sensor_name="scoring__round_sensor", cursor=cursor,
+                                         resources=resources) as context:
+                tick = sensor.evaluate_tick(context)
+            starts = [r for r in tick.run_requests or [] if r.job_name == "scoring__start_pipeline_run"]
+            assert len(starts) == 2 and len({r.run_key for r in starts}) == 2, starts
+            assert {str(p) for p in paths.values()} == {
+                next(str(p) for p in paths.values() if str(p) in json.dumps(r.run_config)) for r in starts}

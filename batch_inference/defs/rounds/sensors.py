@@ -223,12 +223,13 @@ def _newest_upstream(instance: dg.DagsterInstance, deps: Iterable[dg.AssetKey]) 
 
 def start_action(record: dg.EventLogRecord, k: PipelineKeys, start_job: Any) -> Action:
     """Start a run of ``k`` over what an upstream materialisation wrote (its metadata's path):
-    the run is named after the upstream's materialisation time, so one upstream event starts one run."""
+    the run is named after the upstream's materialisation time and event id, so one upstream
+    event starts one run (two events in the same second, e.g. two deps of one user run, two)."""
     from batch_inference.defs.runs.jobs import start_run_config
     from batch_inference.defs.runs.start import INPUT_METADATA_KEYS
 
     when = datetime.fromtimestamp(record.timestamp, tz=timezone.utc).strftime("%Y%m%dT%H%M%S")
-    run = f"{'-'.join(k.prefix) or 'run'}-{when}".replace("_", "-")
+    run = f"{'-'.join(k.prefix) or 'run'}-{when}-{record.storage_id}".replace("_", "-")
     materialization = record.asset_materialization
     drop = None
     if materialization is not None:
