@@ -10,7 +10,7 @@ import pytest
 from batch_inference.api.store import Store
 
 
-def test_a_folder_that_fills_again_while_it_is_removed_is_removed_again(tmp_path: Path) -> None:
+def test_a_folder_that_fills_again_while_it_is_removed_is_removed_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # the CI failure: DELETE of a just-cancelled batch answered 500 (rmtree: 'Directory not
     # empty: checkpoints') while the batch's last worker-side task wrote one more checkpoint
     store = Store(str(tmp_path))
@@ -25,12 +25,13 @@ def test_a_folder_that_fills_again_while_it_is_removed_is_removed_again(tmp_path
             raise OSError(errno.ENOTEMPTY, "Directory not empty", "checkpoints")
         real_rm(path, recursive=recursive)
 
-    store.fs.rm = rm_racing_a_writer  # type: ignore[method-assign]
+    # fsspec caches its filesystems (one LocalFileSystem per process): patched for this test only
+    monkeypatch.setattr(store.fs, "rm", rm_racing_a_writer)
     store.remove(store.url("runs", "b1"), pause_s=0.01)
     assert len(calls) == 2 and not (tmp_path / "runs" / "b1").exists()
 
 
-def test_a_folder_that_never_empties_is_an_error_not_a_hang(tmp_path: Path) -> None:
+def test_a_folder_that_never_empties_is_an_error_not_a_hang(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = Store(str(tmp_path))
     calls = []
 
@@ -38,7 +39,7 @@ def test_a_folder_that_never_empties_is_an_error_not_a_hang(tmp_path: Path) -> N
         calls.append(path)
         raise OSError(errno.ENOTEMPTY, "Directory not empty", "checkpoints")
 
-    store.fs.rm = rm_always_refused  # type: ignore[method-assign]
+    monkeypatch.setattr(store.fs, "rm", rm_always_refused)
     with pytest.raises(OSError, match="not empty"):
         store.remove(store.url("runs", "b2"), attempts=3, pause_s=0.01)
     assert len(calls) == 3
