@@ -10,6 +10,7 @@ Kubernetes latencies and spot preemption. Minutes on this machine.
     python bench/scale_sim.py                  # writes bench/reports/scale_sim.md and docs/scale-*.png
     python bench/scale_sim.py --records 10000000 --quick
     python bench/scale_sim.py --only prefix    # the prefix-heavy section alone, put in the report in place
+    python bench/scale_sim.py --only layout    # the layout pass's GPU-idle time alone, in place
 """
 
 from __future__ import annotations
@@ -299,6 +300,74 @@ def prefix_section(lines: list[str], records: int, sample: int = 20_000) -> list
     return rows
 
 
+LAYOUT_HEADING = "## 6. The layout pass before the first task: GPU time held idle"
+# The layout pass's cost per record (bench/reports/layout_cost.md, the tiny model's tokenizer,
+# 16-token blocks): prompt characters -> (the part its passes spread over layout.workers
+# processes: gate pass + token pass + their spill; the part left in the driver's process:
+# merging, counting, rewriting), seconds a record.
+LAYOUT_COST_S = {300: (209e-6, 8e-6), 1_400: (570e-6, 17e-6), 4_000: (1_340e-6, 55e-6)}
+LAYOUT_WORKERS = (1, 8, 16, 32, 64)
+
+
+def layout_section(lines: list[str], records: int, sample: int = 20_000) -> None:
+    """One pass over ``records`` with the shard step's layout pass before it, the pool open:
+    its wall and the GPU time it holds idle, serial (as before ``layout.workers``) and spread
+    over a driver's cores, at each measured prompt length."""
+    profile = PROFILES["h200-llama-8b"]
+    spec = spec_for("rounds")
+    rows = []
+    for chars, (par_s, ser_s) in LAYOUT_COST_S.items():
+        w = Workload(records=records, prompt_tokens=chars / 4)
+        rates = engine_rates(profile, w, sample=sample)
+        for workers in LAYOUT_WORKERS:
+            o = Overheads(layout_record_s=par_s, layout_serial_record_s=ser_s, layout_workers=workers)
+            res = simulate(spec, w, rates, phases="one_round", overheads=o)
+            lay = next(r for r in res.rounds if r.name.startswith("shard (layout pass"))
+            rows.append({"chars": chars, "workers": workers, "layout_s": lay.wall_s, "idle_gpu_h": lay.wall_s * 32 / 3600,
+                         "wall": res.wall_s, "gpu_h": res.gpu_hours(), "idle": res.idle_share})
+    lines += [
+        LAYOUT_HEADING,
+        "",
+        f"`python bench/scale_sim.py --records {records} --only layout`. One pass (round 0: infer then judge) over {records:,} "
+        "records on 32 simulated H200s x 10 slots, shards of 20,000, prompts of the length given (4 characters a token, "
+        "geometric), the `h200-llama-8b` profile; before it, the shard step's layout pass (`pipeline.placement`) on the "
+        "driver, with the pool already open (`open_runner` before the shard step), so every GPU is held through it, idle "
+        "(`Overheads.layout_*`, `planning.simulation.layout_pass_s`). Its cost per record is measured by "
+        "`bench/layout_cost.py` ([layout_cost.md](layout_cost.md): documents x questions, so the text gate finds sharing "
+        "and the token pass and the rewrite run; the tiny model's tokenizer, 16-token blocks): the part the passes spread "
+        "over `layout.workers` processes (reading, rendering, signing by text and by the model's tokens, spilling sorted "
+        "runs) and the part left in the driver's process (merging the runs, counting, rewriting):",
+        "",
+        "| prompt chars | spread part µs / record | driver part µs / record |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {c:,} | {p * 1e6:.0f} | {d * 1e6:.0f} |" for c, (p, d) in LAYOUT_COST_S.items()]
+    lines += [
+        "",
+        "`layout.workers: 1` is the pass as it ran before (one driver core); the others are a driver with that many cores "
+        "(the default is the driver's cores), the spread part divided by them (no contention modelled: measured on 2 "
+        "shared cores only).",
+        "",
+        "| prompt chars | layout.workers | layout pass | GPU-h held idle by it (32 GPUs) | wall of the pass h | GPU-h | idle share |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        t = r["layout_s"]
+        lines.append(f"| {r['chars']:,} | {r['workers']} | {t / 3600:.2f} h ({t / 60:,.0f} min) | {r['idle_gpu_h']:,.1f} "
+                     f"({r['idle_gpu_h'] / r['gpu_h']:.1%} of the run's) | {hours(r['wall'])} | {r['gpu_h']:,.0f} | {r['idle']:.1%} |")
+    one = {r["chars"]: r for r in rows if r["workers"] == 1}
+    best = {r["chars"]: r for r in rows if r["workers"] == 32}
+    lines += [
+        "",
+        "On one core the layout pass is " + ", ".join(f"{one[c]['layout_s'] / 3600:.1f} h" for c in LAYOUT_COST_S)
+        + " at " + " / ".join(f"{c:,}" for c in LAYOUT_COST_S) + " characters a prompt: "
+        + ", ".join(f"{one[c]['idle_gpu_h']:,.0f}" for c in LAYOUT_COST_S) + " GPU-h held idle. Spread over 32 cores it is "
+        + ", ".join(f"{best[c]['layout_s'] / 60:,.0f} min ({best[c]['idle_gpu_h']:,.0f} GPU-h)" for c in LAYOUT_COST_S)
+        + "; what is left is mostly the driver's serial part (the merge and the rewrite), which more cores do not shorten.",
+        "",
+    ]
+
+
 def replace_section(report: Path, heading: str, section: list[str]) -> None:
     """Put ``section`` in the report in place of its earlier version (or before the plots)."""
     old = report.read_text().splitlines() if report.exists() else []
@@ -374,13 +443,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer shard sizes and approval rates")
     ap.add_argument("--report", type=Path, default=REPORT)
     ap.add_argument("--no-plots", action="store_true")
-    ap.add_argument("--only", choices=["prefix"], help="run one section and put it in the existing report in place")
+    ap.add_argument("--only", choices=["prefix", "layout"], help="run one section and put it in the existing report in place")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    if args.only == "prefix":
+    if args.only:
         section: list[str] = []
-        prefix_section(section, args.records)
-        replace_section(args.report, PREFIX_HEADING, section)
+        (prefix_section if args.only == "prefix" else layout_section)(section, args.records)
+        replace_section(args.report, PREFIX_HEADING if args.only == "prefix" else LAYOUT_HEADING, section)
         print("\n".join(section))
         print(f"took {time.perf_counter() - t0:.0f} s")
         return
@@ -419,6 +488,7 @@ def main() -> None:
     defaults_section(lines, w, rates)
     preempt = preemption_section(lines, w, rates, [0.0, 0.05] if args.quick else [0.0, 0.01, 0.05])
     prefix_section(lines, args.records, sample=5_000 if args.quick else 20_000)
+    layout_section(lines, args.records, sample=5_000 if args.quick else 20_000)
     if not args.no_plots:
         for p in plots(sweep, strategies, preempt):
             lines.append(f"![{p.stem}](../../docs/{p.name})")

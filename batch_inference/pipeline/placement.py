@@ -34,9 +34,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import multiprocessing
+import os
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from concurrent.futures import Executor, ProcessPoolExecutor
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -46,7 +50,7 @@ from batch_inference.engines.blocks import BLOCK_HASH_BYTES
 from batch_inference.pipeline.summaries import LayoutSummary
 from batch_inference.prompting import InferConfig, RequestBuilder
 from batch_inference.prompting.prefix import CharTokens, PrefixSigner, shared_blocks
-from batch_inference.storage import JsonlDir
+from batch_inference.storage import JsonlDir, JsonlFile
 from batch_inference.storage.sort import ExternalSort
 from batch_inference.storage.urls import join
 
@@ -55,6 +59,9 @@ log = logging.getLogger(__name__)
 SIGN_BATCH = 1024  # records per tokenizer call
 WRITE_LINES = 1024  # lines the rewrite hands the writer at once
 SHARD_SLACK = 0.25  # a laid-out shard ends up to this share of shard_records early or late, between families
+# A worker process signs at least this many records (its start, imports and tokenizer load,
+# is ~2-4 s; the text gate pass signs ~15-120 µs a record): smaller inputs are signed in the driver's process.
+PARALLEL_MIN_RECORDS = 100_000
 
 
 class PlacementError(RuntimeError):
@@ -75,6 +82,20 @@ def _batches(it: Iterator[Any], n: int) -> Iterator[list[Any]]:
 
 
 @dataclass
+class _Part:
+    """What signing one part of the input (in input order) counted: its first and last
+    signatures join it to the parts either side."""
+
+    records: int = 0
+    blocks: int = 0
+    shared_input: int = 0
+    first: bytes | None = None
+    last: bytes = b""
+    sign_s: float = 0.0
+    runs: list[str] = field(default_factory=list)  # sorted runs a worker spilled (ExternalSort.spill_runs)
+
+
+@dataclass
 class _Pass:
     """One signing pass over the directory: its sort and what it counted."""
 
@@ -91,34 +112,136 @@ class _Pass:
         return (self.shared_sorted - self.shared_input) / self.blocks if self.blocks else 0.0
 
 
-def _sign_pass(d: JsonlDir, signer: PrefixSigner, builder: RequestBuilder, sort: ExternalSort, *, keep_lines: bool) -> _Pass:
-    """Sign every record, spill (signature, line) into ``sort`` (the line only when kept), count sharing."""
-    p = _Pass(sort)
-    prev = b""
-    for batch in _batches(d.iter_parsed_lines_sync(), SIGN_BATCH):  # each record with its own line: moved as it is
+def _sign_into(items: Iterator[tuple[dict[str, Any], bytes]], signer: PrefixSigner, builder: RequestBuilder,
+               sort: ExternalSort, keep_lines: bool, part: _Part) -> None:
+    """Sign ``(record, line)`` items, add (signature, line) to ``sort`` (the line only when kept), count into ``part``."""
+    for batch in _batches(items, SIGN_BATCH):  # each record with its own line: moved as it is
         t = time.perf_counter()
         signatures = signer.sign([record_prompt(builder, rec) for rec, _ in batch])
-        p.sign_s += time.perf_counter() - t
+        part.sign_s += time.perf_counter() - t
         for (_, line), sig in zip(batch, signatures):
-            p.shared_input += shared_blocks(prev, sig.blocks)
-            prev = sig.blocks
-            p.blocks += sig.n_blocks
+            if part.first is None:
+                part.first = sig.blocks
+            else:
+                part.shared_input += shared_blocks(part.last, sig.blocks)
+            part.last = sig.blocks
+            part.blocks += sig.n_blocks
             sort.add(sig.blocks, line if keep_lines else b"")
-        p.records += len(batch)
+        part.records += len(batch)
+
+
+@dataclass(frozen=True)
+class _SliceJob:
+    """A worker process's part of a parallel pass: consecutive input shards, signed and
+    spilled as sorted runs into the pass's spill folder under its own name."""
+
+    index: int
+    shards: tuple[str, ...]
+    storage_options: dict[str, Any] | None
+    signer: PrefixSigner
+    infer: InferConfig
+    spill_url: str
+    run_bytes: int
+    keep_lines: bool
+
+
+def _sign_slice(job: _SliceJob) -> _Part:
+    """Run in a worker process: sign the job's shards in order, spill them as sorted runs."""
+    sort = ExternalSort(job.spill_url, storage_options=job.storage_options, run_bytes=job.run_bytes, name=f"w{job.index:05d}-")
+    part = _Part()
+    builder = RequestBuilder(job.infer)
+    for url in job.shards:
+        _sign_into(JsonlFile(url, storage_options=job.storage_options).iter_parsed_lines_sync(), job.signer, builder, sort,
+                   job.keep_lines, part)
+    part.runs = sort.spill_runs()
+    return part
+
+
+def _slices(shards: list[tuple[str, int]], n: int) -> list[tuple[str, ...]]:
+    """``shards`` ((url, records), in order) as up to ``n`` runs of consecutive shards of about equal records."""
+    total = sum(r for _, r in shards)
+    out: list[tuple[str, ...]] = []
+    cur: list[str] = []
+    done = 0
+    for url, records in shards:
+        cur.append(url)
+        done += records
+        if done * n >= total * (len(out) + 1) and len(out) < n - 1:
+            out.append(tuple(cur))
+            cur = []
+    if cur:
+        out.append(tuple(cur))
+    return out
+
+
+@dataclass
+class _Workers:
+    """The process pool a parallel layout pass signs in, and how it splits the input."""
+
+    pool: Executor
+    slices: list[tuple[str, ...]]
+    storage_options: dict[str, Any] | None
+    infer: InferConfig
+    run_bytes: int  # each worker's: the pass's run_bytes shared out, so memory stays about one run
+
+
+def _sign_pass(d: JsonlDir, signer: PrefixSigner, builder: RequestBuilder, sort: ExternalSort, *, keep_lines: bool,
+               workers: _Workers | None = None) -> _Pass:
+    """Sign every record, spill (signature, line) into ``sort`` (the line only when kept), count sharing.
+
+    With ``workers``, each worker process signs a slice of consecutive shards into sorted
+    runs of its own, which ``sort`` adopts in input order: equal signatures keep input
+    order, so the sorted records are the serial pass's, byte for byte.
+    """
+    p = _Pass(sort)
+    if workers is None:
+        parts = [_Part()]
+        _sign_into(d.iter_parsed_lines_sync(), signer, builder, sort, keep_lines, parts[0])
+    else:
+        t = time.perf_counter()
+        jobs = [_SliceJob(i, urls, workers.storage_options, signer, workers.infer, sort.url, workers.run_bytes, keep_lines)
+                for i, urls in enumerate(workers.slices)]
+        parts = list(workers.pool.map(_sign_slice, jobs))
+        for part in parts:
+            sort.adopt(part.runs, part.records)
+        p.sign_s = time.perf_counter() - t  # the workers' wall: reading, signing and spilling, side by side
+    prev: bytes | None = None
+    for part in parts:
+        p.records += part.records
+        p.blocks += part.blocks
+        p.shared_input += part.shared_input
+        if part.first is not None:
+            if prev is not None:
+                p.shared_input += shared_blocks(prev, part.first)
+            prev = part.last
+    if workers is None:
+        p.sign_s = parts[0].sign_s
     sort.finish()
-    prev = b""
+    prev_key = b""
     for n, (key, _) in enumerate(sort.iter_sorted()):
-        shared = shared_blocks(prev, key)
+        shared = shared_blocks(prev_key, key)
         p.shared_sorted += shared
         # in sorted order the blocks every record shares are the fewest two neighbours share
         p.common = len(key) // BLOCK_HASH_BYTES if n == 0 else min(p.common, shared)
-        prev = key
+        prev_key = key
     return p
+
+
+def layout_workers(requested: int | None, records: int, shards: int, min_records: int | None = None) -> int:
+    """Processes a layout pass over ``records`` in ``shards`` input shards signs in: the
+    ``requested`` (None: the driver's cores), no more than there are shards, and one only
+    for each ``min_records`` records (a process costs its start: a small input stays on
+    the driver's own process)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = cores if requested is None else requested
+    per = PARALLEL_MIN_RECORDS if min_records is None else min_records
+    return max(1, min(n, shards, records // max(1, per)))
 
 
 def layout_by_prefix(
     url: str, *, signer: PrefixSigner, infer: InferConfig, records_per_shard: int, spill_url: str,
     storage_options: dict[str, Any] | None = None, min_gain: float = 0.01, run_bytes: int = 128 << 20,
+    workers: int | None = None, parallel_min_records: int | None = None,
 ) -> LayoutSummary:
     """Rewrite the JsonlDir at ``url`` in prefix order, when that pays (blocking: a CPU pass).
 
@@ -127,6 +250,12 @@ def layout_by_prefix(
     stops there and the directory keeps its order (no record tokenised). Otherwise, with a
     tokenizer-backed ``signer``, a second pass signs every record by the engine's tokens and
     sorts the records by those; with a text signer the first pass's sort is the order.
+
+    Both passes are spread over ``workers`` processes (``layout_workers``: None is the
+    driver's cores; inputs under ``parallel_min_records`` a worker stay in this process),
+    each signing consecutive shards into sorted runs that the merge takes in input order:
+    the result is the serial pass's, byte for byte. The merge, the sharing counts and the
+    rewrite stay in this process.
 
     The directory is read in full (signed, spilled as sorted runs) before it is rewritten;
     a process killed while rewriting leaves it without a manifest, which the shard step
@@ -142,8 +271,16 @@ def layout_by_prefix(
     gate_signer = signer if by_text else PrefixSigner(CharTokens(), block_size=signer.block_size, max_blocks=signer.max_blocks)
     sign_s = 0.0
     cuts_shared = 0
-    with ExternalSort(join(spill_url, "gate"), storage_options=storage_options, run_bytes=run_bytes) as gate_sort:
-        gate = _sign_pass(d, gate_signer, builder, gate_sort, keep_lines=by_text)
+    n_workers = layout_workers(workers, man.records, len(man.shards),
+                               PARALLEL_MIN_RECORDS if parallel_min_records is None else parallel_min_records)
+    pool = (ProcessPoolExecutor(n_workers, mp_context=multiprocessing.get_context("spawn"))  # no fork of a threaded driver
+            if n_workers > 1 else nullcontext())
+    with pool, ExternalSort(join(spill_url, "gate"), storage_options=storage_options, run_bytes=run_bytes) as gate_sort:
+        par = None
+        if isinstance(pool, Executor):
+            shards = [(join(d.url, sh["name"]), int(sh["records"])) for sh in man.shards]
+            par = _Workers(pool, _slices(shards, n_workers), storage_options, infer, max(1 << 20, run_bytes // n_workers))
+        gate = _sign_pass(d, gate_signer, builder, gate_sort, keep_lines=by_text, workers=par)
         sign_s += gate.sign_s
         if gate.records != man.records:
             raise PlacementError(f"{d.url}: read {gate.records} records, its manifest says {man.records}")
@@ -151,7 +288,7 @@ def layout_by_prefix(
         if applied and not by_text:
             gate_sort.clear()
             with ExternalSort(join(spill_url, "tokens"), storage_options=storage_options, run_bytes=run_bytes) as token_sort:
-                final = _sign_pass(d, signer, builder, token_sort, keep_lines=True)
+                final = _sign_pass(d, signer, builder, token_sort, keep_lines=True, workers=par)
                 sign_s += final.sign_s
                 cuts_shared = _rewrite(d, final, records_per_shard, man.compression)
         elif applied:
@@ -168,10 +305,11 @@ def layout_by_prefix(
         block_size=signer.block_size, max_blocks=signer.max_blocks, records=final.records, blocks=final.blocks,
         shared_input=final.shared_input, shared_sorted=final.shared_sorted, gain=round(final.gain, 4),
         sign_s=round(sign_s, 3), sort_s=round(time.perf_counter() - t0 - sign_s, 3), runs=runs, merge_levels=levels,
-        text_gain=round(gate.gain, 4), cuts_shared=cuts_shared, common_blocks=final.common,
+        text_gain=round(gate.gain, 4), cuts_shared=cuts_shared, common_blocks=final.common, workers=n_workers,
     )
-    log.info("layout %s: %s (%d records, %d blocks, signing %.1f s, sorting %.1f s)",
-             d.url, reason, summary.records, summary.blocks, summary.sign_s, summary.sort_s)
+    log.info("layout %s: %s (%d records, %d blocks, signing %.1f s on %d process%s, sorting %.1f s)",
+             d.url, reason, summary.records, summary.blocks, summary.sign_s, n_workers, "es" if n_workers > 1 else "",
+             summary.sort_s)
     return summary
 
 

@@ -167,5 +167,5 @@ class Resume:
         return placement.layout_by_prefix(
             self.layout.sharded, signer=self.signer(), infer=self.spec.request_infer, records_per_shard=self.spec.shard_records,
             spill_url=self.layout.layout_spill, storage_options=self.storage_options, min_gain=p.min_gain,
-            run_bytes=p.run_bytes,
+            run_bytes=p.run_bytes, workers=p.workers,
         )

@@ -207,6 +207,8 @@ class LayoutSpec(_Strict):
     min_gain: float = Field(0.01, ge=0.0, le=1.0,
                             description="rewrite in prefix order only when it shares at least this fraction of blocks more")
     run_bytes: int = Field(128 << 20, ge=1 << 20, description="records held in memory per sorted run of the layout pass")
+    workers: int | None = Field(
+        None, ge=1, description="processes the layout pass signs in (default: the driver's cores; one per 100,000 records at most)")
 
 
 class OpenAIBatchOptions(_Strict):

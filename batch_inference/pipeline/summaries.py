@@ -98,7 +98,7 @@ class LayoutSummary(_Summary):
     shared_input: int
     shared_sorted: int
     gain: float
-    sign_s: float  # rendering + tokenising + hashing
+    sign_s: float  # rendering + tokenising + hashing (with workers: their wall, reading and spilling included)
     sort_s: float  # spilling, merging, rewriting
     runs: int  # spilled sorted runs (0: the records sorted in memory)
     merge_levels: int
@@ -107,6 +107,7 @@ class LayoutSummary(_Summary):
     # blocks every record shares (placement.shard_cuts: a family larger than its window)
     cuts_shared: int = 0
     common_blocks: int = 0  # leading blocks every record shares (a preamble): families lie past them
+    workers: int = 1  # processes the passes signed in (placement.layout_workers)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,14 @@ class Overheads:
     the rejected records (read + zstd write, ``recompact_records_per_s``, the storage
     floors measured here) plus ``object_s`` per shard written. ``restart_s``: a preempted
     replica's replacement (node, pod, model load).
+
+    The shard step's layout pass (``pipeline.placement``, ``layout.prefix`` on) runs on the
+    driver after resharding, with the pool already open (every GPU held, idle):
+    ``layout_record_s`` per record for the part its passes spread over ``layout_workers``
+    processes (reading, rendering, signing by text and by the model's tokens, spilling
+    sorted runs), ``layout_serial_record_s`` for the part left in the driver's process
+    (merging, counting, rewriting). Both 0: not modelled (the planner's default: a
+    profile does not measure them yet). bench/reports/layout_cost.md measures them.
     """
 
     task_s: float = 0.4
@@ -42,6 +50,9 @@ class Overheads:
     recompact_records_per_s: float = 110_000.0
     object_s: float = 0.3
     reshard_records_per_s: float = 110_000.0
+    layout_record_s: float = 0.0
+    layout_serial_record_s: float = 0.0
+    layout_workers: int = 1
     restart_s: float = 180.0
     checkpoint_interval_s: float = 5.0
     retries: int = 3

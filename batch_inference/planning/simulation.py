@@ -102,6 +102,14 @@ def wave_priced(per_record_s: float, call_s: float, calls_per_record: float, wav
     return per_record_s + call_s * (calls / attempts - calls_per_record)
 
 
+def layout_pass_s(spec: PipelineSpec, records: int, o: Overheads) -> float:
+    """The shard step's layout pass over ``records`` (``layout.prefix`` on): its parallel
+    part over ``layout_workers`` processes plus the part left in the driver's process."""
+    if not spec.layout.prefix:
+        return 0.0
+    return records * (o.layout_record_s / max(1, o.layout_workers) + o.layout_serial_record_s)
+
+
 def _shards(records: int, shard_records: int) -> list[int]:
     full, rest = divmod(records, shard_records)
     return [shard_records] * full + ([rest] if rest else [])
@@ -226,6 +234,9 @@ async def _simulate(spec: PipelineSpec, w: Workload, rates: EngineRates, cluster
     await idle("shard (reshard input, CPU)", w.records / o.reshard_records_per_s + o.object_s * math.ceil(w.records / shard_n) / 10,
                w.records, math.ceil(w.records / shard_n))
     t_gpu = loop.time()  # the GPU pool is held from here (resharding is CPU work before it)
+    layout_s = layout_pass_s(spec, w.records, o)
+    if layout_s > 0:  # the pool is open: every GPU waits through the layout pass
+        await idle("shard (layout pass, driver CPU, GPUs idle)", layout_s, w.records, math.ceil(w.records / shard_n))
     pending = _shards(w.records, shard_n)
     approved_total = 0
     unfinished = 0

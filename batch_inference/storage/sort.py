@@ -45,12 +45,13 @@ class ExternalSort:
     """Sort records by key through spill files; ``with ExternalSort(url) as s: s.add(k, line) ...``."""
 
     def __init__(self, spill_url: str, *, storage_options: dict | None = None, run_bytes: int = DEFAULT_RUN_BYTES,
-                 fan_in: int = DEFAULT_FAN_IN, zstd_level: int = 1) -> None:
+                 fan_in: int = DEFAULT_FAN_IN, zstd_level: int = 1, name: str = "") -> None:
         if run_bytes < 1 or fan_in < 2:
             raise ValueError(f"run_bytes must be >= 1 and fan_in >= 2, got {run_bytes}, {fan_in}")
         self.url = urls.normalize(spill_url)
         self.fs, self.path = urls.fs_for(self.url, storage_options)
         self.run_bytes, self.fan_in, self.zstd_level = run_bytes, fan_in, zstd_level
+        self.name = name  # spill files' name prefix: sorts of other processes spilling into one folder stay apart
         self._items: list[tuple[bytes, bytes]] = []
         self._bytes = 0
         self._names = itertools.count()
@@ -84,7 +85,7 @@ class ExternalSort:
             self._spill()
 
     def _new_path(self, kind: str) -> str:
-        return f"{self.path}/{kind}-{next(self._names):06d}.jsonl.zst"
+        return f"{self.path}/{self.name}{kind}-{next(self._names):06d}.jsonl.zst"
 
     def _write(self, path: str, lines: Iterator[bytes]) -> None:
         core = _io.RotatingWriter(self.fs, lambda _i: path, compressed=True, zstd_level=self.zstd_level, always_create=True)
@@ -113,6 +114,32 @@ class ExternalSort:
         del items
         self.runs.append(path)
         self.spilled_runs += 1
+
+    def spill_runs(self) -> list[str]:
+        """No more records: spill what is in memory as a last run and return every run's
+        path, sorted each, unmerged, in the order added (for another process's sort to
+        ``adopt``). Nothing is removed: the adopting sort's ``clear`` does that."""
+        if self._finished:
+            raise RuntimeError("ExternalSort.spill_runs() after finish()")
+        self._spill()
+        self._finished = True
+        return list(self.runs)
+
+    def adopt(self, runs: list[str], records: int = 0) -> None:
+        """Take sorted runs another sort spilled into this sort's folder (``spill_runs``),
+        after the runs taken so far: on equal keys their records come after those already
+        taken, so adopting each part of the input in order sorts as adding them would."""
+        if self._finished:
+            raise RuntimeError("ExternalSort.adopt() after finish()")
+        if self._items:
+            raise RuntimeError("ExternalSort.adopt() after add(): the order of equal keys would be lost")
+        prefix = f"{self.path}/"
+        for path in runs:
+            if not path.startswith(prefix) or "/" in path[len(prefix):]:
+                raise ValueError(f"ExternalSort.adopt(): {path} is not a run in {self.url}")
+        self.runs.extend(runs)
+        self.spilled_runs += len(runs)
+        self.records += records
 
     def _read(self, path: str) -> Iterator[tuple[bytes, bytes]]:
         url = f"{self.url.rstrip('/')}/{path.rsplit('/', 1)[-1]}"

@@ -385,3 +385,50 @@ async def test_the_ledger_counts_the_shards_the_layout_committed(tmp_path: Path)
     assert shard.layout is not None and shard.layout.applied
     assert committed is not None and shard.shards == len(committed.shards) == 9
     assert PipelineRun(spec).ledger.view().shard.shards == 9  # what `status` and the sharded asset show
+
+
+def _dir_bytes(url: str) -> list[bytes]:
+    return [line for _, line in JsonlDir(url).iter_parsed_lines_sync()]
+
+
+def test_layout_workers_are_the_cores_the_shards_and_the_records_allow(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(12)), raising=False)
+    assert placement_mod.layout_workers(None, 10_000_000, 500) == 12  # the driver's cores
+    assert placement_mod.layout_workers(4, 10_000_000, 500) == 4
+    assert placement_mod.layout_workers(None, 10_000_000, 3) == 3  # a worker signs whole shards
+    assert placement_mod.layout_workers(None, 250_000, 500) == 2  # one per PARALLEL_MIN_RECORDS records
+    assert placement_mod.layout_workers(None, 240, 4) == 1  # a bench-sized input: no process to start
+    assert placement_mod.layout_workers(8, 240, 4, min_records=1) == 4
+    assert [len(s) for s in placement_mod._slices([(f"s{i}", 10) for i in range(7)], 3)] == [3, 2, 2]
+    assert placement_mod._slices([("a", 0), ("b", 5), ("c", 0)], 2) == [("a", "b"), ("c",)]
+
+
+@pytest.mark.process
+@pytest.mark.slow
+@pytest.mark.parametrize("signature", ["tokens", "text"])
+async def test_the_pass_spread_over_processes_writes_the_serial_pass_bytes(tmp_path: Path, tiny_model_dir: Path,
+                                                                            signature: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``layout.workers``: each process signs consecutive input shards into sorted runs the
+    merge adopts in input order, so the laid-out directory is the serial pass's, byte for
+    byte (equal signatures: exact repeats, kept in input order), and so are its figures."""
+    monkeypatch.setattr(placement_mod, "PARALLEL_MIN_RECORDS", 1)  # a small input, spread anyway
+    rng = random.Random(21)
+    recs = workload(rng, docs=12, questions=6, singles=20, preamble=True, broken=3)
+    recs += [dict(r) for r in recs[:30]]  # exact repeats: equal signatures, whose order only input order decides
+    src = write(tmp_path / "in.jsonl", recs)
+    engine = {"kind": "transformers", "model": str(tiny_model_dir), "device": "cpu"}
+    out: dict[int, tuple[Any, list[bytes]]] = {}
+    for workers in (1, 3):
+        spec = spec_for(tmp_path, src, run=f"w{workers}", prefix=True, engine=engine, shard_records=20,
+                        layout={"prefix": True, "signature": signature, "workers": workers, "run_bytes": 1 << 20})
+        layout = (await PipelineRun(spec).shard()).layout
+        out[workers] = (layout, _dir_bytes(RunLayout(spec.output, spec.run).sharded))
+        spill = Path(RunLayout(spec.output, spec.run).layout_spill)
+        assert not spill.exists() or not any(spill.rglob("*.zst"))  # the workers' runs are removed with the pass's
+    serial, parallel = out[1][0], out[3][0]
+    assert serial.workers == 1 and parallel.workers == 3 and parallel.applied
+    assert ("tokenizer" in parallel.signature) is (signature == "tokens")
+    assert len(out[3][1]) == len(recs) and out[3][1] == out[1][1]  # the same lines in the same order
+    same = ("records", "blocks", "shared_input", "shared_sorted", "gain", "text_gain", "cuts_shared", "common_blocks")
+    assert {k: getattr(parallel, k) for k in same} == {k: getattr(serial, k) for k in same}
+    assert parallel.runs >= 3  # each worker spilled runs of its own, which the merge took

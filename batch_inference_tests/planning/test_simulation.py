@@ -131,3 +131,22 @@ def test_the_engine_rates_of_a_prefix_heavy_workload_follow_its_cache_and_order(
     assert scattered.prefix_hit_rate < 0.02 and grouped.judge_prefix_hit_rate > 0.5
     assert grouped.infer_s < 0.7 * none.infer_s and grouped.judge_s < 0.5 * none.judge_s
     assert abs(scattered.infer_s / none.infer_s - 1) < 0.03
+
+
+def test_the_layout_pass_holds_every_gpu_idle_for_its_wall() -> None:
+    """The pool is open before the shard step: the layout pass's wall (its parallel part over
+    ``layout_workers``, plus its serial part) is GPU time paid and idle, on every replica."""
+    w = Workload(records=400_000, approval=0.9)
+    base = Overheads(phase_launch_s=0, task_s=0, driver_task_s=0, list_page_s=0, progress_read_s=0)
+    plain = simulate(spec(), w, RATES, phases="one_round", overheads=base)
+    costs = dataclasses.replace(base, layout_record_s=500e-6, layout_serial_record_s=20e-6)
+    serial = simulate(spec(), w, RATES, phases="one_round", overheads=costs)
+    spread = simulate(spec(), w, RATES, phases="one_round", overheads=dataclasses.replace(costs, layout_workers=10))
+    off = simulate(spec(layout={"prefix": False}), w, RATES, phases="one_round", overheads=costs)
+    for res, wall in ((serial, 400_000 * 520e-6), (spread, 400_000 * 70e-6)):
+        lay = next(r for r in res.rounds if r.name.startswith("shard (layout pass"))
+        assert lay.wall_s == pytest.approx(wall) and lay.engine_s == 0
+        assert res.wall_s - plain.wall_s == pytest.approx(wall)
+        assert res.gpu_s - plain.gpu_s == pytest.approx(4 * wall)  # 4 replicas held through it
+        assert res.engine_s == pytest.approx(plain.engine_s)
+    assert off.wall_s == pytest.approx(plain.wall_s) and not any("layout" in r.name for r in off.rounds)

@@ -87,3 +87,40 @@ def test_parsed_lines_carry_each_records_own_line(tmp_path: Path) -> None:
     (tmp_path / "bad.jsonl").write_bytes(b'{"id": "a"}\n[1]\n')
     with pytest.raises(MalformedRecordError, match=r"bad.jsonl:2: malformed record"):
         list(JsonlFile(str(tmp_path / "bad.jsonl")).iter_parsed_lines_sync())
+
+
+def test_runs_other_sorts_spilled_and_adopted_in_order_sort_as_one_sort(tmp_path: Path) -> None:
+    """The layout pass's workers each sort a part of the input into runs of their own
+    (``spill_runs``) in the pass's folder; the pass ``adopt``s them in input order and
+    merges: the same records in the same order as one sort given them all (ties too)."""
+    items = _items(900, seed=7)
+    with ExternalSort(str(tmp_path / "one"), run_bytes=3_000, fan_in=3) as one:
+        for k, line in items:
+            one.add(k, line)
+        one.finish()
+        expected = list(one.iter_sorted())
+    spill = str(tmp_path / "spill")
+    with ExternalSort(spill, run_bytes=3_000, fan_in=3) as merged:
+        runs: list[list[str]] = []
+        for part in range(3):  # three "workers", each with its own name in the same folder
+            w = ExternalSort(spill, run_bytes=2_000, fan_in=3, name=f"w{part}-")
+            for k, line in items[part * 300:(part + 1) * 300]:
+                w.add(k, line)
+            runs.append(w.spill_runs())
+            assert runs[-1] and all(p.rsplit("/", 1)[-1].startswith(f"w{part}-run-") for p in runs[-1])
+            with pytest.raises(RuntimeError):
+                w.add(b"", b"{}\n")
+        for part_runs in runs:
+            merged.adopt(part_runs, 300)
+        merged.finish()
+        assert list(merged.iter_sorted()) == expected and merged.records == 900 and merged.merge_levels >= 1
+    assert not (tmp_path / "spill").exists()  # the adopting sort removes the workers' runs too
+
+
+def test_adopt_refuses_runs_elsewhere_and_after_add(tmp_path: Path) -> None:
+    with ExternalSort(str(tmp_path / "a")) as s:
+        with pytest.raises(ValueError, match="not a run"):
+            s.adopt([str(tmp_path / "b" / "run-000000.jsonl.zst")])
+        s.add(b"k", b"{}\n")
+        with pytest.raises(RuntimeError, match="order of equal keys"):
+            s.adopt([])
