@@ -118,6 +118,40 @@ def whole(url: str, spill: str, signer: Any, per: int, run_bytes: int, workers: 
     return {"wall_s": time.perf_counter() - t, "applied": s.applied, "sign_s": s.sign_s, "sort_s": s.sort_s}
 
 
+def orders(signer: Any, block_size: int, records: int, cache_blocks: int) -> list[dict[str, Any]]:
+    """Would ordering by the text signature alone (the gate pass's: no tokenizer) cache as
+    well as the token pass's order? On ``bench/workload_aware.py``'s shapes: the model's
+    token blocks computed through an LRU cache of ``cache_blocks`` blocks (a request's own
+    blocks pinned: ``prompting.prefix.lru_blocks_computed``), in input order, in the token
+    order and in the text order, against each distinct block once."""
+    import random as _random
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from workload_aware import SHAPES, build
+
+    from batch_inference.pipeline.placement import record_prompt
+    from batch_inference.prompting import InferConfig, RequestBuilder
+    from batch_inference.prompting.prefix import CharTokens, PrefixSigner, distinct_blocks, lru_blocks_computed
+
+    tok = PrefixSigner(signer.tokenizer, block_size=block_size, max_blocks=max(1, 2048 // block_size))
+    text = PrefixSigner(CharTokens(), block_size=block_size, max_blocks=tok.max_blocks)
+    builder = RequestBuilder(InferConfig())
+    out = []
+    for shape in SHAPES:
+        recs = build(shape, records, _random.Random(7))
+        prompts = [record_prompt(builder, r) for r in recs]
+        by_tok = [s.blocks for s in tok.sign(prompts)]
+        by_text = [s.blocks for s in text.sign(prompts)]
+        order_tok = sorted(range(len(recs)), key=lambda i: by_tok[i])
+        order_text = sorted(range(len(recs)), key=lambda i: by_text[i])
+        row: dict[str, Any] = {"shape": shape, "records": len(recs), "ideal": distinct_blocks(by_tok)[0]}
+        for name, order in (("input", range(len(recs))), ("tokens", order_tok), ("text", order_text)):
+            row[name], row["blocks"] = lru_blocks_computed([by_tok[i] for i in order], cache_blocks)
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
 def digest(url: str) -> str:
     import hashlib
 
@@ -140,6 +174,9 @@ def main() -> None:
     ap.add_argument("--run-bytes", type=int, default=4 << 20)
     ap.add_argument("--model", help="model directory (default: the tiny model, built here)")
     ap.add_argument("--report", help="default bench/reports/layout_cost.md")
+    ap.add_argument("--order-records", type=int, default=960, help="records a shape for the text-vs-token order check (0: skip)")
+    ap.add_argument("--order-block-size", default="128,16", help="block sizes of that check (vLLM-CPU 128, a GPU 16)")
+    ap.add_argument("--cache-blocks", type=int, default=100, help="the LRU cache of that check, in blocks")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -171,14 +208,17 @@ def main() -> None:
                 row[f"whole_w{w}"]["same_as_serial"] = digest(str(work)) == serial_digest
             rows.append(row)
             print(json.dumps(row), flush=True)
+        order_rows = ([{"block_size": int(b), **o} for b in args.order_block_size.split(",")
+                       for o in orders(signer, int(b), args.order_records, args.cache_blocks)] if args.order_records else [])
     after = round(os.getloadavg()[0], 2)
-    text = report(args, rows, time.perf_counter() - t0, before, after)
+    text = report(args, rows, order_rows, time.perf_counter() - t0, before, after)
     path = Path(args.report) if args.report else REPORTS / "layout_cost.md"
     path.write_text(text)
     print(text)
 
 
-def report(args: argparse.Namespace, rows: list[dict[str, Any]], wall: float, before: float, after: float) -> str:
+def report(args: argparse.Namespace, rows: list[dict[str, Any]], order_rows: list[dict[str, Any]], wall: float, before: float,
+           after: float) -> str:
     us = lambda r, k: r[k] / r["records"] * 1e6  # noqa: E731
     workers = [int(x) for x in args.workers.split(",")]
     lines = ["# The layout pass's cost per record, by phase", "",
@@ -206,6 +246,18 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], wall: float, be
               "`ledger/shard.json` split: `sign_s` (with workers: the passes' wall in the worker processes, reading, "
               "signing and spilling sorted runs) + `sort_s` (what stays in the driver's process: merging the runs, "
               "counting, rewriting)."]
+    if order_rows:
+        lines += ["", "## Ordering by text alone: would the token pass be needed?", "",
+                  f"`bench/workload_aware.py`'s shapes, {args.order_records} records each (seed 7), the tiny model's token blocks "
+                  f"computed through an LRU cache of {args.cache_blocks} blocks (`prompting.prefix.lru_blocks_computed`: "
+                  "a request's own blocks pinned), with the records in input order, sorted by their token signatures "
+                  "(the token pass) and sorted by their text signatures (the gate pass: 4 characters a token, no tokenizer); "
+                  "`ideal`: each distinct block once. A model of the cache, not vLLM's scheduler.", "",
+                  "| block size | shape | blocks | ideal | input order | token order | text order | text / token |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for o in order_rows:
+            lines.append(f"| {o['block_size']} | {o['shape']} | {o['blocks']:,} | {o['ideal']:,} | {o['input']:,} | "
+                         f"{o['tokens']:,} | {o['text']:,} | {o['text'] / o['tokens']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
