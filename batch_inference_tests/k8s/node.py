@@ -164,6 +164,9 @@ class RealNode:
                 {"type": "bridge", "bridge": "br0", "isGateway": True, "ipMasq": False, "hairpinMode": True,
                  "ipam": {"type": "host-local", "ranges": [[{"subnet": POD_CIDR, "rangeStart": "10.244.0.10",
                                                               "rangeEnd": "10.244.0.250", "gateway": "10.244.0.1"}]],
+                          # a default route in the pod: a Service's ClusterIP is reached through the
+                          # node (kube-proxy's DNAT), not on the pod's link
+                          "routes": [{"dst": "0.0.0.0/0"}],
                           "dataDir": str(self.root / "cni-ipam")}}]}))
         d.mkdir(parents=True, exist_ok=True)
         cri = 'plugins."io.containerd.grpc.v1.cri"'
@@ -181,6 +184,9 @@ state = "{d / 'state'}"
   enable_selinux = false
   disable_apparmor = true
   restrict_oom_score_adj = true
+  # the pods' network namespaces under this node's own state folder (not /var/run/netns,
+  # shared by the machine): stop() unmounts them with the rest of the node
+  netns_mounts_under_state_dir = true
 [{cri}.containerd]
   snapshotter = "overlayfs"
   default_runtime_name = "runc"

@@ -33,7 +33,8 @@ from batch_inference_tests.k8s.cluster import K8sCluster
 from batch_inference_tests.k8s.helpers import wait_until
 from batch_inference_tests.k8s.node import RealNode
 
-pytestmark = [pytest.mark.infra, pytest.mark.pods, pytest.mark.slow]
+# bounded: the first test also pays the node (control plane, kubelet, the image imported: ~2-4 min)
+pytestmark = [pytest.mark.infra, pytest.mark.pods, pytest.mark.slow, pytest.mark.timeout(900)]
 IMAGE = "batch-inference:0.1.0-cpu"  # what deploy/image/build.sh tags the cpu variant
 LABELS = "app.kubernetes.io/name=batch-inference-worker"
 
@@ -41,9 +42,16 @@ LABELS = "app.kubernetes.io/name=batch-inference-worker"
 class _SharedFolderLauncher(K8sLauncher):
     """The pool's own manifests, plus the test's run folder as a hostPath at the same path."""
 
-    def __init__(self, *args: Any, folder: Path, **kw: Any) -> None:
+    def __init__(self, *args: Any, folder: Path, judge_url: str | None = None, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.folder = folder
+        self.judge_url = judge_url
+
+    def judge_endpoints(self) -> list[str]:
+        """The judge pool's Service by its ClusterIP: this sandbox has no cluster DNS (no
+        CoreDNS package), so ``<name>.<ns>.svc.cluster.local`` does not resolve here; the
+        address, kube-proxy's rules and everything behind them are the real ones."""
+        return [self.judge_url] if self.judge_url else super().judge_endpoints()
 
     def render(self, **kw: Any) -> list[dict[str, Any]]:
         objs = super().render(**kw)
@@ -69,8 +77,8 @@ def _launcher(k8s: K8sCluster, ns: str, folder: Path, engine: dict[str, Any], **
                                  apps_api=client.AppsV1Api(api), core_api=client.CoreV1Api(api), **kw)
 
 
-def _pods(k8s: K8sCluster, ns: str) -> list[Any]:
-    return [p for p in client.CoreV1Api(k8s.api_client()).list_namespaced_pod(ns, label_selector=LABELS).items
+def _pods(k8s: K8sCluster, ns: str, labels: str = LABELS) -> list[Any]:
+    return [p for p in client.CoreV1Api(k8s.api_client()).list_namespaced_pod(ns, label_selector=labels).items
             if not p.metadata.deletion_timestamp]
 
 
@@ -222,3 +230,42 @@ def test_spot_reclaim_pods_deleted_mid_task_lose_no_record(k8s_node: tuple[K8sCl
     wait_until(lambda: len([p for p in _pods(k8s, ns) if p.metadata.name not in killed]) == 3, 120, "3 replacement pods")
     print(f"SPOT RECLAIM: deleted {killed} mid-task; terminal states {dict(counts)}")
     launcher.down()
+
+
+def test_the_judge_s_own_pool_on_pods_judges_the_tail_reached_through_its_service(
+        k8s_node: tuple[K8sCluster, RealNode], tmp_path: Path) -> None:
+    """Strategy 2 with a judge model of its own, as ``deploy/k8s/with-judge`` deploys it: the
+    infer workers' retry tasks send each wave to the judge pool's Service (ClusterIP, kube-proxy)
+    with the judge pool's token, mounted from its own Secret by the kubelet. The infer model never
+    approves and the judge model always does, so every approval is the judge pool's."""
+    k8s, node = k8s_node
+    ns = _namespace(k8s)
+    never = {"kind": "simulated", "seed": 0, "simulated": {"latency_a_s": 0.002, "latency_b_s": 0.0, "approval_rate": 0.0}}
+    always = {"kind": "simulated", "seed": 1, "simulated": {"latency_a_s": 0.002, "latency_b_s": 0.0, "approval_rate": 1.0}}
+    judge = _launcher(k8s, ns, tmp_path, always, name="batch-inference-worker-judge", replicas=1, concurrency=4)
+    judge_endpoints = judge.up(wait_s=240, poll_s=0.5)
+    svc = client.CoreV1Api(k8s.api_client()).read_namespaced_service(judge.name, ns)
+    infer = _launcher(k8s, ns, tmp_path, never, replicas=2, concurrency=2, judge=judge,
+                      judge_url=f"http://{svc.spec.cluster_ip}:{judge.port}")
+    endpoints = infer.up(wait_s=240, poll_s=0.5)
+    assert len(endpoints) == 2 and len(judge_endpoints) == 1
+    (pod,) = [p for p in _pods(k8s, ns, "app.kubernetes.io/instance=batch-inference-worker-judge")]
+    assert pod.spec.node_name == node.name and pod.status.container_statuses[0].ready
+
+    _grant_discovery(k8s, ns)
+    spec, ids = _spec(tmp_path, "judged-on-pods", ns, infer, never, 200)
+    body = yaml.safe_load(spec.read_text())
+    body.update(strategy="in_place", max_attempts=3)
+    body["judge"] = {"kind": "llm", "template": "Judge this answer: {result}", "engine": always,
+                     "pool": {"token_env": "JUDGE_POOL_TOKEN", "replicas": 1, "concurrency": 4}}
+    spec.write_text(yaml.safe_dump(body))
+    env = {**_driver_env(k8s, infer), "JUDGE_POOL_TOKEN": judge.token or ""}
+    run = subprocess.run(_driver(k8s, spec, infer), env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    counts = assert_conserved(PipelineSpec.load(spec), ids)
+    assert counts == {"approved": 200}, counts  # only the judge pool's model approves
+    judged = json.loads(_in_netns(k8s, judge_endpoints[0] + "/stats", judge.token))
+    assert judged["tasks_completed"] > 0 and judged["records_done"] >= 200, judged
+    print(f"JUDGE POOL ON PODS: {dict(counts)}; judge pod served {judged['tasks_completed']} wave tasks")
+    infer.down()
+    judge.down()
