@@ -147,6 +147,20 @@ def test_starting_a_run_twice_is_refused(defs, instance, write_spec):
     assert spec["run"] == "once-again" and yaml.safe_dump(spec)
 
 
+def test_a_start_step_executed_again_by_its_own_run_is_not_a_second_start(defs, instance, write_spec):
+    # a run pod killed after the step recorded source_dataset, then resumed by run monitoring
+    # (the same Dagster run executing its step again): refused as "already started", the run
+    # failed on Kubernetes (k8s/test_real_pods.py's SIGKILLed run pod found it)
+    from batch_inference.defs.keys import DEFAULT
+    from batch_inference.defs.runs.start import already_started
+
+    first = start_run(defs, instance, start_run_config(str(write_spec("resumed", records=5))))
+    assert first.success
+    assert not already_started(instance, DEFAULT, "resumed", by_run_id=first.run_id)  # its own start
+    assert already_started(instance, DEFAULT, "resumed", by_run_id="another-run")  # anybody else's is refused
+    assert already_started(instance, DEFAULT, "resumed")
+
+
 def test_the_start_job_records_the_plan_and_rounds_show_eta_and_planned_wall(defs, instance, write_spec):
     path = str(write_spec("planned", records=40))
     assert start_run(defs, instance, start_run_config(path)).success

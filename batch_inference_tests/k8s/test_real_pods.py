@@ -13,12 +13,14 @@ see the same shards.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -269,3 +271,160 @@ def test_the_judge_s_own_pool_on_pods_judges_the_tail_reached_through_its_servic
     print(f"JUDGE POOL ON PODS: {dict(counts)}; judge pod served {judged['tasks_completed']} wave tasks")
     infer.down()
     judge.down()
+
+
+def _container_log(pod: Any) -> str:
+    """What the kubelet kept of a pod's container output (``/var/log/pods``)."""
+    folder = Path("/var/log/pods") / f"{pod.metadata.namespace}_{pod.metadata.name}_{pod.metadata.uid}"
+    return "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(folder.glob("*/*.log"))) or f"(no log in {folder})"
+
+
+@contextlib.contextmanager
+def _run_instance(k8s: K8sCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, str]]:
+    """The deploy instance (Postgres storage, its K8sRunLauncher section) aimed at a namespace of
+    the real node's cluster, with what the Helm chart creates beside the runs (ServiceAccount,
+    Secrets, the instance ConfigMap a run pod mounts); Postgres listens on the cluster network."""
+    import dagster as dg
+
+    from batch_inference_tests.defs.pg_instance import deploy_instance_config
+    from batch_inference_tests.fixtures.infra import free_port
+    from batch_inference_tests.fixtures.postgres import PostgresServer
+    from batch_inference_tests.k8s.cluster import GATEWAY
+    from batch_inference_tests.k8s.helpers import write_k8s_instance
+
+    ns = _namespace(k8s)
+    tmp_path.chmod(0o777)  # the run pod runs as uid 1000 and writes the run's folder
+    pg = PostgresServer(port=free_port(), listen=f"127.0.0.1,{GATEWAY}", wrap=k8s.in_netns)
+    try:
+        pg.start()
+        k8s.forward(pg.port, listen_port=pg.port)  # and at the same port on this side, for the test's instance
+        db = pg.create_database()
+        env = pg.env(db)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        config = deploy_instance_config(pg, keep=("storage", "run_launcher", "telemetry"))
+        # the image's DAGSTER_HOME holds the mounted dagster.yaml only: artifacts (and step logs) go to /tmp
+        config["local_artifact_storage"] = {"module": "dagster._core.storage.root", "class": "LocalArtifactStorage",
+                                            "config": {"base_dir": "/tmp/dagster"}}
+        home = write_k8s_instance(
+            k8s, ns, config, tmp_path / "dagster_home", postgres_password=env["DAGSTER_PG_PASSWORD"], env_secrets=[],
+            env_vars=[f"DAGSTER_PG_HOST={GATEWAY}", f"DAGSTER_PG_USER={env['DAGSTER_PG_USER']}", f"DAGSTER_PG_DB={db}",
+                      "BATCH_INFERENCE_POOL_MODE=inprocess"],
+            volumes=[{"name": "runs", "host_path": {"path": str(tmp_path), "type": "Directory"}}],
+            volume_mounts=[{"name": "runs", "mount_path": str(tmp_path)}])
+        client.CoreV1Api(k8s.api_client()).create_namespaced_config_map(ns, {
+            "metadata": {"name": config["run_launcher"]["config"]["instance_config_map"]},
+            "data": {"dagster.yaml": (home / "dagster.yaml").read_text()}})
+        monkeypatch.setenv("DAGSTER_HOME", str(home))
+        with dg.DagsterInstance.get() as instance:
+            yield instance, ns
+    finally:
+        pg.stop()
+
+
+def _launch_start_run(instance: Any, spec_path: Path) -> Any:
+    """``start_pipeline_run`` of ``spec_path`` launched by the instance's K8sRunLauncher, as the image runs it."""
+    from dagster._core.code_pointer import ModuleCodePointer
+    from dagster._core.launcher import LaunchRunContext
+    from dagster._core.origin import JobPythonOrigin, RepositoryPythonOrigin
+
+    from batch_inference.definitions import defs as project_defs
+
+    origin = JobPythonOrigin("start_pipeline_run", RepositoryPythonOrigin(
+        executable_path="/opt/venv/bin/python", code_pointer=ModuleCodePointer("batch_inference.definitions", "defs", None),
+        container_image=IMAGE))
+    import dagster as dg
+
+    run = instance.create_run_for_job(
+        project_defs.resolve_job_def("start_pipeline_run"), job_code_origin=origin, status=dg.DagsterRunStatus.STARTING,
+        run_config={"ops": {"start_run": {"config": {"spec_path": str(spec_path)}}}})
+    instance.run_launcher.launch_run(LaunchRunContext(dagster_run=run, workspace=None))
+    return run
+
+
+def _run_pods(k8s: K8sCluster, ns: str, run: Any) -> list[Any]:
+    pods = client.CoreV1Api(k8s.api_client()).list_namespaced_pod(ns, label_selector=f"dagster/run-id={run.run_id}").items
+    return sorted(pods, key=lambda p: p.metadata.creation_timestamp)
+
+
+def _finished(instance: Any, k8s: K8sCluster, ns: str, run: Any, timeout_s: float) -> Any:
+    try:
+        return wait_until(lambda: (r := instance.get_run_by_id(run.run_id)).is_finished and r, timeout_s, "the run to finish")
+    except AssertionError:
+        raise AssertionError("; ".join(f"pod {p.metadata.name} {p.status.phase}: {_container_log(p)}"
+                                       for p in _run_pods(k8s, ns, run))) from None
+
+
+def test_a_run_pod_of_the_image_executes_its_dagster_run(k8s_node: tuple[K8sCluster, RealNode], tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dagster's ``K8sRunLauncher`` with the deploy instance: the run's Job is scheduled on the real
+    node, its pod (the project's image, uid 1000, the instance ConfigMap mounted by the kubelet)
+    runs ``dagster api execute_run``, loads this project's definitions, executes
+    ``start_pipeline_run`` and writes its events to Postgres on the cluster network; the launcher
+    follows the Job to its end."""
+    import dagster as dg
+    from dagster._core.launcher import WorkerStatus
+
+    from batch_inference_tests.defs.helpers import simulated_spec, write_input
+
+    k8s, node = k8s_node
+    with _run_instance(k8s, tmp_path, monkeypatch) as (instance, ns):
+        spec_path = tmp_path / "spec.yaml"
+        spec_path.write_text(yaml.safe_dump(simulated_spec("in-a-real-pod", write_input(tmp_path / "in.jsonl", 40), tmp_path / "runs")))
+        run = _launch_start_run(instance, spec_path)
+        done = _finished(instance, k8s, ns, run, 240)
+        events = [e.dagster_event.event_type_value for e in instance.all_logs(run.run_id) if e.dagster_event]
+        assert done.status == dg.DagsterRunStatus.SUCCESS, (events[-5:], [_container_log(p) for p in _run_pods(k8s, ns, run)])
+        assert "ASSET_MATERIALIZATION" in events  # source_dataset[in-a-real-pod], written from the pod
+        wait_until(lambda: instance.run_launcher.check_run_worker_health(done).status == WorkerStatus.SUCCESS, 60,
+                   "the run Job to succeed")
+        # a container of the image on the real node, which exited 0 once the run was done
+        pod = wait_until(lambda: (p := _run_pods(k8s, ns, run)[0]).status.container_statuses[0].state.terminated and p, 60,
+                         "the run pod's container to exit")
+        assert pod.spec.node_name == node.name and pod.status.container_statuses[0].image.endswith(IMAGE)
+        assert pod.status.container_statuses[0].state.terminated.exit_code == 0
+        plan = tmp_path / "runs" / "in-a-real-pod" / "ledger" / "plan.json"  # the start step's plan, written from the pod
+        assert plan.exists() and plan.stat().st_uid == 1000
+        print(f"RUN POD: {pod.metadata.name} ran {run.run_id[:8]} to {done.status.value}; {len(events)} events in Postgres")
+
+
+def test_a_sigkilled_run_pod_is_seen_failed_and_its_run_resumes_in_a_new_pod(
+        k8s_node: tuple[K8sCluster, RealNode], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run pod's process SIGKILLed mid-step (its machine reclaimed): the Job fails
+    (``backoffLimit: 0``), ``check_run_worker_health`` reports it FAILED, which is what run
+    monitoring acts on; its resume (``resume_run``, as monitoring calls it up to
+    ``max_resume_run_attempts``) runs in a new pod of the image and the run ends SUCCESS."""
+    import signal
+
+    import dagster as dg
+    from dagster._core.launcher import ResumeRunContext, WorkerStatus
+
+    from batch_inference_tests.defs.helpers import simulated_spec, write_input
+
+    k8s, node = k8s_node
+    with _run_instance(k8s, tmp_path, monkeypatch) as (instance, ns):
+        spec_path = tmp_path / "spec.yaml"
+        spec_path.write_text(yaml.safe_dump(simulated_spec("killed-pod", write_input(tmp_path / "in.jsonl", 40), tmp_path / "runs")))
+        run = _launch_start_run(instance, spec_path)
+
+        def step_started() -> bool:
+            return any(e.dagster_event and e.dagster_event.event_type_value == "STEP_START" for e in instance.all_logs(run.run_id))
+
+        wait_until(step_started, 240, "the run pod to start its step", poll_s=0.05)
+        (pod,) = _run_pods(k8s, ns, run)
+        container_id = pod.status.container_statuses[0].container_id.split("//", 1)[1]
+        node.ctr("tasks", "kill", "-s", "SIGKILL", container_id)  # the container's process, as a reclaim takes it
+        health = wait_until(lambda: (h := instance.run_launcher.check_run_worker_health(instance.get_run_by_id(run.run_id)))
+                            .status == WorkerStatus.FAILED and h, 120, "the launcher to see the run worker failed")
+        killed = wait_until(lambda: (p := _run_pods(k8s, ns, run)[0]).status.container_statuses[0].state.terminated and p, 60,
+                            "the killed container's status")
+        assert killed.status.container_statuses[0].state.terminated.exit_code == 128 + signal.SIGKILL, killed.status
+        instance.run_launcher.resume_run(ResumeRunContext(dagster_run=instance.get_run_by_id(run.run_id), workspace=None,
+                                                          resume_attempt_number=1))
+        done = _finished(instance, k8s, ns, run, 240)
+        events = [e.dagster_event.event_type_value for e in instance.all_logs(run.run_id) if e.dagster_event]
+        assert done.status == dg.DagsterRunStatus.SUCCESS, (events[-8:], [_container_log(p) for p in _run_pods(k8s, ns, run)])
+        pods = _run_pods(k8s, ns, run)
+        assert len(pods) == 2 and all(p.spec.node_name == node.name for p in pods)
+        assert (tmp_path / "runs" / "killed-pod" / "ledger" / "plan.json").exists()
+        print(f"RUN POD KILLED: {health.msg!r}; resumed in {pods[1].metadata.name}, run {done.status.value}")

@@ -8,7 +8,8 @@
 #   deploy/image/build.sh [--variant cpu|gpu] [--tag NAME:TAG] [--out FILE] [--import SOCKET]
 #
 # Variants:
-#   cpu (default)  the simulated and transformers engines (extra `cpu`: the torch CPU wheel).
+#   cpu (default)  the simulated and transformers engines (extra `cpu`: the torch CPU wheel),
+#                  plus `k8s` and `s3` (Dagster's run pods and S3 storage) in every variant.
 #   gpu            the vLLM engine (extra `vllm`: vllm 0.32.0 and the CUDA torch wheel it
 #                  pins). Run it on the GPU node's architecture; the NVIDIA driver comes from
 #                  the node (the NVIDIA container toolkit mounts it), not from the image.
@@ -35,7 +36,8 @@ while (($#)); do
         *) echo "unknown argument: $1" >&2; exit 2 ;;
     esac
 done
-case $VARIANT in cpu) EXTRA=cpu ;; gpu) EXTRA=vllm ;; *) echo "--variant cpu|gpu" >&2; exit 2 ;; esac
+# k8s + s3: the same image runs Dagster's run pods (K8sRunLauncher: dagster-k8s, dagster-postgres)
+case $VARIANT in cpu) EXTRA=cpu,k8s,s3 ;; gpu) EXTRA=vllm,k8s,s3 ;; *) echo "--variant cpu|gpu" >&2; exit 2 ;; esac
 
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 PYTHON=${PYTHON:-$(command -v python3)}
@@ -80,7 +82,7 @@ requires=$("$PYTHON" -c 'import sys, zipfile
 z = zipfile.ZipFile(sys.argv[1])
 meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
 print("\n".join(sorted(l for l in z.read(meta).decode().splitlines() if l.startswith(("Requires-Dist", "Requires-Python")))))' "$WHEEL")
-deps_key=$( { sha "$REPO/.ci/constraints.txt"; echo "$requires"; echo "$VARIANT $base_key $DEPS_RECIPE"; } | sha | cut -c1-12)
+deps_key=$( { sha "$REPO/.ci/constraints.txt"; echo "$requires"; echo "$VARIANT $EXTRA $base_key $DEPS_RECIPE"; } | sha | cut -c1-12)
 DEPS=$CACHE/deps-$VARIANT-$deps_key
 if [[ ! -d $DEPS ]]; then
     t0=$SECONDS

@@ -38,7 +38,7 @@ def build_start_job(k: PipelineKeys, spec_source: SpecSource | None = None) -> d
         if source is None:
             raise dg.Failure("no spec: set spec_path in the config")
         spec, plan = validated_spec(source, storage, run=config.run, input=config.input, output=config.output or storage.base_url)
-        if spec.run in context.instance.get_dynamic_partitions(k.runs.name) and already_started(context.instance, k, spec.run):
+        if spec.run in context.instance.get_dynamic_partitions(k.runs.name) and already_started(context.instance, k, spec.run, by_run_id=context.run_id):
             raise dg.Failure(f"pipeline run {spec.run!r} was already started; give the new run another name (`run:` in the config)")
         context.instance.add_dynamic_partitions(k.runs.name, [spec.run])
         label = source if isinstance(source, str) else (source.path or source.describe())

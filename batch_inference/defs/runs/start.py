@@ -89,8 +89,12 @@ def upstream_input(instance: dg.DagsterInstance, deps: Sequence[dg.AssetKey]) ->
     return newest[1] if newest else None
 
 
-def already_started(instance: dg.DagsterInstance, k: PipelineKeys, run: str) -> bool:
-    return bool(instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=k.source, asset_partitions=[run]), limit=1).records)
+def already_started(instance: dg.DagsterInstance, k: PipelineKeys, run: str, *, by_run_id: str | None = None) -> bool:
+    """Whether pipeline run ``run`` was started by another Dagster run than ``by_run_id``: the same
+    Dagster run executing its start step again (resumed after its pod died, a step retry) is the
+    same start, not a second one."""
+    records = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=k.source, asset_partitions=[run]), limit=20).records
+    return any(r.run_id != by_run_id for r in records)
 
 
 def validated_spec(source: SpecSource | str, storage: StorageResource, **overrides: Any) -> tuple[PipelineSpec, Any]:
@@ -130,7 +134,7 @@ def start_source(context: dg.AssetExecutionContext, config: SourceConfig, storag
                  k: PipelineKeys, deps: Sequence[dg.AssetKey]) -> dict[str, Any]:
     """The body of ``source_dataset``: its partition key is the run's name."""
     run = context.partition_key
-    if already_started(context.instance, k, run):
+    if already_started(context.instance, k, run, by_run_id=context.run_id):
         raise dg.Failure(f"pipeline run {run!r} of {k.label} was already started; add a new partition (a new run name)")
     drop = config.input or upstream_input(context.instance, deps)
     spec, plan = validated_spec(source, storage, run=run, input=drop, output=config.output or storage.base_url)
