@@ -29,14 +29,16 @@ def limit_order(ids: list[list[int]]) -> list[list[int]]:
 
 
 def measure_limit(llm: Any, encode: Callable[[list[dict[str, Any]]], list[list[int]]], records: list[dict[str, Any]],
-                  output: int) -> dict[str, Any]:
+                  output: int, stop: list[str] | None = None) -> dict[str, Any]:
     """The limit on ``llm``: its cache emptied, ``records`` tokenised (timed, as ``LLM.generate``
     of text and the pipeline's phase tokenise too), each distinct request once in prefix order,
-    one ``generate`` call, exactly ``output`` tokens each at temperature 0."""
+    one ``generate`` call, exactly ``output`` tokens each at temperature 0 (with ``stop``
+    strings: at most ``output``, ended by a stop string)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sampling = SamplingParams(max_tokens=output, min_tokens=output, temperature=0.0)
+    length = {"max_tokens": output, "stop": list(stop)} if stop else {"max_tokens": output, "min_tokens": output}
+    sampling = SamplingParams(**length, temperature=0.0)
     llm.reset_prefix_cache()
     t0 = time.perf_counter()
     ids = limit_order(encode(records))

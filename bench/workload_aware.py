@@ -39,13 +39,18 @@ limit's steps with the pipeline's (issue 32 item 2).
 
 ``llm.reset_prefix_cache()`` empties each engine's cache before every measurement. Every
 record asks for exactly ``--output`` tokens (``max_tokens = min_tokens``) at temperature 0,
-so every path decodes the same tokens. Pipeline figures are the ledger's infer phase
+so every path decodes the same tokens. With ``--stop`` (repeatable) every path asks for at
+most ``--output`` tokens and those stop strings instead (vLLM then detokenises every step
+to find them, and a record that meets one ends there: issue 32 item 4); raw, limit and
+pipeline still decode the same greedy tokens, and the report says so per measurement
+(output tokens, records that stopped, a digest of the texts in record order). Pipeline figures are the ledger's infer phase
 (records_in and tokens_out over its wall: reading, rendering, dispatch and writing
 included; the shard step, where the layout is computed, reported apart).
 
     env=$(bash .ci/vllm_cpu_env.sh)
     PYTHONPATH=. VLLM_CPU_KVCACHE_SPACE=1 $env/bin/python bench/workload_aware.py
     .venv/bin/python bench/workload_aware.py --records 120 --repeats 1   # re-runs itself in that venv
+    .venv/bin/python bench/workload_aware.py --shapes control --stop Through --repeats 3 --report bench/reports/workload_aware_stops.md
 
 Writes bench/reports/workload_aware.md (and .json).
 """
@@ -54,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import platform
@@ -68,6 +74,7 @@ from typing import Any
 import _raw_vllm
 from _limit import StepCounters, against_limit, count_engine_steps, count_llm_steps, measure_limit
 from _raw_vllm import load, serve
+from engine_ceiling import CpuMeter
 
 REPORTS = Path(__file__).resolve().parent / "reports"
 VOCAB = ("the quick brown fox jumps over a lazy dog while seven wizards quietly box near rivers "
@@ -124,6 +131,17 @@ def engine_config(model: str, blocks: int) -> dict[str, Any]:
             "vllm": {"enforce_eager": True, "extra": {"enable_chunked_prefill": False, "num_gpu_blocks_override": blocks}}}
 
 
+def sampling_kwargs(output: int, stop: list[str] | None) -> dict[str, Any]:
+    """The length rule every path applies: exactly ``output`` tokens, or with stop strings at
+    most ``output`` (a stop string cannot end a record before ``min_tokens``)."""
+    return {"max_tokens": output, "stop": list(stop)} if stop else {"max_tokens": output, "min_tokens": output}
+
+
+def texts_digest(texts: list[str | None]) -> str:
+    """The completions in record order, as one short digest (raw and pipeline must agree)."""
+    return hashlib.sha256(json.dumps(texts).encode()).hexdigest()[:12]
+
+
 # --------------------------------------------------------------------------- raw
 
 
@@ -156,16 +174,19 @@ def raw_server(model: str, blocks: int) -> None:
         return {**out, "engine": counters.summary()}
 
     def run(job: dict[str, Any]) -> dict[str, Any]:
+        stop = job.get("stop")
         if job["order"] == "limit":  # each distinct request once, in prefix order, one generate call
-            return measure_limit(llm, lambda recs: encoded(tok, recs), job["records"], job["output"])
-        sampling = VllmSamplingParams(max_tokens=job["output"], min_tokens=job["output"], temperature=0.0)
+            return measure_limit(llm, lambda recs: encoded(tok, recs), job["records"], job["output"], stop=stop)
+        sampling = VllmSamplingParams(**sampling_kwargs(job["output"], stop), temperature=0.0)
         llm.reset_prefix_cache()
         t0 = time.perf_counter()  # tokenising counts, as it does in LLM.generate of text and in the pipeline's phase
         ids = encoded(tok, job["records"])
         outs = llm.generate([TokensPrompt(prompt_token_ids=list(x)) for x in ids], sampling_params=sampling, use_tqdm=False)
         secs = time.perf_counter() - t0
         return {"requests": len(ids), "tokens": sum(len(o.outputs[0].token_ids) for o in outs),
-                "prompt_tokens": sum(map(len, ids)), "seconds": secs}
+                "prompt_tokens": sum(map(len, ids)), "seconds": secs,
+                "stopped": sum(o.outputs[0].finish_reason == "stop" for o in outs),
+                "digest": texts_digest([o.outputs[0].text for o in outs])}
 
     serve(handle)
 
@@ -176,8 +197,8 @@ class RawProcess:
     def __init__(self, model: str, blocks: int) -> None:
         self.helper = _raw_vllm.RawProcess(__file__, ["--model", model, "--blocks", str(blocks)])
 
-    def run(self, records: list[dict[str, Any]], order: str, output: int) -> dict[str, Any]:
-        return self.helper.request({"records": records, "order": order, "output": output})
+    def run(self, records: list[dict[str, Any]], order: str, output: int, stop: list[str] | None = None) -> dict[str, Any]:
+        return self.helper.request({"records": records, "order": order, "output": output, "stop": stop})
 
     def close(self) -> None:
         self.helper.close()
@@ -186,10 +207,12 @@ class RawProcess:
 # --------------------------------------------------------------------------- pipeline
 
 
-def pipeline_spec(model: str, blocks: int, root: Path, run: str, data: Path, n: int, output: int, prefix: bool) -> Any:
+def pipeline_spec(model: str, blocks: int, root: Path, run: str, data: Path, n: int, output: int, prefix: bool,
+                  stop: list[str] | None = None) -> Any:
+    sampling = {"max_tokens": output, "temperature": 0.0, **({"stop": list(stop)} if stop else {})}
     return _raw_vllm.pipeline_spec(
         engine=engine_config(model, blocks), root=root, run=run, data=data, shard_records=max(1, n // 4),
-        infer={"sampling": {"max_tokens": output, "temperature": 0.0}},  # the record's own prompt / messages
+        infer={"sampling": sampling},  # the record's own prompt / messages
         launcher="inprocess", layout={"prefix": prefix})
 
 
@@ -204,15 +227,25 @@ async def run_pipeline_once(spec: Any, pool: Any, counters: StepCounters) -> dic
     infer = view.rounds[0].infer
     assert infer is not None and summary.conservation["ok"]
     layout = view.shard.layout
+    rows = sorted(result_rows(RunLayout(spec.output, spec.run).results), key=lambda r: r["id"])
     return {"records": infer.records_in, "tokens": infer.tokens_out, "prompt_tokens": infer.tokens_in, "seconds": infer.wall_s,
             "shard_s": view.shard.wall_s, "failed": summary.failed, "engine": engine,
-            "layout": layout.as_dict() if layout is not None else None}
+            "layout": layout.as_dict() if layout is not None else None,
+            "stopped": sum(r.get("finish_reason") == "stop" for r in rows), "digest": texts_digest([r.get("result") for r in rows])}
 
 
-def write_input(path: Path, records: list[dict[str, Any]], output: int) -> None:
+def result_rows(folder: str) -> list[dict[str, Any]]:
+    """Every approved row of a run (its ``results/`` parts, compressed or not)."""
+    from batch_inference.storage import JsonlFile
+
+    return [row for part in sorted(Path(folder).glob("*.jsonl*")) for row in JsonlFile(str(part)).iter_records_sync()]
+
+
+def write_input(path: Path, records: list[dict[str, Any]], output: int, stop: list[str] | None = None) -> None:
     import orjson
 
-    path.write_bytes(b"".join(orjson.dumps({**r, "sampling": {"max_tokens": output, "min_tokens": output}}) + b"\n" for r in records))
+    sampling = {k: v for k, v in sampling_kwargs(output, stop).items() if k != "stop"}  # the spec's stop strings apply
+    path.write_bytes(b"".join(orjson.dumps({**r, "sampling": sampling}) + b"\n" for r in records))
 
 
 async def run_on_two_workers(args: argparse.Namespace, model: str, root: Path, run: str, data: Path, records: int,
@@ -260,7 +293,7 @@ async def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict
             for shape in shapes:
                 records = build(shape, args.records, random.Random(f"{shape}-{rep}"))
                 data = root / f"in-{shape}-{rep}.jsonl"
-                write_input(data, records, args.output)
+                write_input(data, records, args.output, args.stop)
                 row: dict[str, Any] = {"shape": shape, "repeat": rep, "records": len(records)}
                 if shape in POOL_SHAPES:
                     for path in (["affinity", "no_affinity"] if rep % 2 == 0 else ["no_affinity", "affinity"]):
@@ -278,16 +311,17 @@ async def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict
                 assert raw is not None and pool is not None
                 paths = ["raw", "limit", "on", "off"] if rep % 2 == 0 else ["raw", "limit", "off", "on"]
                 for path in paths:
-                    before = load()
+                    before, cpu = load(), CpuMeter()
                     if path in ("raw", "limit"):
-                        res = await asyncio.to_thread(raw.run, records, "input" if path == "raw" else "limit", args.output)
+                        res = await asyncio.to_thread(raw.run, records, "input" if path == "raw" else "limit", args.output, args.stop)
                         res["records"] = len(records)  # the limit answers every record (duplicates from one request)
                     else:
                         spec = pipeline_spec(model, args.blocks, root, f"{shape}-{rep}-{path}", data, len(records), args.output,
-                                             prefix=path == "on")
+                                             prefix=path == "on", stop=args.stop)
                         res = await run_pipeline_once(spec, pool, counters)
-                    res.update(records_s=res["records"] / res["seconds"], tok_s=len(records) * args.output / res["seconds"],
-                               load=[before, load()])
+                    decoded = res["tokens"] if args.stop else len(records) * args.output  # the limit decodes each distinct request once
+                    res.update(records_s=res["records"] / res["seconds"], tok_s=decoded / res["seconds"], load=[before, load()],
+                               cpu_s=cpu.stop())
                     row[path] = res
                 for path in ("on", "off", "limit"):
                     row[path]["vs_raw"] = row[path]["records_s"] / row["raw"]["records_s"]
@@ -295,7 +329,10 @@ async def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict
                     row[path].update(against_limit(row[path], row["limit"]))
                 row["raw"]["of_limit"] = row["raw"]["records_s"] / row["limit"]["records_s"]
                 rows.append(row)
+                row["same_output"] = all(row[p].get("digest") == row["raw"]["digest"] and row[p]["tokens"] == row["raw"]["tokens"]
+                                         for p in ("on", "off"))
                 print(json.dumps({"shape": shape, "repeat": rep, **{p: round(row[p]["records_s"], 1) for p in ("raw", "limit", "on", "off")},
+                                  "same_output": row["same_output"], "stopped": row["raw"]["stopped"],
                                   "on/raw": round(row["on"]["vs_raw"], 3), "off/raw": round(row["off"]["vs_raw"], 3),
                                   "on/limit": round(row["on"]["of_limit"], 3), "on+shard/limit": round(row["on"]["of_limit_shard"], 3)}), flush=True)
     finally:
@@ -313,7 +350,9 @@ def report(args: argparse.Namespace, all_rows: list[dict[str, Any]], wall: float
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {wall:.0f} s in all; 1-min load average "
              f"{before} before, {after} after (2 cores). vLLM-CPU 0.32, the tiny model, KV cache limited to "
              f"{args.blocks} blocks of {CPU_BLOCK} tokens (`num_gpu_blocks_override`), so the distinct prefixes do not fit. "
-             f"Every record decodes exactly {args.output} tokens at temperature 0. raw = one `LLM.generate` of the prompts in "
+             + (f"Every record decodes exactly {args.output} tokens at temperature 0. " if not args.stop else
+                f"Every record decodes at most {args.output} tokens at temperature 0, with stop strings {args.stop} (below). ")
+             + "raw = one `LLM.generate` of the prompts in "
              "input order (tokenising included, as for text prompts); limit = the same engine (the raw bench's `LLM` object, the pipeline's engine configuration and cache limit) given each distinct request once, in prefix order, in one `LLM.generate` call (each distinct prefix "
              "computed once, each distinct request once; `bench/_limit.py`), in records/s of every input record; on / off = the pipeline's infer phase (InProcessPool, streaming "
              "engine, one round, shard_records = records / 4: 4 shards by count, with the layout on each ending between families within 25%) with `layout.prefix` on (the default) / off; every other pipeline setting is main's "
@@ -372,7 +411,42 @@ def report(args: argparse.Namespace, all_rows: list[dict[str, Any]], wall: float
         lay = r["on"]["layout"] or {}
         lines.append(f"| {r['shape']} | {r['repeat']} | {lay.get('applied')} | {lay.get('blocks')} | {lay.get('gain', 0):.1%} | "
                      f"{lay.get('cuts_shared')} | {lay.get('sign_s')} | {lay.get('sort_s')} | {r['on']['shard_s']:.2f} | {r['off']['shard_s']:.2f} |")
-    return "\n".join(lines + counters_report(rows) + pool_report(args, [r for r in all_rows if r["shape"] in POOL_SHAPES])) + "\n"
+    return "\n".join(lines + stops_report(args, rows) + counters_report(rows)
+                     + pool_report(args, [r for r in all_rows if r["shape"] in POOL_SHAPES])) + "\n"
+
+
+def stops_report(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[str]:
+    """With ``--stop``: what the stop strings did, and whether every path decoded the same texts."""
+    if not args.stop:
+        return []
+    lines = ["", f"## Stop strings: {', '.join(map(repr, args.stop))}", "",
+             f"Every path asked for at most {args.output} tokens at temperature 0 with these stop strings (no `min_tokens`): "
+             "vLLM detokenises every request at every step to look for them, raw `LLM.generate` and the pipeline's streaming "
+             "engine alike. Output tokens decoded, records a stop string ended (raw), and whether the pipeline's approved texts "
+             "(`on` and `off`, in record order) and token counts are raw's exactly.", "",
+             "| shape | repeat | raw tokens | on tokens | off tokens | records stopped (raw / on / off) | same texts and tokens | on / raw | off / raw |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['repeat']} | {r['raw']['tokens']:,} | {r['on']['tokens']:,} | {r['off']['tokens']:,} | "
+                     f"{r['raw'].get('stopped')} / {r['on'].get('stopped')} / {r['off'].get('stopped')} | "
+                     f"{'yes' if r.get('same_output') else 'NO'} | {r['on']['vs_raw']:.3f} | {r['off']['vs_raw']:.3f} |")
+    lines += ["", "CPU seconds per process during each measurement (`engine_ceiling.CpuMeter`): the front end is raw's helper "
+              "process for raw (tokenising, `LLM.generate`'s output processing and detokenising) and this process for the "
+              "pipeline (the pipeline, and vLLM's `AsyncLLM` output handling on its event loop); on 2 cores every front-end "
+              "CPU-second is taken from the engine core or the model worker.", "",
+              "| shape | repeat | path | wall s | front end | engine core | model worker | elsewhere on the machine |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for path in ("raw", "on", "off"):
+            c = r[path].get("cpu_s") or {}
+            front = c.get("raw frontend", 0.0) if path == "raw" else c.get("driver", 0.0)
+            lines.append(f"| {r['shape']} | {r['repeat']} | {path} | {r[path]['seconds']:.2f} | {front:.2f} | "
+                         f"{c.get('engine core', 0.0):.2f} | {c.get('model worker', 0.0):.2f} | {c.get('elsewhere', 0.0):.2f} |")
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        rs = [r for r in rows if r["shape"] == shape]
+        lines += ["", f"{shape}: median on / raw **{statistics.median(r['on']['vs_raw'] for r in rs):.3f}**, off / raw "
+                  f"**{statistics.median(r['off']['vs_raw'] for r in rs):.3f}** over {len(rs)} repeats, with stop strings."]
+    return lines
 
 
 def counters_report(rows: list[dict[str, Any]]) -> list[str]:
@@ -443,7 +517,10 @@ def shape_arguments(doc: str, report: str) -> argparse.ArgumentParser:
 
 
 def main() -> None:
-    args = shape_arguments(__doc__, "workload_aware.md").parse_args()
+    ap = shape_arguments(__doc__, "workload_aware.md")
+    ap.add_argument("--stop", action="append", help="a stop string every record gets (repeatable): at most --output tokens, "
+                    "no min_tokens, on every path")
+    args = ap.parse_args()
     if args.raw_server:
         return raw_server(args.model, args.blocks)
     _raw_vllm.run_shape_bench(__file__, args, "workload-aware-", measure, report, REPORTS / "workload_aware.md")

@@ -50,3 +50,22 @@ def test_the_benches_pipeline_spec_turns_the_result_cache_off(tmp_path: Path) ->
     spec = _raw_vllm.pipeline_spec(engine={"kind": "simulated"}, root=tmp_path, run="r", data=data, infer={},
                                    shard_records=10, launcher="inprocess")
     assert spec.cache.enabled is False and spec.result_cache_url is None
+
+
+def test_the_stop_string_variant_asks_every_path_for_at_most_the_output_and_the_same_stops(tmp_path: Path) -> None:
+    """``workload_aware.py --stop``: no ``min_tokens`` anywhere (it would keep a stop string from ending
+    a record), the records' own sampling and the spec's stop strings give the pipeline raw's request."""
+    import orjson
+
+    wa = pytest.importorskip("workload_aware")
+    assert wa.sampling_kwargs(32, None) == {"max_tokens": 32, "min_tokens": 32}
+    assert wa.sampling_kwargs(32, ["Through"]) == {"max_tokens": 32, "stop": ["Through"]}
+    data = tmp_path / "in.jsonl"
+    wa.write_input(data, [{"id": "r0", "prompt": "hi"}], 32, ["Through"])
+    assert orjson.loads(data.read_bytes())["sampling"] == {"max_tokens": 32}
+    (tmp_path / "m").mkdir()
+    spec = wa.pipeline_spec(str(tmp_path / "m"), 100, tmp_path, "r", data, 1, 32, prefix=True, stop=["Through"])
+    assert spec.infer.sampling.stop == ("Through",) and spec.infer.sampling.max_tokens == 32
+    wa.write_input(data, [{"id": "r0", "prompt": "hi"}], 32)
+    assert orjson.loads(data.read_bytes())["sampling"] == {"max_tokens": 32, "min_tokens": 32}
+    assert wa.texts_digest(["a", None]) == wa.texts_digest(["a", None]) != wa.texts_digest(["a", ""])
