@@ -301,11 +301,11 @@ def prefix_section(lines: list[str], records: int, sample: int = 20_000) -> list
 
 
 LAYOUT_HEADING = "## 6. The layout pass before the first task: GPU time held idle"
-# The layout pass's cost per record (bench/reports/layout_cost.md, 2026-12-03 09:11, the tiny
+# The layout pass's cost per record (bench/reports/layout_cost.md, 2026-12-03 09:35, the tiny
 # model's tokenizer, 16-token blocks): prompt characters -> (the part its passes spread over
 # layout.workers processes: the whole pass on one worker less the next figure; the part left in
 # the driver's process with 2 workers: merging the runs, counting, rewriting), seconds a record.
-LAYOUT_COST_S = {300: (94e-6, 27e-6), 1_400: (393e-6, 34e-6), 4_000: (1_150e-6, 65e-6)}
+LAYOUT_COST_S = {300: (136e-6, 44e-6), 1_400: (474e-6, 59e-6), 4_000: (1_282e-6, 62e-6)}
 LAYOUT_WORKERS = (1, 8, 16, 32, 64)
 
 

@@ -186,12 +186,13 @@ class _Workers:
 
 
 def _sign_pass(d: JsonlDir, signer: PrefixSigner, builder: RequestBuilder, sort: ExternalSort, *, keep_lines: bool,
-               workers: _Workers | None = None) -> _Pass:
+               workers: _Workers | None = None, count: bool = True) -> _Pass:
     """Sign every record, spill (signature, line) into ``sort`` (the line only when kept), count sharing.
 
     With ``workers``, each worker process signs a slice of consecutive shards into sorted
     runs of its own, which ``sort`` adopts in input order: equal signatures keep input
-    order, so the sorted records are the serial pass's, byte for byte.
+    order, so the sorted records are the serial pass's, byte for byte. ``count=False``
+    leaves the sorted-order figures to the rewrite (``_rewrite(count=True)``).
     """
     p = _Pass(sort)
     if workers is None:
@@ -216,14 +217,10 @@ def _sign_pass(d: JsonlDir, signer: PrefixSigner, builder: RequestBuilder, sort:
             prev = part.last
     if workers is None:
         p.sign_s = parts[0].sign_s
-    sort.finish()
-    prev_key = b""
-    for n, (key, _) in enumerate(sort.iter_sorted()):
-        shared = shared_blocks(prev_key, key)
-        p.shared_sorted += shared
-        # in sorted order the blocks every record shares are the fewest two neighbours share
-        p.common = len(key) // BLOCK_HASH_BYTES if n == 0 else min(p.common, shared)
-        prev_key = key
+    sort.finish(workers.pool if workers is not None else None)  # a level's merges side by side in the workers
+    if count:
+        for _ in _counted(p, sort.iter_sorted()):
+            pass
     return p
 
 
@@ -288,9 +285,10 @@ def layout_by_prefix(
         if applied and not by_text:
             gate_sort.clear()
             with ExternalSort(join(spill_url, "tokens"), storage_options=storage_options, run_bytes=run_bytes) as token_sort:
-                final = _sign_pass(d, signer, builder, token_sort, keep_lines=True, workers=par)
+                # its gain was the gate's to decide: its figures are counted while it is rewritten
+                final = _sign_pass(d, signer, builder, token_sort, keep_lines=True, workers=par, count=False)
                 sign_s += final.sign_s
-                cuts_shared = _rewrite(d, final, records_per_shard, man.compression)
+                cuts_shared = _rewrite(d, final, records_per_shard, man.compression, count=True)
         elif applied:
             cuts_shared = _rewrite(d, final, records_per_shard, man.compression)
         runs, levels = final.sort.spilled_runs, final.sort.merge_levels
@@ -371,11 +369,16 @@ def write_cut(w: Any, items: Iterable[tuple[bytes, bytes]], records_per_shard: i
     Memory: lines wait only while a cut could still fall before them (the window); the
     ones certain to sit before the shard's earliest cut are written as they come.
     """
+    return sum(shared > common for shared in _write_cuts(w, items, records_per_shard))
+
+
+def _write_cuts(w: Any, items: Iterable[tuple[bytes, bytes]], records_per_shard: int) -> list[int]:
+    """``write_cut``'s writing; returns the blocks shared across each cut (one int a shard)."""
     slack = shard_slack(records_per_shard)
     lo = records_per_shard - slack  # no shard ends before this many records
     pending: list[bytes] = []  # read, not yet written: the current shard's last lines and the next one's first
     written = 0  # of the current shard
-    inside = 0
+    cuts: list[int] = []
 
     def keys() -> Iterator[bytes]:
         nonlocal written
@@ -393,8 +396,8 @@ def write_cut(w: Any, items: Iterable[tuple[bytes, bytes]], records_per_shard: i
         del pending[:rest]
         w.cut()
         written = 0
-        inside += shared > common
-    return inside
+        cuts.append(shared)
+    return cuts
 
 
 @dataclass(frozen=True)
@@ -414,10 +417,26 @@ class FamilyCuts:
         return write_cut(w, signed_lines(self.signer, RequestBuilder(self.infer), lines), records_per_shard, self.common)
 
 
-def _rewrite(d: JsonlDir, p: _Pass, records_per_shard: int, compression: Any) -> int:
-    """Write the sorted records over ``d``, cut between families (``write_cut``); returns its count."""
+def _counted(p: _Pass, items: Iterator[tuple[bytes, bytes]]) -> Iterator[tuple[bytes, bytes]]:
+    """``items`` (sorted) passed through, counting ``p.shared_sorted`` and ``p.common`` on the way."""
+    prev = b""
+    for n, (key, line) in enumerate(items):
+        shared = shared_blocks(prev, key)
+        p.shared_sorted += shared
+        # in sorted order the blocks every record shares are the fewest two neighbours share
+        p.common = len(key) // BLOCK_HASH_BYTES if n == 0 else min(p.common, shared)
+        prev = key
+        yield key, line
+
+
+def _rewrite(d: JsonlDir, p: _Pass, records_per_shard: int, compression: Any, *, count: bool = False) -> int:
+    """Write the sorted records over ``d``, cut between families (``write_cut``); returns its count.
+
+    ``count``: the pass's sorted-order figures are counted while writing (one read of the
+    merged runs instead of two: the merge is the part of the pass left on the driver)."""
+    items = p.sort.iter_sorted()
     with d.writer_sync(max_records_per_shard=shard_limit(records_per_shard), compression=compression) as w:
-        inside = write_cut(w, p.sort.iter_sorted(), records_per_shard, p.common)
+        cuts = _write_cuts(w, _counted(p, items) if count else items, records_per_shard)
     if w.records != p.records:  # pragma: no cover - the sort hands back what it took
         raise PlacementError(f"{d.url}: rewrote {w.records} of {p.records} records")
-    return inside
+    return sum(shared > p.common for shared in cuts)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Iterator
+from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any
 
 from batch_inference.storage import _io, urls
@@ -49,6 +51,7 @@ class ExternalSort:
         if run_bytes < 1 or fan_in < 2:
             raise ValueError(f"run_bytes must be >= 1 and fan_in >= 2, got {run_bytes}, {fan_in}")
         self.url = urls.normalize(spill_url)
+        self.storage_options = storage_options
         self.fs, self.path = urls.fs_for(self.url, storage_options)
         self.run_bytes, self.fan_in, self.zstd_level = run_bytes, fan_in, zstd_level
         self.name = name  # spill files' name prefix: sorts of other processes spilling into one folder stay apart
@@ -151,9 +154,10 @@ class ExternalSort:
         # heapq.merge is stable: equal keys come from earlier runs first (the order added)
         return heapq.merge(*(self._read(p) for p in paths), key=lambda kv: kv[0])
 
-    def finish(self) -> None:
+    def finish(self, pool: Executor | None = None) -> None:
         """No more records: sort what is in memory, or spill it and merge the runs down to
-        at most ``fan_in`` (intermediate merges are spilled too)."""
+        at most ``fan_in`` (intermediate merges are spilled too). ``pool``: a process pool
+        that merges each level's groups side by side (``merge_group``); the result is the same."""
         if self._finished:
             return
         self._finished = True
@@ -163,16 +167,17 @@ class ExternalSort:
         self._spill()
         while len(self.runs) > self.fan_in:
             self.merge_levels += 1
-            merged = []
+            merged: list[str] = []
+            jobs: list[MergeJob] = []
             for i in range(0, len(self.runs), self.fan_in):
                 group = self.runs[i:i + self.fan_in]
                 if len(group) == 1:
                     merged.append(group[0])
                     continue
-                path = self._new_path("merge")
-                self._write(path, (_spill_line(k, line) for k, line in self._merged(group)))
-                self.fs.rm(group)
-                merged.append(path)
+                merged.append(self._new_path("merge"))
+                jobs.append(MergeJob(self.url, self.storage_options, tuple(group), merged[-1], self.zstd_level))
+            for _ in (pool.map(merge_group, jobs) if pool is not None else map(merge_group, jobs)):
+                pass
             self.runs = merged
 
     def iter_sorted(self) -> Iterator[tuple[bytes, bytes]]:
@@ -193,3 +198,22 @@ class ExternalSort:
         self.finish()
         for _, line in self.iter_sorted():
             yield line
+
+
+@dataclass(frozen=True)
+class MergeJob:
+    """One group of an intermediate merge level: its runs (in order) into one run at ``path``."""
+
+    url: str
+    storage_options: dict | None
+    runs: tuple[str, ...]
+    path: str
+    zstd_level: int
+
+
+def merge_group(job: MergeJob) -> str:
+    """Merge a group's runs into one run and remove them (in this process or a worker's)."""
+    s = ExternalSort(job.url, storage_options=job.storage_options, zstd_level=job.zstd_level)
+    s._write(job.path, (_spill_line(k, line) for k, line in s._merged(list(job.runs))))
+    s.fs.rm(list(job.runs))
+    return job.path

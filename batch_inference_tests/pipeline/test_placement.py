@@ -294,6 +294,11 @@ async def test_the_models_tokens_are_computed_only_when_order_pays(tmp_path: Pat
         rows = list(JsonlDir(RunLayout(spec.output, spec.run).sharded).iter_records_sync())
         sigs = [s.blocks for s in signer.sign([placement_mod.record_prompt(builder, r) for r in rows])]
         assert sigs == sorted(sigs)  # in the order of the model's own block hashes
+        # the token pass's sorted-order figures are counted while the records are rewritten
+        from batch_inference.prompting.prefix import common_blocks
+
+        assert p.shared_sorted == sum(shared_blocks(a, b) for a, b in zip([b""] + sigs, sigs)) > 0
+        assert p.common_blocks == common_blocks(sigs) and p.blocks == sum(len(x) // 8 for x in sigs)
 
 
 def _chain(*blocks: bytes) -> bytes:

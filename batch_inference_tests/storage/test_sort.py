@@ -124,3 +124,37 @@ def test_adopt_refuses_runs_elsewhere_and_after_add(tmp_path: Path) -> None:
         s.add(b"k", b"{}\n")
         with pytest.raises(RuntimeError, match="order of equal keys"):
             s.adopt([])
+
+
+def _merge_levels_side_by_side(tmp_path: Path, pool: object) -> None:
+    items = _items(900, seed=11)
+    with ExternalSort(str(tmp_path / "serial"), run_bytes=1_500, fan_in=2) as one:
+        for k, line in items:
+            one.add(k, line)
+        one.finish()
+        expected, levels = list(one.iter_sorted()), one.merge_levels
+    with ExternalSort(str(tmp_path / "pooled"), run_bytes=1_500, fan_in=2) as s:
+        for k, line in items:
+            s.add(k, line)
+        s.finish(pool)  # type: ignore[arg-type]
+        assert list(s.iter_sorted()) == expected and s.merge_levels == levels >= 3
+        assert len(list((tmp_path / "pooled").iterdir())) <= 2  # every merged group's runs removed
+    assert expected == sorted(items, key=lambda kv: kv[0])
+
+
+def test_a_pool_merges_each_levels_groups_with_the_same_result(tmp_path: Path) -> None:
+    """``finish(pool)``: the layout pass's workers merge a level's groups side by side; the
+    runs, their order and the result are the serial merge's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(3) as pool:
+        _merge_levels_side_by_side(tmp_path, pool)
+
+
+@pytest.mark.process
+def test_worker_processes_merge_each_levels_groups_with_the_same_result(tmp_path: Path) -> None:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        _merge_levels_side_by_side(tmp_path, pool)
