@@ -65,6 +65,9 @@ def test_up_scale_status_ttl_down_and_the_endpoints_404_race(k8s: K8sCluster, na
 
     endpoints = launcher.up(wait_s=180, poll_s=0.3)
     assert len(endpoints) == 2 and all(e.startswith("http://10.244.0.") and e.endswith(":8700") for e in endpoints)
+    # up() returns on the Service's Endpoints; the Deployment's status.readyReplicas is written by
+    # another controller and may trail them by a sync (a fresh-clone run saw 1 here)
+    wait_until(lambda: launcher.status()["ready_replicas"] == 2, 60, "the Deployment's readyReplicas to reach 2")
     status = launcher.status()
     assert status["ready_replicas"] == 2 and status["endpoints"] == endpoints
     for endpoint in endpoints:  # real workers, holding the token from the pool's Secret, the engine from its ConfigMap
