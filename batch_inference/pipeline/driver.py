@@ -2,15 +2,17 @@
 
 ``drive`` calls ``PipelineRun``'s steps in the order the strategy needs; every step
 resumes, so running it again is the resume path. ``run_pipeline`` proves the spec first
-(``preflight``), opens a runner from ``spec.pool`` when none is given, rides out
-transient storage errors (``drive_retrying``), and writes the exports the spec asks for
+(``preflight``), opens a runner from ``spec.pool`` when none is given (the shard step
+runs while it opens: ``shard_while_opening``), rides out transient storage errors (``drive_retrying``), and writes the exports the spec asks for
 (``export``: Parquet, OpenAI Batch files) once the run has finished.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 from batch_inference.pipeline.fanout import Reporter
 from batch_inference.pipeline.layout import RunLayout
@@ -22,7 +24,7 @@ from batch_inference.pool.protocol import TaskRunner
 
 log = logging.getLogger(__name__)
 
-__all__ = ["drive", "drive_retrying", "run_pipeline", "write_exports"]
+__all__ = ["drive", "drive_retrying", "run_pipeline", "shard_while_opening", "write_exports"]
 
 
 async def drive(run: PipelineRun) -> RunSummary:
@@ -89,12 +91,36 @@ async def run_pipeline(
     if runner is not None:
         summary = await drive_retrying(PipelineRun(spec, runner, reporter=reporter, eta=eta), retries=retries, backoff_s=backoff_s)
     else:
-        from batch_inference.pipeline.runner import open_runner
-
-        async with open_runner(spec) as opened:
-            summary = await drive_retrying(PipelineRun(spec, opened, reporter=reporter, eta=eta), retries=retries, backoff_s=backoff_s)
+        run = PipelineRun(spec, reporter=reporter, eta=eta)
+        async with shard_while_opening(run) as opened:
+            run.runner = opened
+            summary = await drive_retrying(run, retries=retries, backoff_s=backoff_s)
     await asyncio.to_thread(write_exports, probe)
     return summary
+
+
+@contextlib.asynccontextmanager
+async def shard_while_opening(run: PipelineRun) -> AsyncIterator[TaskRunner]:
+    """``open_runner(run.spec)``, with the run's shard step (reshard and layout pass, CPU on
+    the driver) running while the pool starts (workers spawning, models loading), so a run
+    pays the longer of the two rather than their sum.
+
+    The shard step's own errors are left to ``drive``: it calls ``shard()`` again, which
+    resumes a finished step at once and otherwise raises (or retries) as it always does.
+    A pool that fails to open fails the run with its own error, once the shard step has
+    stopped writing (its thread cannot be cancelled; a re-run resumes what it finished).
+    """
+    from batch_inference.pipeline.runner import open_runner
+
+    sharding = asyncio.create_task(run.shard())
+    try:
+        async with open_runner(run.spec) as opened:
+            with contextlib.suppress(Exception):
+                await sharding
+            yield opened
+    finally:  # a step still writing is waited for; a failed one's error is drive's to raise
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(sharding)
 
 
 def write_exports(run: PipelineRun) -> list[str]:

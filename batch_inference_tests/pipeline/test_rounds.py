@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import orjson
@@ -302,3 +303,59 @@ async def test_a_round_whose_rejected_rows_all_failed_permanently_is_the_last(tm
     assert summary.conservation["ok"]
     decision = PipelineRun(spec).ledger.view().rounds[0].decision
     assert decision.kind == "done" and decision.figures["failed"] == 2 and decision.figures["rejected"] == 0
+
+
+def _shard_committed(spec) -> bool:
+    return (Path(spec.output) / spec.run / "ledger" / "shard.json").exists()
+
+
+async def test_the_shard_step_runs_while_the_pool_opens(make_spec, monkeypatch) -> None:
+    """The shard step (reshard, layout pass) is the driver's CPU work before the first task;
+    the pool's start (workers spawning, models loading) is the pool's. A run pays the longer
+    of the two, not their sum: a pool that takes a while to open finds the shard step done."""
+    import batch_inference.pipeline.runner as runner_mod
+
+    real = runner_mod.open_runner
+    seen: list[bool] = []
+
+    @contextlib.asynccontextmanager
+    async def slow_open(spec):
+        async with real(spec) as runner:
+            for _ in range(200):  # the pool "loads its model" for up to 4 s
+                if _shard_committed(spec):
+                    break
+                await asyncio.sleep(0.02)
+            seen.append(_shard_committed(spec))
+            yield runner
+
+    monkeypatch.setattr(runner_mod, "open_runner", slow_open)
+    spec = make_spec(approval=1.0)
+    summary = await run_pipeline(spec)
+    assert seen == [True], "the shard step waited for the pool to open"
+    assert summary.status == "converged" and summary.approved == 600 and summary.conservation["ok"]
+
+
+async def test_a_pool_that_fails_to_open_fails_the_run_with_its_own_error(make_spec, monkeypatch) -> None:
+    """The shard step beside a pool that cannot open: the run fails with the pool's error (not
+    the shard step's, nor a cancellation), the shard step is left finished rather than half
+    written, and a re-run resumes from it."""
+    import batch_inference.pipeline.runner as runner_mod
+
+    real = runner_mod.open_runner
+
+    @contextlib.asynccontextmanager
+    async def broken_open(spec):
+        raise RuntimeError("no node has a free GPU")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(runner_mod, "open_runner", broken_open)
+    spec = make_spec(approval=1.0)
+    with pytest.raises(RuntimeError, match="no node has a free GPU"):
+        await run_pipeline(spec)
+    assert _shard_committed(spec)
+    shard_instance = ledger(spec, "shard")["instance"]
+
+    monkeypatch.setattr(runner_mod, "open_runner", real)
+    summary = await run_pipeline(spec)
+    assert summary.status == "converged" and summary.approved == 600 and summary.conservation["ok"]
+    assert ledger(spec, "shard")["instance"] == shard_instance  # resumed, not resharded
