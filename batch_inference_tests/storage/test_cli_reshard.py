@@ -5,7 +5,7 @@ from click.testing import CliRunner
 
 from batch_inference.cli.storage_cmds import inspect, shard
 from batch_inference.storage import JsonlDir, JsonlFile, reshard
-from batch_inference.storage.reshard import _Bloom
+from batch_inference.storage.reshard import _Bloom, _SeenIds
 
 
 def write_source(path, n: int, dup_every: int = 0) -> None:
@@ -53,9 +53,20 @@ def test_cli_shard_plain_from_zst_and_byte_limit(tmp_path) -> None:
 def test_reshard_from_a_dir_and_duplicates_are_exact(tmp_path) -> None:
     with JsonlDir(str(tmp_path / "a")).writer_sync(max_records_per_shard=7) as w:
         w.write_many({"id": f"r{i % 40}"} for i in range(50))  # r0..r9 appear twice
-    rep = reshard(str(tmp_path / "a"), str(tmp_path / "b"), records_per_shard=20, bloom_bytes=8)  # tiny: many false suspects
+    rep = reshard(str(tmp_path / "a"), str(tmp_path / "b"), records_per_shard=20)  # exact: a set of the ids
     assert (rep.records, rep.shards, rep.ids_assigned) == (50, 3, 0)
     assert rep.duplicate_ids == {f"r{i}": 2 for i in range(10)}
+    # the Bloom filter from the 6th id on (tiny: many false suspects), the set's ids moved into it
+    rep = reshard(str(tmp_path / "a"), str(tmp_path / "c"), records_per_shard=20, bloom_bytes=8, exact_ids=5)
+    assert rep.duplicate_ids == {f"r{i}": 2 for i in range(10)}
+
+
+def test_seen_ids_are_exact_while_small_then_a_bloom_filter_that_keeps_them() -> None:
+    seen = _SeenIds(1024, exact=3)
+    assert [seen.add(k) for k in ("a", "b", "a", "c")] == [False, False, True, False]
+    assert seen.bloom is None  # 3 ids: no filter allocated
+    assert not seen.add("d") and seen.bloom is not None and seen.ids is None
+    assert all(seen.add(k) for k in ("a", "b", "c", "d"))  # the set's members are in the filter
 
 
 def test_bloom_reports_seen_ids() -> None:
