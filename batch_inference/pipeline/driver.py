@@ -105,20 +105,39 @@ async def shard_while_opening(run: PipelineRun) -> AsyncIterator[TaskRunner]:
     the driver) running while the pool starts (workers spawning, models loading), so a run
     pays the longer of the two rather than their sum.
 
-    The shard step's own errors are left to ``drive``: it calls ``shard()`` again, which
-    resumes a finished step at once and otherwise raises (or retries) as it always does.
-    A pool that fails to open fails the run with its own error, once the shard step has
-    stopped writing (its thread cannot be cancelled; a re-run resumes what it finished).
+    A shard step that fails for good while the pool is still opening stops the opening and
+    fails the run with its own error at once (bad input is not reported a pool start later);
+    its other errors are left to ``drive``, which calls ``shard()`` again: a finished step
+    resumes at once, a transient error is retried as it always is. A pool that fails to open
+    fails the run with its own error, once the shard step has stopped writing (its thread
+    cannot be cancelled; a re-run resumes what it finished).
     """
     from batch_inference.pipeline.runner import open_runner
 
+    opener = asyncio.current_task()
+    assert opener is not None
+    opening = True
+    failed: list[BaseException] = []
+
+    def stop_opening(task: asyncio.Task[object]) -> None:
+        if opening and not task.cancelled() and (exc := task.exception()) is not None and not is_transient(exc):
+            failed.append(exc)
+            opener.cancel()
+
     sharding = asyncio.create_task(run.shard())
+    sharding.add_done_callback(stop_opening)
     try:
         async with open_runner(run.spec) as opened:
+            opening = False
             with contextlib.suppress(Exception):
                 await sharding
             yield opened
+    except asyncio.CancelledError:
+        if failed and opener.uncancel() == 0:  # our cancel, nobody else's: the shard step's error
+            raise failed[0] from None
+        raise
     finally:  # a step still writing is waited for; a failed one's error is drive's to raise
+        opening = False
         with contextlib.suppress(BaseException):
             await asyncio.shield(sharding)
 

@@ -359,3 +359,57 @@ async def test_a_pool_that_fails_to_open_fails_the_run_with_its_own_error(make_s
     summary = await run_pipeline(spec)
     assert summary.status == "converged" and summary.approved == 600 and summary.conservation["ok"]
     assert ledger(spec, "shard")["instance"] == shard_instance  # resumed, not resharded
+
+
+async def test_a_shard_step_that_fails_stops_the_pool_opening_and_fails_the_run_at_once(make_spec, monkeypatch) -> None:
+    """Bad input found by the shard step is reported then, not after the pool's start (minutes
+    of model loading, or a Kubernetes pool's ready timeout): the opening is cancelled."""
+    import time
+
+    import batch_inference.pipeline.runner as runner_mod
+    from batch_inference.pipeline.run import PipelineRun
+
+    cancelled: list[bool] = []
+
+    @contextlib.asynccontextmanager
+    async def slow_open(spec):
+        try:
+            await asyncio.sleep(60)  # a pool that takes a minute to load its model
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+        yield None  # pragma: no cover
+
+    async def bad_shard(self):
+        await asyncio.sleep(0.05)
+        raise ValueError("input.jsonl:7: not a record")
+
+    monkeypatch.setattr(runner_mod, "open_runner", slow_open)
+    monkeypatch.setattr(PipelineRun, "shard", bad_shard)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="input.jsonl:7"):
+        await run_pipeline(make_spec())
+    assert time.monotonic() - t0 < 20 and cancelled == [True]
+
+
+async def test_a_caller_s_cancel_while_the_pool_opens_stays_a_cancel(make_spec, monkeypatch) -> None:
+    """Ctrl-C (the caller cancelling the run) while the pool opens is a cancellation, never
+    turned into the shard step's error, and the shard step is let finish its writing."""
+    import batch_inference.pipeline.runner as runner_mod
+
+    @contextlib.asynccontextmanager
+    async def slow_open(spec):
+        await asyncio.sleep(60)
+        yield None  # pragma: no cover
+
+    monkeypatch.setattr(runner_mod, "open_runner", slow_open)
+    spec = make_spec()
+    task = asyncio.create_task(run_pipeline(spec))
+    for _ in range(200):
+        await asyncio.sleep(0.05)
+        if _shard_committed(spec):
+            break
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert _shard_committed(spec)
