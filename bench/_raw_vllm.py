@@ -49,7 +49,9 @@ def measure_in_tmp(args: Any, prefix: str, measure: Callable[[Any, str, Path], A
 
 
 def write_report(path: Path, text: str, rows: list[dict[str, Any]]) -> None:
-    """The report, its rows beside it as JSON, and the report on stdout."""
+    """The report, its rows beside it as JSON, and the report on stdout (its folder made:
+    a run's minutes of figures are not lost to a report path in a folder not yet there)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     path.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     print(text)
