@@ -31,14 +31,14 @@ import json
 import os
 import platform
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import orjson
+from _raw_vllm import load, measure_in_tmp, write_report
 
-from batch_inference.pipeline import PipelineRun, PipelineSpec, run_pipeline
+from batch_inference.pipeline import Ledger, PipelineRun, PipelineSpec, RunLayout, run_pipeline
 from batch_inference.pipeline.driver import drive
 from batch_inference.pipeline.preflight import preflight
 from batch_inference.pipeline.runner import open_runner
@@ -71,10 +71,6 @@ def make_spec(src: Path, out: Path, run: str, model: str, args: argparse.Namespa
     })
 
 
-def ledger(spec: PipelineSpec, name: str) -> dict[str, Any]:
-    return orjson.loads((Path(spec.output) / spec.run / "ledger" / f"{name}.json").read_bytes())
-
-
 async def sequential(spec: PipelineSpec) -> None:
     """The order run_pipeline had before: the shard step, then the pool's start."""
     await asyncio.to_thread(preflight, spec)
@@ -98,15 +94,16 @@ async def measure(mode: str, base: Path, src: Path, model: str, args: argparse.N
     finally:
         stopped = await asyncio.to_thread(LocalLauncher(None, name=run).down)
     wall = time.perf_counter() - t0  # the pool's stop included on both sides, as it is outside the run
-    shard = ledger(spec, "shard")
-    phases = {name: float(ledger(spec, f"round-00-{name}")["wall_s"]) for name in ("infer", "judge")}
-    assert shard["records"] == args.records and stopped == args.replicas
-    return {"mode": mode, "repeat": rep, "wall_s": round(wall, 3), "shard_s": round(float(shard["wall_s"]), 3),
-            "infer_s": round(phases["infer"], 3), "judge_s": round(phases["judge"], 3),
-            "outside_s": round(wall - sum(phases.values()), 3)}
+    view = Ledger(RunLayout(spec.output, spec.run)).view()
+    infer, judge = view.rounds[0].infer, view.rounds[0].judge
+    assert view.shard is not None and infer is not None and judge is not None
+    assert view.shard.records == args.records and stopped == args.replicas
+    return {"mode": mode, "repeat": rep, "wall_s": round(wall, 3), "shard_s": round(view.shard.wall_s, 3),
+            "infer_s": round(infer.wall_s, 3), "judge_s": round(judge.wall_s, 3),
+            "outside_s": round(wall - infer.wall_s - judge.wall_s, 3)}
 
 
-def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+def report(rows: list[dict[str, Any]], args: argparse.Namespace, loads: tuple[float, float]) -> str:
     by = {(r["mode"], r["repeat"]): r for r in rows}
     ratios = [by[("overlapped", k)]["outside_s"] / by[("sequential", k)]["outside_s"] for k in range(args.repeats)]
     saved = [by[("sequential", k)]["outside_s"] - by[("overlapped", k)]["outside_s"] for k in range(args.repeats)]
@@ -116,7 +113,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[str, d
         "",
         f"`python bench/start_overlap.py --records {args.records} --documents {args.documents} --replicas {args.replicas} "
         f"--repeats {args.repeats}` on {platform.node()} ({os.cpu_count()} CPUs), "
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; 1-min load average {loads[0]} before, {loads[1]} after.",
         "",
         f"Spec: the tiny transformers model on a local pool of {args.replicas} worker(s) started for each run (and "
         f"stopped after), 1 output token, a regex judge, one round; {args.records:,} records, {args.documents} documents "
@@ -139,16 +136,13 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[str, d
         "cores, so here they also compete for them (a GPU node's pool start is model loading onto the GPU, which "
         "the driver's CPU pass does not slow).",
     ]
-    return "\n".join(lines) + "\n", {"rows": rows, "outside_ratio": ratios, "outside_saved_s": saved}
+    return "\n".join(lines) + "\n"
 
 
-async def main_async(args: argparse.Namespace) -> None:
-    from batch_inference.engines.tiny_model import make_tiny_model
-
-    base = Path(tempfile.mkdtemp(prefix="bi-overlap-"))
+async def measure_all(args: argparse.Namespace, model: str, base: Path) -> list[dict[str, Any]]:
+    """Every repeat, the two modes in alternating order, over one input."""
     src = base / "input.jsonl"
     write_input(src, args.records, args.documents)
-    model = str(make_tiny_model(base / "model", seed=0))
     rows = []
     for rep in range(args.repeats):
         modes = ("sequential", "overlapped") if rep % 2 == 0 else ("overlapped", "sequential")
@@ -156,12 +150,7 @@ async def main_async(args: argparse.Namespace) -> None:
             row = await measure(mode, base, src, model, args, rep)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    text, data = report(sorted(rows, key=lambda r: (r["repeat"], r["mode"])), args)
-    print(text)
-    out = Path(args.report)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
+    return sorted(rows, key=lambda r: (r["repeat"], r["mode"]))
 
 
 def main() -> None:
@@ -172,7 +161,11 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--report", default="bench/reports/start_overlap.md")
-    asyncio.run(main_async(ap.parse_args()))
+    ap.add_argument("--model", default=None, help="a transformers model folder (default: the tiny model, built here)")
+    args = ap.parse_args()
+    before = load()
+    rows = measure_in_tmp(args, "bi-overlap-", measure_all)
+    write_report(Path(args.report), report(rows, args, (before, load())), rows)
 
 
 if __name__ == "__main__":

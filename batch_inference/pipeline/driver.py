@@ -3,8 +3,9 @@
 ``drive`` calls ``PipelineRun``'s steps in the order the strategy needs; every step
 resumes, so running it again is the resume path. ``run_pipeline`` proves the spec first
 (``preflight``), opens a runner from ``spec.pool`` when none is given (the shard step
-runs while it opens: ``shard_while_opening``), rides out transient storage errors (``drive_retrying``), and writes the exports the spec asks for
-(``export``: Parquet, OpenAI Batch files) once the run has finished.
+runs while it opens: ``shard_while_opening``), rides out transient storage errors
+(``drive_retrying``), and writes the exports the spec asks for (``export``: Parquet,
+OpenAI Batch files) once the run has finished.
 """
 
 from __future__ import annotations

@@ -393,8 +393,8 @@ async def test_a_shard_step_that_fails_stops_the_pool_opening_and_fails_the_run_
 
 
 async def test_a_caller_s_cancel_while_the_pool_opens_stays_a_cancel(make_spec, monkeypatch) -> None:
-    """Ctrl-C (the caller cancelling the run) while the pool opens is a cancellation, never
-    turned into the shard step's error, and the shard step is let finish its writing."""
+    """Ctrl-C (the caller cancelling the run) while the pool opens is a cancellation, and the
+    shard step, already under way, is let finish its writing."""
     import batch_inference.pipeline.runner as runner_mod
 
     @contextlib.asynccontextmanager
