@@ -11,6 +11,7 @@ line on stdin with one reply line on stdout. vLLM logs to stdout too, so replies
 the tiny model built there (``measure_in_tmp``), and write their report beside its rows
 (``write_report``).
 
+``bench/start_overlap.py`` (no raw engine) uses the temporary folder and the report writer too.
 Imported as ``_raw_vllm`` (a bench script's own folder is first on ``sys.path``).
 """
 
