@@ -10,8 +10,9 @@ waited for the other's. The control: the same with no limit overlaps.
 
 from __future__ import annotations
 
-import tempfile
+import logging
 import multiprocessing
+import tempfile
 from pathlib import Path
 
 import dagster as dg
@@ -19,7 +20,7 @@ import pytest
 
 from batch_inference.defs.keys import GPU_POOL, PipelineKeys
 from batch_inference.defs.pipeline import build_pipeline_definitions, shared_resources
-from batch_inference.defs.runs.start import SpecSource
+from batch_inference.defs.runs.start import SpecSource, ensure_gpu_pool
 from batch_inference_tests.defs.helpers import simulated_spec, write_input
 
 GPU_STEPS = ("inferred", "judge")
@@ -52,6 +53,15 @@ def _gpu_intervals(instance: dg.DagsterInstance, run_ids: list[str]) -> list[tup
     return sorted(out)
 
 
+POOL_OF_ONE = {"concurrency": {"pools": {"granularity": "op", "default_limit": 1}}}
+
+
+def _start(defs: dg.Definitions, instance: dg.DagsterInstance, k: PipelineKeys, run: str) -> None:
+    start = defs.resolve_job_def(k.name("start_pipeline_run")).execute_in_process(
+        instance=instance, run_config={"ops": {k.name("start_run"): {"config": {"run": run}}}})
+    assert start.success
+
+
 def _round_zero(defs: dg.Definitions, ref: dg.InstanceRef, k: PipelineKeys, out: multiprocessing.Queue) -> None:
     """Round 0 of pipeline ``k`` in this (forked) process, on the shared instance."""
     with dg.DagsterInstance.from_ref(ref) as instance:
@@ -65,9 +75,7 @@ def _round_zero_of_both(tmp_path: Path, limit: int | None) -> list[tuple[float, 
     with tempfile.TemporaryDirectory() as home, dg.instance_for_test(temp_dir=home, overrides=overrides) as instance:
         for k in pipelines:
             run = f"{k.prefix[0]}-1"
-            start = defs.resolve_job_def(k.name("start_pipeline_run")).execute_in_process(
-                instance=instance, run_config={"ops": {k.name("start_run"): {"config": {"run": run}}}})
-            assert start.success
+            _start(defs, instance, k, run)
             assert defs.resolve_job_def(k.name("shard_job")).execute_in_process(instance=instance, partition_key=run).success
             instance.add_dynamic_partitions(k.round_numbers.name, ["r00"])
         ctx = multiprocessing.get_context("fork")  # two run processes, as the daemon launches them
@@ -103,3 +111,35 @@ def test_two_pipelines_on_a_pool_of_one_never_run_two_gpu_steps_at_once(tmp_path
 
     control = _round_zero_of_both(tmp_path / "unlimited", limit=None)
     assert any(s2 < e1 for (_, e1, _), (s2, _, _) in zip(control, control[1:])), f"no overlap without the pool: {control}"
+
+
+def _slots(instance: dg.DagsterInstance) -> tuple[int, int | None]:
+    info = instance.event_log_storage.get_concurrency_info(GPU_POOL)
+    return info.slot_count, info.limit
+
+
+@pytest.mark.process  # execute_in_process tails its compute logs
+def test_starting_a_run_gives_the_gpu_pool_its_slots_and_keeps_a_limit_someone_set(tmp_path: Path) -> None:
+    """Dagster adds a pool's default slots at the first claim, and two first claims at once add
+    them twice (a pool of 1 ran two GPU steps at once in CI): a run's start makes the pool first."""
+    defs, (first, second) = _defs(tmp_path)
+    with tempfile.TemporaryDirectory() as home, dg.instance_for_test(temp_dir=home, overrides=POOL_OF_ONE) as instance:
+        assert GPU_POOL not in {p.name for p in instance.event_log_storage.get_pool_limits()}
+        _start(defs, instance, first, "scoring-1")
+        assert _slots(instance) == (1, 1)
+        instance.event_log_storage.set_concurrency_slots(GPU_POOL, 3)  # `dagster instance concurrency set`
+        _start(defs, instance, second, "ranking-1")
+        assert _slots(instance) == (3, 3)
+
+
+def test_a_default_pool_that_two_first_claims_doubled_is_cut_back_to_its_limit() -> None:
+    from dagster._core.storage.event_log.schema import ConcurrencySlotsTable
+
+    with tempfile.TemporaryDirectory() as home, dg.instance_for_test(temp_dir=home, overrides=POOL_OF_ONE) as instance:
+        storage = instance.event_log_storage
+        storage.initialize_concurrency_limit_to_default(GPU_POOL)
+        with storage.index_transaction() as conn:  # the second claimant's slot: what the race leaves
+            conn.execute(ConcurrencySlotsTable.insert().values(concurrency_key=GPU_POOL))
+        assert _slots(instance) == (2, 1)
+        ensure_gpu_pool(instance, logging.getLogger(__name__))
+        assert _slots(instance) == (1, 1)

@@ -12,7 +12,7 @@ import dagster as dg
 from pydantic import Field
 
 from batch_inference.defs.keys import CPU_OP_TAGS, DEFAULT, PipelineKeys
-from batch_inference.defs.runs.start import SpecSource, already_started, start_metadata, validated_spec
+from batch_inference.defs.runs.start import SpecSource, already_started, ensure_gpu_pool, start_metadata, validated_spec
 from batch_inference.defs.storage.resources import StorageResource
 
 
@@ -40,6 +40,7 @@ def build_start_job(k: PipelineKeys, spec_source: SpecSource | None = None) -> d
         spec, plan = validated_spec(source, storage, run=config.run, input=config.input, output=config.output or storage.base_url)
         if spec.run in context.instance.get_dynamic_partitions(k.runs.name) and already_started(context.instance, k, spec.run, by_run_id=context.run_id):
             raise dg.Failure(f"pipeline run {spec.run!r} was already started; give the new run another name (`run:` in the config)")
+        ensure_gpu_pool(context.instance, context.log)
         context.instance.add_dynamic_partitions(k.runs.name, [spec.run])
         label = source if isinstance(source, str) else (source.path or source.describe())
         context.log_event(dg.AssetMaterialization(

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import dagster as dg
 from pydantic import Field
 
+from batch_inference.defs.keys import GPU_POOL
 from batch_inference.defs.metadata import location
 from batch_inference.defs.specs import SPEC_METADATA_KEY
 
@@ -97,6 +98,30 @@ def already_started(instance: dg.DagsterInstance, k: PipelineKeys, run: str, *, 
     return any(r.run_id != by_run_id for r in records)
 
 
+def ensure_gpu_pool(instance: dg.DagsterInstance, log: Any) -> None:
+    """Give the GPU pool its slots before any GPU step claims one.
+
+    Dagster creates a pool's ``default_limit`` lazily, at a step's first claim: it counts the
+    pool's slots, then adds the missing ones, in one transaction per claimant. Two GPU steps
+    that claim a new pool at the same moment (two pipelines' first rounds) each add the limit's
+    slots, and a pool of limit 1 then runs two GPU steps at once. Every run starts here before
+    its first GPU step, so the pool exists by then; a pool a user has set (``dagster instance
+    concurrency set``) is never touched, and one that a race in here or in Dagster already
+    doubled is cut back to its limit.
+    """
+    storage = instance.event_log_storage
+    limit = instance.global_op_concurrency_default_limit
+    if limit is None or not storage.supports_global_concurrency_limits:
+        return
+    if GPU_POOL not in {p.name for p in storage.get_pool_limits()}:
+        storage.initialize_concurrency_limit_to_default(GPU_POOL)
+    info = storage.get_concurrency_info(GPU_POOL)
+    if info.using_default_limit and info.limit is not None and info.slot_count > info.limit:
+        log.warning("concurrency pool %s had %d slots for a limit of %d (two first claims at once); set back to %d",
+                    GPU_POOL, info.slot_count, info.limit, info.limit)
+        storage.set_concurrency_slots(GPU_POOL, info.limit)
+
+
 def validated_spec(source: SpecSource | str, storage: StorageResource, **overrides: Any) -> tuple[PipelineSpec, Any]:
     """Load and preflight the spec (judge built, first records rendered); a spec error is the step's failure."""
     from batch_inference.pipeline import PipelineSpec, SpecError
@@ -138,6 +163,7 @@ def start_source(context: dg.AssetExecutionContext, config: SourceConfig, storag
         raise dg.Failure(f"pipeline run {run!r} of {k.label} was already started; add a new partition (a new run name)")
     drop = config.input or upstream_input(context.instance, deps)
     spec, plan = validated_spec(source, storage, run=run, input=drop, output=config.output or storage.base_url)
+    ensure_gpu_pool(context.instance, context.log)
     context.log.info("starting pipeline run %s of %s over %s; the round sensor takes it from here", run, k.label, spec.input)
     return start_metadata(context.op_execution_context, spec, plan, spec_label=source.path or source.describe(),
                           make_plan=config.plan, plan_profile=config.plan_profile)
