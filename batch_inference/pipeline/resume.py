@@ -158,8 +158,7 @@ class Resume:
 
     def signer(self) -> PrefixSigner:
         """The layout's signer: the shard step's and recompaction's."""
-        p = self.spec.layout
-        return PrefixSigner.for_engine(self.spec.engine, kind=p.signature, block_size=p.block_size, prefix_tokens=p.prefix_tokens)
+        return layout_signer(self.spec)
 
     def _lay_out(self) -> LayoutSummary:
         """``sharded/`` in prefix order (``pipeline.placement``; blocking)."""
@@ -169,3 +168,9 @@ class Resume:
             spill_url=self.layout.layout_spill, storage_options=self.storage_options, min_gain=p.min_gain,
             run_bytes=p.run_bytes, workers=p.workers,
         )
+
+
+def layout_signer(spec: PipelineSpec) -> PrefixSigner:
+    """The signer a run's layout pass signs records with (the plan prices the pass with it too)."""
+    p = spec.layout
+    return PrefixSigner.for_engine(spec.engine, kind=p.signature, block_size=p.block_size, prefix_tokens=p.prefix_tokens)

@@ -37,8 +37,8 @@ class Overheads:
     ``layout_record_s`` per record for the part its passes spread over ``layout_workers``
     processes (reading, rendering, signing by text and by the model's tokens, spilling
     sorted runs), ``layout_serial_record_s`` for the part left in the driver's process
-    (merging, counting, rewriting). Both 0: not modelled (the planner's default: a
-    profile does not measure them yet). bench/reports/layout_cost.md measures them.
+    (merging, counting, rewriting). Both 0: not modelled; ``make_plan`` measures them on its
+    sample (``planning.layout_cost``), bench/reports/layout_cost.md at scale.
     """
 
     task_s: float = 0.4

@@ -21,6 +21,8 @@ from batch_inference.engines.simulated import simulated_text_tokens
 from batch_inference.pipeline.report import duration
 from batch_inference.pipeline.spec import PipelineSpec, engine_label
 from batch_inference.planning.cluster import Cluster, Overheads
+from batch_inference.planning.layout_cost import SAMPLE_RECORDS as LAYOUT_SAMPLE_RECORDS
+from batch_inference.planning.layout_cost import measure_layout
 from batch_inference.planning.profiling import EngineProfile
 from batch_inference.planning.rates import EngineRates, Workload, engine_rates
 from batch_inference.planning.simulation import SimResult, simulate
@@ -285,6 +287,25 @@ def local_overheads(spec: PipelineSpec) -> Overheads:
                      list_page_s=0.01, object_s=0.01, restart_s=10.0, retries=spec.pool.retries, checkpoint_interval_s=spec.pool.checkpoint_interval_s)
 
 
+def layout_overheads(spec: PipelineSpec, o: Overheads, sample: list[dict[str, Any]], records: int, *, applies: bool,
+                     notes: list[str]) -> Overheads:
+    """``o`` with the layout pass priced from its run over ``sample`` (``planning.layout_cost``),
+    and a line saying so; ``applies``: the input's windows share prefixes (``sample`` is
+    theirs), so the pass's tokenising half is priced (else the text gate alone, what a run
+    that keeps its order pays)."""
+    cost = measure_layout(spec, sample, applies=applies)
+    if cost is None:
+        return o
+    o = dataclasses.replace(o, **cost.overheads(spec, records))
+    span = records * (o.layout_record_s / max(1, o.layout_workers) + o.layout_serial_record_s)
+    notes.append(f"layout pass: {cost.spread_record_s * 1e6:,.0f} us a record signing ({cost.signature}"
+                 f"{'' if cost.applied else ', the text gate alone: no prefix shared in the sample'}) over "
+                 f"{o.layout_workers} process(es) (layout.workers; the driver's cores here), "
+                 f"{cost.serial_record_s * 1e6:,.0f} us a record in the driver (reading, merging, rewriting), "
+                 f"measured on {cost.records:,} sample records spilled as {cost.runs} sorted runs: {duration(span)} with the pool open and every GPU idle")
+    return o
+
+
 def make_plan(
     spec: PipelineSpec,
     *,
@@ -315,11 +336,14 @@ def make_plan(
     prompt_mean = sum(counts) / len(counts) if counts else (profile.prompt_tokens if profile and profile.prompt_tokens else 100.0)
     notes.append(f"prompt tokens: mean {prompt_mean:.1f} over {len(counts)} sample records ({how})")
     prefix = None
+    layout_sample = sample  # records the layout pass is timed on: the windows' when they share prefixes
     if (block_size := cache_block_size(spec, gpu_profile)) is not None:
         window, where = prefix_windows(spec, prefix_sample)
         window, _ = as_run_records(spec, window)
         wcounts, _, blocks = prompt_token_counts(spec, window, block_size=block_size)
         prefix = predict_prefix(wcounts, blocks, block_size)
+        if prefix is not None:
+            layout_sample = window
         if prefix is not None:
             notes.append(f"prefix structure: over {prefix.sample:,} records ({where}), {prefix.share:.1%} of prompt tokens "
                          f"lie in {block_size}-token blocks other records share, ~{prefix.family:,.1f} records per shared prefix: "
@@ -405,6 +429,8 @@ def make_plan(
     o = overheads or local_overheads(spec)
     if profile is not None and profile.overheads:
         o = dataclasses.replace(o, **profile.overheads)
+    if overheads is None or not (overheads.layout_record_s or overheads.layout_serial_record_s):
+        o = layout_overheads(spec, o, layout_sample[:LAYOUT_SAMPLE_RECORDS], n, applies=prefix is not None, notes=notes)
     notes.append(f"cluster: {cluster.replicas} replica(s) x {cluster.concurrency} slots; overheads: task {duration(o.task_s)}, "
                  f"phase launch {duration(o.phase_launch_s)}, round gap {duration(o.round_gap_s)}, "
                  f"recompaction {o.recompact_records_per_s:,.0f} rec/s, "

@@ -11,7 +11,7 @@ from batch_inference.pipeline.summaries import PhaseSummary
 from batch_inference.planning.cluster import Cluster
 from batch_inference.planning.plan import local_overheads
 from batch_inference.planning.rates import EngineRates, Workload
-from batch_inference.planning.simulation import simulate
+from batch_inference.planning.simulation import LAYOUT_PHASE, simulate
 
 
 def eta_after_round(spec: PipelineSpec, r: int, infer: PhaseSummary, judge: PhaseSummary, decision_kind: str,
@@ -72,7 +72,11 @@ def measured_phases(ledger: Any) -> list[tuple[str, float]]:
     """(phase, wall s) of a run as its ledger recorded them, named as the plan names them."""
     out = []
     if (s := ledger.read(RunLayout.SHARD)) is not None:
-        out.append(("shard (reshard input, CPU)", float(s["wall_s"])))
+        laid = s.get("layout") or {}
+        layout_s = float(laid.get("sign_s", 0.0)) + float(laid.get("sort_s", 0.0))
+        out.append(("shard (reshard input, CPU)", float(s["wall_s"]) - layout_s))
+        if laid:
+            out.append((LAYOUT_PHASE, layout_s))
     r = 0
     while (inf := ledger.read(RunLayout.step_name(r, "infer"))) is not None:
         out.append((f"round {r} infer", float(inf["wall_s"])))

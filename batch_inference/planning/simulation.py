@@ -102,6 +102,9 @@ def wave_priced(per_record_s: float, call_s: float, calls_per_record: float, wav
     return per_record_s + call_s * (calls / attempts - calls_per_record)
 
 
+LAYOUT_PHASE = "layout pass (driver CPU, GPUs idle)"  # its phase's name in a plan (planning.progress reads it back)
+
+
 def layout_pass_s(spec: PipelineSpec, records: int, o: Overheads) -> float:
     """The shard step's layout pass over ``records`` (``layout.prefix`` on): its parallel
     part over ``layout_workers`` processes plus the part left in the driver's process."""
@@ -236,7 +239,7 @@ async def _simulate(spec: PipelineSpec, w: Workload, rates: EngineRates, cluster
     t_gpu = loop.time()  # the GPU pool is held from here (resharding is CPU work before it)
     layout_s = layout_pass_s(spec, w.records, o)
     if layout_s > 0:  # the pool is open: every GPU waits through the layout pass
-        await idle("shard (layout pass, driver CPU, GPUs idle)", layout_s, w.records, math.ceil(w.records / shard_n))
+        await idle(LAYOUT_PHASE, layout_s, w.records, math.ceil(w.records / shard_n))
     pending = _shards(w.records, shard_n)
     approved_total = 0
     unfinished = 0

@@ -132,6 +132,7 @@ def test_a_recorded_plan_shows_planned_vs_actual_in_status(tmp_path: Path) -> No
     assert "planned (rounds) vs actual wall" in res.output and "round 0 infer" in res.output
     import re
 
+    assert re.search(r"layout pass \(driver CPU, GPUs idle\)\s+[\d.,]+ (ms|s)\s+[\d.,]+ (ms|s)", res.output), res.output
     assert re.search(r"round 0 infer\s+[\d.,]+ (ms|s|min|h)\s+[\d.,]+ (ms|s|min|h)", res.output), res.output
 
 
@@ -340,3 +341,52 @@ def test_status_shows_an_unpriced_phase_as_unpriced_and_explains_the_tail_mark(t
     tail_row = next(line for line in lines if "tail (from" in line)
     assert re.search(r"\d\*", tail_row), tail_row
     assert any(line.startswith("* tail: records still rejected when their attempts ran out (max_attempts)") for line in lines), res.output
+
+
+def test_the_layout_pass_is_measured_on_the_sample_as_the_run_would_do_it(tmp_path: Path) -> None:
+    """The real pass over the plan's sample, with the run's signer: the tokenising half when
+    the input shares prefixes, spilled and merged as a large input is; nothing with it off."""
+    from batch_inference.planning.layout_cost import measure_layout
+
+    docs = write_documents(tmp_path / "docs.jsonl", 40, 8)
+    spec = PipelineSpec.parse(spec_dict(tmp_path, input=str(docs)))
+    sample = [orjson.loads(line) for line in docs.read_bytes().splitlines()]
+    cost = measure_layout(spec, sample, applies=True)
+    assert cost is not None and cost.records == 320 and cost.applied and cost.runs > 1
+    assert cost.spread_record_s > 0 and cost.serial_record_s > 0
+    gate = measure_layout(spec, sample, applies=False)  # min_gain decides, as a run's text gate does
+    assert gate is not None and gate.records == 320
+    assert measure_layout(PipelineSpec.parse(spec_dict(tmp_path, input=str(docs), layout={"prefix": False})), sample,
+                          applies=True) is None
+
+
+def test_plan_prices_the_layout_pass_as_gpu_idle_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool is open through the layout pass: the plan's own phase for it, its wall the
+    measured costs at the run's size (spread over layout.workers), priced, in the metadata."""
+    from batch_inference.planning import plan as plan_mod
+    from batch_inference.planning.layout_cost import LayoutCost
+    from batch_inference.planning.simulation import LAYOUT_PHASE
+
+    docs = write_documents(tmp_path / "docs.jsonl", 40, 8)
+    spec = PipelineSpec.parse(spec_dict(tmp_path, input=str(docs), shard_records=1_000, layout={"workers": 4}, strategy="rounds"))
+    seen: list[bool] = []
+
+    def measured(spec: PipelineSpec, sample: list, *, applies: bool) -> LayoutCost:
+        seen.append(applies)
+        return LayoutCost(records=len(sample), runs=8, spread_record_s=400e-6, serial_record_s=50e-6, applied=applies,
+                          signature="text")
+
+    monkeypatch.setattr(plan_mod, "measure_layout", measured)
+    plan = make_plan(spec, records=1_000_000, strategies=("rounds",), gpu_profile="h200-llama-8b")
+    assert seen == [True]  # the input's windows share prefixes (vLLM's blocks): the tokenising half is priced
+    phase = next(p for p in plan.for_strategy("rounds").phases if p["name"] == LAYOUT_PHASE)
+    assert phase["wall_s"] == pytest.approx(1_000_000 * (400e-6 / 4 + 50e-6), rel=1e-3) and phase["priced"]
+    assert plan.metadata()[f"plan.phase.{LAYOUT_PHASE}.wall_s"] == phase["wall_s"]
+    assert any(a.startswith("layout pass: 400 us a record signing") and "4 process(es)" in a for a in plan.assumptions)
+
+    seen.clear()  # short prompts with no full block to share: the text gate alone is priced
+    flat = make_plan(PipelineSpec.parse(spec_dict(tmp_path, 300)), records=1_000, strategies=("rounds",))
+    assert seen == [False] and any(p["name"] == LAYOUT_PHASE for p in flat.for_strategy("rounds").phases)
+    off = make_plan(PipelineSpec.parse(spec_dict(tmp_path, input=str(docs), layout={"prefix": False})), records=1_000_000,
+                    strategies=("rounds",))
+    assert not any(p["name"] == LAYOUT_PHASE for p in off.for_strategy("rounds").phases)

@@ -12,7 +12,7 @@ from batch_inference.pipeline import PipelineSpec
 from batch_inference.planning.clock import VirtualClockLoop, run_virtual
 from batch_inference.planning.cluster import Cluster, Overheads
 from batch_inference.planning.rates import EngineRates, Workload, engine_rates
-from batch_inference.planning.simulation import simulate
+from batch_inference.planning.simulation import LAYOUT_PHASE, simulate
 
 RATES = EngineRates(infer_s=0.005, judge_s=0.003, infer_latency_s=5.0, judge_latency_s=0.5, infer_tokens_out=115,
                     steps_per_record=0.12, calls_per_record=0.036, scheduling="continuous", profile="test")
@@ -144,7 +144,7 @@ def test_the_layout_pass_holds_every_gpu_idle_for_its_wall() -> None:
     spread = simulate(spec(), w, RATES, phases="one_round", overheads=dataclasses.replace(costs, layout_workers=10))
     off = simulate(spec(layout={"prefix": False}), w, RATES, phases="one_round", overheads=costs)
     for res, wall in ((serial, 400_000 * 520e-6), (spread, 400_000 * 70e-6)):
-        lay = next(r for r in res.rounds if r.name.startswith("shard (layout pass"))
+        lay = next(r for r in res.rounds if r.name == LAYOUT_PHASE)
         assert lay.wall_s == pytest.approx(wall) and lay.engine_s == 0
         assert res.wall_s - plain.wall_s == pytest.approx(wall)
         assert res.gpu_s - plain.gpu_s == pytest.approx(4 * wall)  # 4 replicas held through it
