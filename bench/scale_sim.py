@@ -26,7 +26,7 @@ from batch_inference.engines.profiles import PROFILES
 from batch_inference.pipeline import PipelineSpec
 from batch_inference.planning.cluster import Cluster, Overheads
 from batch_inference.planning.rates import EngineRates, Workload, engine_rates
-from batch_inference.planning.simulation import SimResult, simulate
+from batch_inference.planning.simulation import LAYOUT_PHASE, SimResult, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 REPORT = ROOT / "bench" / "reports" / "scale_sim.md"
@@ -322,7 +322,7 @@ def layout_section(lines: list[str], records: int, sample: int = 20_000) -> None
         for workers in LAYOUT_WORKERS:
             o = Overheads(layout_record_s=par_s, layout_serial_record_s=ser_s, layout_workers=workers)
             res = simulate(spec, w, rates, phases="one_round", overheads=o)
-            lay = next(r for r in res.rounds if r.name.startswith("shard (layout pass"))
+            lay = next(r for r in res.rounds if r.name == LAYOUT_PHASE)
             rows.append({"chars": chars, "workers": workers, "layout_s": lay.wall_s, "idle_gpu_h": lay.wall_s * 32 / 3600,
                          "wall": res.wall_s, "gpu_h": res.gpu_hours(), "idle": res.idle_share})
     lines += [
