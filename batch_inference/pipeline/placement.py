@@ -37,7 +37,7 @@ import logging
 import multiprocessing
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -51,6 +51,7 @@ from batch_inference.pipeline.summaries import LayoutSummary
 from batch_inference.prompting import InferConfig, RequestBuilder
 from batch_inference.prompting.prefix import CharTokens, PrefixSigner, shared_blocks
 from batch_inference.storage import JsonlDir, JsonlFile
+from batch_inference.storage._io import ShardStats
 from batch_inference.storage.sort import ExternalSort
 from batch_inference.storage.urls import join
 
@@ -239,6 +240,7 @@ def layout_by_prefix(
     url: str, *, signer: PrefixSigner, infer: InferConfig, records_per_shard: int, spill_url: str,
     storage_options: dict[str, Any] | None = None, min_gain: float = 0.01, run_bytes: int = 128 << 20,
     workers: int | None = None, parallel_min_records: int | None = None,
+    on_shard: Callable[[ShardStats, int], None] | None = None,
 ) -> LayoutSummary:
     """Rewrite the JsonlDir at ``url`` in prefix order, when that pays (blocking: a CPU pass).
 
@@ -256,7 +258,10 @@ def layout_by_prefix(
 
     The directory is read in full (signed, spilled as sorted runs) before it is rewritten;
     a process killed while rewriting leaves it without a manifest, which the shard step
-    takes as "shard again".
+    takes as "shard again". ``on_shard(stats, common)`` is told about each rewritten shard as
+    it commits (on the writing thread), with the blocks every record so far shares: its
+    final order is known then, so round 0 can start on it (``pipeline.stream``). A pass that
+    keeps the input's order rewrites nothing and tells nothing.
     """
     d = JsonlDir(url, storage_options=storage_options)
     man = d.manifest()
@@ -288,9 +293,9 @@ def layout_by_prefix(
                 # its gain was the gate's to decide: its figures are counted while it is rewritten
                 final = _sign_pass(d, signer, builder, token_sort, keep_lines=True, workers=par, count=False)
                 sign_s += final.sign_s
-                cuts_shared = _rewrite(d, final, records_per_shard, man.compression, count=True)
+                cuts_shared = _rewrite(d, final, records_per_shard, man.compression, count=True, on_shard=on_shard)
         elif applied:
-            cuts_shared = _rewrite(d, final, records_per_shard, man.compression)
+            cuts_shared = _rewrite(d, final, records_per_shard, man.compression, on_shard=on_shard)
         runs, levels = final.sort.spilled_runs, final.sort.merge_levels
     if applied:
         reason = f"prefix order shares {final.gain:.1%} of the blocks more than input order (>= min_gain {min_gain:.1%})"
@@ -429,13 +434,16 @@ def _counted(p: _Pass, items: Iterator[tuple[bytes, bytes]]) -> Iterator[tuple[b
         yield key, line
 
 
-def _rewrite(d: JsonlDir, p: _Pass, records_per_shard: int, compression: Any, *, count: bool = False) -> int:
+def _rewrite(d: JsonlDir, p: _Pass, records_per_shard: int, compression: Any, *, count: bool = False,
+             on_shard: Callable[[ShardStats, int], None] | None = None) -> int:
     """Write the sorted records over ``d``, cut between families (``write_cut``); returns its count.
 
     ``count``: the pass's sorted-order figures are counted while writing (one read of the
-    merged runs instead of two: the merge is the part of the pass left on the driver)."""
+    merged runs instead of two: the merge is the part of the pass left on the driver).
+    ``on_shard(stats, common)``: each shard as it commits, with ``p.common`` so far."""
     items = p.sort.iter_sorted()
-    with d.writer_sync(max_records_per_shard=shard_limit(records_per_shard), compression=compression) as w:
+    told = (lambda stats: on_shard(stats, p.common)) if on_shard is not None else None
+    with d.writer_sync(max_records_per_shard=shard_limit(records_per_shard), compression=compression, on_shard=told) as w:
         cuts = _write_cuts(w, _counted(p, items) if count else items, records_per_shard)
     if w.records != p.records:  # pragma: no cover - the sort hands back what it took
         raise PlacementError(f"{d.url}: rewrote {w.records} of {p.records} records")

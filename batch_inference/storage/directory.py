@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -154,11 +154,11 @@ class JsonlDir:
 
     def _core(
         self, max_records_per_shard: int | None, max_bytes_per_shard: int, compression: Compression,
-        prefix: str, zstd_level: int,
+        prefix: str, zstd_level: int, on_shard: Callable[[_io.ShardStats], None] | None = None,
     ) -> _DirSession:
         if compression not in ("zstd", None):
             raise ValueError(f"compression must be 'zstd' or None, not {compression!r}")
-        return _DirSession(self, max_records_per_shard, max_bytes_per_shard, compression, prefix, zstd_level)
+        return _DirSession(self, max_records_per_shard, max_bytes_per_shard, compression, prefix, zstd_level, on_shard)
 
     def writer(
         self,
@@ -190,15 +190,20 @@ class JsonlDir:
         compression: Compression = None,
         prefix: str = "part",
         zstd_level: int = _io.DEFAULT_ZSTD_LEVEL,
+        on_shard: Callable[[_io.ShardStats], None] | None = None,
     ) -> SyncJsonlDirWriter:
-        return SyncJsonlDirWriter(self._core(max_records_per_shard, max_bytes_per_shard, compression, prefix, zstd_level))
+        """The blocking writer (as ``writer``); ``on_shard(stats)`` is told about each shard as it
+        commits, on the writing thread: readable from then on, before the manifest (a reader that
+        starts on shards early, as round 0 beside the layout pass does)."""
+        return SyncJsonlDirWriter(self._core(max_records_per_shard, max_bytes_per_shard, compression, prefix, zstd_level, on_shard))
 
 
 class _DirSession:
     """Blocking lifecycle of one directory write: lock, clear, rotate, manifest, unlock."""
 
     def __init__(
-        self, d: JsonlDir, max_records: int | None, max_bytes: int, compression: Compression, prefix: str, level: int
+        self, d: JsonlDir, max_records: int | None, max_bytes: int, compression: Compression, prefix: str, level: int,
+        on_shard: Callable[[_io.ShardStats], None] | None = None,
     ) -> None:
         self.dir = d
         self.compression = compression
@@ -210,6 +215,7 @@ class _DirSession:
             max_records=max_records,
             max_bytes=max_bytes,
             zstd_level=level,
+            on_commit=on_shard,
             on_block=self.lock.heartbeat,
         )
 
