@@ -29,11 +29,14 @@ __all__ = ["drive", "drive_retrying", "run_pipeline", "shard_while_opening", "wr
 
 
 async def drive(run: PipelineRun) -> RunSummary:
-    """Call the steps in sequence; every step resumes, so this is also the resume path."""
-    await run.shard()
+    """Call the steps in sequence; every step resumes, so this is also the resume path.
+    Round 0's infer phase starts beside the shard step when its layout pass streams shards
+    (``PipelineRun.shard_and_infer_first``)."""
     if run.spec.strategy == "in_place":
+        await run.shard()
         await run.tail(0)
         return await run.finalize()
+    await run.shard_and_infer_first()
     r = 0
     while True:
         await run.infer(r)
@@ -90,9 +93,10 @@ async def run_pipeline(
     resumed = await asyncio.to_thread(lambda: probe.ledger.read(RunLayout.SHARD) is not None and probe._dir(probe.layout.sharded).manifest() is not None)
     await asyncio.to_thread(preflight, spec, sharded=probe.layout.sharded if resumed else None)
     if runner is not None:
-        summary = await drive_retrying(PipelineRun(spec, runner, reporter=reporter, eta=eta), retries=retries, backoff_s=backoff_s)
+        run = PipelineRun(spec, runner, reporter=reporter, eta=eta, stream_round0=True)
+        summary = await drive_retrying(run, retries=retries, backoff_s=backoff_s)
     else:
-        run = PipelineRun(spec, reporter=reporter, eta=eta)
+        run = PipelineRun(spec, reporter=reporter, eta=eta, stream_round0=True)
         async with shard_while_opening(run) as opened:
             run.runner = opened
             summary = await drive_retrying(run, retries=retries, backoff_s=backoff_s)
@@ -104,7 +108,9 @@ async def run_pipeline(
 async def shard_while_opening(run: PipelineRun) -> AsyncIterator[TaskRunner]:
     """``open_runner(run.spec)``, with the run's shard step (reshard and layout pass, CPU on
     the driver) running while the pool starts (workers spawning, models loading), so a run
-    pays the longer of the two rather than their sum.
+    pays the longer of the two rather than their sum. When the layout pass streams its shards
+    (``PipelineRun.stream_round0``), the runner is handed over as soon as it is open, and round 0
+    starts on them while the pass still writes.
 
     A shard step that fails for good while the pool is still opening stops the opening and
     fails the run with its own error at once (bad input is not reported a pool start later);
@@ -125,13 +131,14 @@ async def shard_while_opening(run: PipelineRun) -> AsyncIterator[TaskRunner]:
             failed.append(exc)
             opener.cancel()
 
-    sharding = asyncio.create_task(run.shard())
+    sharding = run.start_shard()
     sharding.add_done_callback(stop_opening)
     try:
         async with open_runner(run.spec) as opened:
             opening = False
-            with contextlib.suppress(Exception):
-                await sharding
+            if not run.streams_round0:  # else round 0 starts on the layout pass's first shards (drive)
+                with contextlib.suppress(Exception):
+                    await sharding
             yield opened
     except asyncio.CancelledError:
         if failed and opener.uncancel() == 0:  # our cancel, nobody else's: the shard step's error

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -85,22 +85,41 @@ class FanOut:
         self._last_start = 0.0
         self._stale: set[str] = set()  # quarantine entries of shards to run, left by an earlier call
 
-    async def run(self) -> PhaseSummary:
+    async def run(self, source: AsyncIterable[Item] | None = None, *, total_records: int = 0) -> PhaseSummary:
+        """Run the phase; ``source``: its shards as they become ready (round 0 beside the layout
+        pass, ``pipeline.stream``), each appended to ``phase.items`` and ``phase.records`` by
+        the source before it yields it, ``total_records`` of them in all; else ``phase.items``."""
         phase = self.phase
-        self.done = await asyncio.to_thread(self.ledger.progress, phase.step, [i for i, _ in phase.items])
-        todo = [it for it in phase.items if it[0] not in self.done]
-        self._stale = await asyncio.to_thread(self._quarantined_before, [i for i, _ in todo])
-        self.reporter.phase_started(phase.label, sum(phase.records.values()))
+        streamed = source is not None
+        if not streamed:
+            self.done = await asyncio.to_thread(self.ledger.progress, phase.step, [i for i, _ in phase.items])
+            todo = [it for it in phase.items if it[0] not in self.done]
+            self._stale = await asyncio.to_thread(self._quarantined_before, [i for i, _ in todo])
+        else:  # which shards a run that started beside an earlier attempt of the step finished
+            self.done = await asyncio.to_thread(self.ledger.progress, phase.step, None)
+            self._stale = await asyncio.to_thread(self._quarantined_before, None)
+            todo = []
+        self.reporter.phase_started(phase.label, total_records if streamed else sum(phase.records.values()))
         for rec in self.done.values():  # resumed shards: done before this call, no throughput to show
             self.reporter.shard_done(phase.label, int(rec["records_in"]), rec["counts"])
         retried_before = self.runner.retried
         t0 = self._last_start = time.perf_counter()
         async with OccupancySampler(self.runner) as occupancy:
-            await dispatch_bounded(todo, self._run_one, self._finished, self._failed, limit=max(1, self.runner.limit))
+            await dispatch_bounded(todo if source is None else self._not_done(source, todo), self._run_one, self._finished,
+                                   self._failed, limit=max(1, self.runner.limit))
+        if streamed:  # a record of an index the step no longer wrote is not this phase's
+            self.done = {i: rec for i, rec in self.done.items() if i in phase.records}
         wall = time.perf_counter() - t0
         self.reporter.phase_ended(phase.label)
         return self._summary(todo, wall=wall, drain=(wall - (self._last_start - t0)) if todo else 0.0,
                              task_retries=self.runner.retried - retried_before, engine=occupancy.figures())
+
+    async def _not_done(self, source: AsyncIterable[Item], todo: list[Item]) -> AsyncIterator[Item]:
+        """The source's shards that have no progress record, each added to ``todo`` as it is sent."""
+        async for item in source:
+            if item[0] not in self.done:
+                todo.append(item)
+                yield item
 
     async def _run_one(self, item: Item) -> dict[str, Any]:
         index, shard = item
@@ -174,13 +193,16 @@ class FanOut:
     def _file(self, url: str) -> JsonlFile:
         return JsonlFile(url, storage_options=self.storage_options)
 
-    def _quarantined_before(self, indices: list[int]) -> set[str]:
-        """The quarantine entries among ``indices``' that exist: one listing per folder, not a
-        lookup per task (on an object store, a missing key's lookup is two round trips)."""
-        by_folder: dict[str, list[str]] = {}
-        for i in indices:
+    def _quarantined_before(self, indices: list[int] | None) -> set[str]:
+        """The quarantine entries among ``indices``' that exist (None: any shard's, in the
+        folder shard 0's would be in): one listing per folder, not a lookup per task (on an
+        object store, a missing key's lookup is two round trips)."""
+        by_folder: dict[str, list[str] | None] = {}
+        if indices is None:
+            by_folder[self.phase.quarantine_url(0).rsplit("/", 1)[0]] = None
+        for i in indices or []:
             url = self.phase.quarantine_url(i)
-            by_folder.setdefault(url.rsplit("/", 1)[0], []).append(url)
+            by_folder.setdefault(url.rsplit("/", 1)[0], []).append(url)  # type: ignore[union-attr]
         found: set[str] = set()
         for folder, urls in by_folder.items():
             fs, path = fs_for(folder, self.storage_options)
@@ -189,7 +211,10 @@ class FanOut:
                 names = {n.rsplit("/", 1)[-1] for n in fs.ls(path, detail=False)}
             except FileNotFoundError:
                 continue
-            found.update(u for u in urls if u.rsplit("/", 1)[-1] in names)
+            if urls is None:
+                found.update(f"{folder}/{n}" for n in names)
+            else:
+                found.update(u for u in urls if u.rsplit("/", 1)[-1] in names)
         return found
 
     def _remove(self, url: str) -> None:

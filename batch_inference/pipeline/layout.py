@@ -33,6 +33,7 @@ class RunLayout:
 
     SHARD: ClassVar[str] = "shard"  # run-level ledger entries
     SHARD_INPUT: ClassVar[str] = "shard-input"  # the input resharded (before the layout pass): what a resume starts from
+    SHARD_STREAM: ClassVar[str] = "shard-stream"  # round 0 began beside the layout pass: the run instance its tasks carry
     TAIL: ClassVar[str] = "tail"
     RUN: ClassVar[str] = "run"
     SPEC: ClassVar[str] = "spec"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import tempfile
 import uuid
 from collections import Counter
@@ -49,6 +50,7 @@ from batch_inference.storage.urls import fs_for, is_local
 log = logging.getLogger(__name__)
 
 S = TypeVar("S")
+PROGRESS_NAME = re.compile(r"part-(\d{5,})\.json")  # RunLayout.progress_name's
 BUCKET_IDS = 250_000  # input ids per bucket held in memory at once during the check
 PROGRESS_READS_IN_FLIGHT = 64  # progress records read at once from an object store (Ledger.progress)
 # ``awaiting_review`` is a terminal-state-to-be: records of an open review queue.
@@ -110,8 +112,8 @@ class Ledger:
     def read_progress(self, step: str, index: int) -> dict[str, Any] | None:
         return self.read_url(self.layout.progress_file(step, index))
 
-    def progress(self, step: str, indices: list[int]) -> dict[int, dict[str, Any]]:
-        """Progress records of ``step``'s finished shards among ``indices``, by index.
+    def progress(self, step: str, indices: list[int] | None) -> dict[int, dict[str, Any]]:
+        """Progress records of ``step``'s finished shards among ``indices`` (None: all), by index.
 
         One listing, then the listed records read together: on an object store
         ``PROGRESS_READS_IN_FLIGHT`` GETs at a time (``fs.cat`` of many paths), since
@@ -123,6 +125,8 @@ class Ledger:
             names = {n.rsplit("/", 1)[-1] for n in self.fs.ls(path, detail=False)}
         except FileNotFoundError:
             return {}
+        if indices is None:
+            indices = [int(m.group(1)) for n in names if (m := PROGRESS_NAME.fullmatch(n))]
         wanted = {self.fs._strip_protocol(self._path(self.layout.progress_file(step, i))): i
                   for i in indices if self.layout.progress_name(i) in names}
         out: dict[int, dict[str, Any]] = {}

@@ -15,8 +15,9 @@ import hashlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -29,6 +30,9 @@ from batch_inference.pipeline.summaries import LayoutSummary, ShardSummary
 from batch_inference.prompting.prefix import PrefixSigner
 from batch_inference.storage import JsonlDir, ReshardReport
 
+if TYPE_CHECKING:
+    from batch_inference.pipeline.stream import ShardFeed
+
 log = logging.getLogger(__name__)
 
 __all__ = ["Resume", "SHARD_INPUT_KEYS"]
@@ -36,6 +40,9 @@ __all__ = ["Resume", "SHARD_INPUT_KEYS"]
 # The spec keys the resharded input (the ``shard-input`` entry and ``sharded/`` before the
 # layout pass) is made from: an entry made under other values is never reused.
 SHARD_INPUT_KEYS = ("input", "input_format", "openai_batch", "shard_records")
+# The layout keys that decide which records a laid-out shard holds (beside SHARD_INPUT_KEYS and
+# the model's tokenizer, which the spec check covers): round 0 started on its shards only under the same.
+LAYOUT_ORDER_KEYS = ("prefix", "signature", "block_size", "prefix_tokens", "min_gain")
 
 
 class Resume:
@@ -71,23 +78,38 @@ class Resume:
 
     # -- the shard step -----------------------------------------------------------------
 
-    async def shard(self) -> ShardSummary:
+    async def shard(self, feed: ShardFeed | None = None) -> ShardSummary:
         """Reshard the input once (CPU): ids assigned where missing, duplicate ids reported.
 
         The spec is checked before anything is written: a run that already resharded its
         input (``shard-input``) or finished this step resumes only under the spec it
         started with, and ``ledger/spec.json`` stays the one it started with. A step that
-        left nothing to resume from starts over under the spec it is given now.
+        left nothing to resume from starts over under the spec it is given now, unless
+        round 0 had started beside it (``feed``: each shard of the layout pass's rewrite as
+        it commits, ``pipeline.stream``): then under the same spec and shard keys only, with
+        the same run instance, so that a shard's index holds the same records and its
+        finished tasks count (resharding and the layout pass are deterministic).
         """
         if (done := await asyncio.to_thread(self.done_with_output, RunLayout.SHARD, self.layout.sharded)) is not None:
             await asyncio.to_thread(self.check_spec)
             return ShardSummary.from_dict({**done, "resumed": True})
+        instance = await asyncio.to_thread(self._streamed_instance)
         await asyncio.to_thread(self._start)
         t0 = time.perf_counter()
         report, fmt = await self._reshard_input()
         laid_out = None
         if self.spec.layout.prefix:
-            laid_out = await asyncio.to_thread(self._lay_out)
+            on_shard = None
+            if feed is not None:
+                feed.instance, feed.total_records = instance, report.records
+                streamed = {"instance": instance, "shard": self._stream_keys()}
+
+                def on_shard(stats: dict[str, Any], common: int) -> None:  # on the writing thread
+                    if not feed.fed_any:  # recorded before any task of round 0 carries the instance
+                        self.ledger.write(RunLayout.SHARD_STREAM, streamed)
+                        feed.fed_any = True
+                    feed.committed(str(stats["name"]), int(stats["records"]), common)
+            laid_out = await asyncio.to_thread(self._lay_out, on_shard)
         dups = report.duplicate_ids
         account = InputAccount(records=report.records, malformed=report.malformed,
                                malformed_at=[line_name(e) for e in report.malformed_lines], duplicate_ids=len(dups),
@@ -100,11 +122,34 @@ class Resume:
             ids_assigned=report.ids_assigned, duplicate_ids=len(dups), duplicate_examples=list(dups)[:10],
             wall_s=time.perf_counter() - t0, malformed=report.malformed,
             malformed_examples=account.malformed_at, quarantine_url=self.layout.input_quarantine if report.malformed else "",
-            input_format=fmt, instance=uuid.uuid4().hex[:12],
+            input_format=fmt, instance=instance,
             layout=laid_out,
         )
         await asyncio.to_thread(self.ledger.write, RunLayout.SHARD, summary.as_dict())
         return summary
+
+    def _stream_keys(self) -> str:
+        """A fingerprint of what decides a laid-out shard's records: the input's keys and the layout's order."""
+        layout = self.spec.public_dict().get("layout") or {}
+        return self.depends(SHARD_INPUT_KEYS) + ":" + hashlib.sha256(
+            orjson.dumps({k: layout.get(k) for k in LAYOUT_ORDER_KEYS}, option=orjson.OPT_SORT_KEYS)).hexdigest()[:16]
+
+    def _streamed_instance(self) -> str:
+        """The run instance of a shard step starting (again): an earlier attempt's when round 0
+        had started beside it (its tasks and their outputs carry it), after checking that the
+        spec and the shard keys are the ones they were made under; else a new one (blocking)."""
+        streamed = self.ledger.read(RunLayout.SHARD_STREAM)
+        if streamed is None:
+            return uuid.uuid4().hex[:12]
+        self.check_spec()
+        if streamed.get("shard") != self._stream_keys():
+            raise SpecChanged(
+                f"run {self.spec.run!r}: round 0 started on shards laid out under other "
+                f"{', '.join(SHARD_INPUT_KEYS)} or layout.{{{', '.join(LAYOUT_ORDER_KEYS)}}} "
+                f"({self.layout.ledger_file(RunLayout.SHARD_STREAM)}); its finished tasks hold other records under the "
+                "same shard numbers. Give the spec a new `run` name, or delete "
+                f"{self.layout.root} to start over, or restore those keys to resume.")
+        return str(streamed["instance"])
 
     def _start(self) -> None:
         """Check the spec against the recorded one when there is something to resume from,
@@ -160,13 +205,14 @@ class Resume:
         """The layout's signer: the shard step's and recompaction's."""
         return layout_signer(self.spec)
 
-    def _lay_out(self) -> LayoutSummary:
-        """``sharded/`` in prefix order (``pipeline.placement``; blocking)."""
+    def _lay_out(self, on_shard: Callable[[dict[str, Any], int], None] | None = None) -> LayoutSummary:
+        """``sharded/`` in prefix order (``pipeline.placement``; blocking); ``on_shard``: each
+        rewritten shard as it commits."""
         p = self.spec.layout
         return placement.layout_by_prefix(
             self.layout.sharded, signer=self.signer(), infer=self.spec.request_infer, records_per_shard=self.spec.shard_records,
             spill_url=self.layout.layout_spill, storage_options=self.storage_options, min_gain=p.min_gain,
-            run_bytes=p.run_bytes, workers=p.workers,
+            run_bytes=p.run_bytes, workers=p.workers, on_shard=on_shard,
         )
 
 

@@ -12,8 +12,10 @@ from outside an event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -25,6 +27,7 @@ from batch_inference.pipeline.policy import decide_round
 from batch_inference.pipeline.resume import Resume
 from batch_inference.pipeline.runner import PoolPair
 from batch_inference.pipeline.spec import PipelineSpec
+from batch_inference.pipeline.stream import ShardFeed
 from batch_inference.pipeline.summaries import (
     Decision,
     JudgedRound,
@@ -66,7 +69,7 @@ class PipelineRun:
     """
 
     def __init__(self, spec: PipelineSpec, runner: TaskRunner | None = None, *, reporter: Reporter | None = None,
-                 eta: EtaEstimate | None = None) -> None:
+                 eta: EtaEstimate | None = None, stream_round0: bool = False) -> None:
         self.spec = spec
         self.runner = runner
         self.reporter: Reporter = reporter or NullReporter()
@@ -76,6 +79,11 @@ class PipelineRun:
         self.ledger = Ledger(self.layout, spec.storage_options)
         self.resume = Resume(spec, self.layout, self.ledger)
         self._signer_made: PrefixSigner | None = None
+        # round 0 may start beside the layout pass (pipeline.stream): set where one process
+        # drives the whole run (run_pipeline), never by a step that runs the shard step alone
+        self.stream_round0 = stream_round0
+        self._sharding: asyncio.Future[ShardSummary] | None = None
+        self._feed: ShardFeed | None = None
 
     # -- helpers --------------------------------------------------------------------
 
@@ -121,8 +129,75 @@ class PipelineRun:
     # -- step: shard (pipeline.resume) ------------------------------------------------
 
     async def shard(self) -> ShardSummary:
-        """Reshard the input once (CPU): ids assigned where missing, duplicate ids reported."""
+        """Reshard the input once (CPU): ids assigned where missing, duplicate ids reported.
+        A call while the step runs in this process joins it (``run_pipeline`` starts it beside
+        the pool's start); else the step runs here, in the caller's task."""
+        if (task := self._live_shard_step()) is not None:
+            return await asyncio.shield(task)
+        self._feed = None
         return await self.resume.shard()
+
+    def _live_shard_step(self) -> asyncio.Future[ShardSummary] | None:
+        """The shard step started in this process, running or finished, unless it failed."""
+        task = self._sharding
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            return None
+        return task
+
+    def start_shard(self) -> asyncio.Future[ShardSummary]:
+        """Start the shard step as a task of its own, or join the one started (a new one after
+        it failed). With ``stream_round0``, its layout pass feeds round 0 each shard it rewrites
+        (``_feed``)."""
+        if (task := self._live_shard_step()) is not None:
+            return task
+        self._feed = ShardFeed() if self._may_stream() else None
+        task = self._sharding = asyncio.ensure_future(self._shard_step(self._feed))
+        return task
+
+    def _may_stream(self) -> bool:
+        """Round 0 may start beside the layout pass: a whole run (``stream_round0``), the pass
+        on and streaming (``layout.prefix``, ``layout.stream``), a strategy with rounds."""
+        s = self.spec
+        return self.stream_round0 and s.layout.prefix and s.layout.stream and s.strategy != "in_place"
+
+    @property
+    def streams_round0(self) -> bool:
+        """Whether the shard step in this process feeds round 0 the shards it lays out."""
+        return self._feed is not None
+
+    async def _shard_step(self, feed: ShardFeed | None) -> ShardSummary:
+        try:
+            summary = await self.resume.shard(feed)
+        except BaseException as exc:
+            if feed is not None:
+                feed.end(exc)
+            raise
+        if feed is not None:
+            feed.end()
+        return summary
+
+    async def shard_and_infer_first(self) -> None:
+        """The shard step, and round 0's infer phase beside it when its layout pass streams
+        (``stream_round0``, ``layout.stream``): the GPUs start on the first shards of the
+        rewrite instead of waiting through the whole pass. Without a stream, the step alone.
+
+        However round 0 ends, the shard step is waited for before this returns or raises: its
+        thread is still writing ``sharded/``, and a retry must not start a second writer.
+        """
+        if not self._may_stream() and self._live_shard_step() is None:
+            await self.shard()  # nothing to stream: the step alone, in this task
+            return
+        task = self.start_shard()
+        if self._feed is None or task.done():
+            await asyncio.shield(task)
+            return
+        try:
+            await self.infer(0)
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(task)
+            raise
+        await asyncio.shield(task)
 
     def _signer(self) -> PrefixSigner:
         """The layout's signer: the shard step's, recompaction's and the dispatch's (its
@@ -158,12 +233,17 @@ class PipelineRun:
         self.resume.check_spec()
         return instance
 
+    def _routes_by_family(self) -> bool:
+        """Whether tasks carry their shard's prefix family: a pool of several workers with
+        affinity on; not in process, where one engine serves every task."""
+        pool = self.spec.pool
+        return pool.affinity and not (pool.launcher == "inprocess" and not pool.endpoints)
+
     def _families(self, items: list[Item]) -> dict[int, str]:
         """Each shard's prefix family for a pool of several workers (``pipeline.affinity``,
         with the layout's signer and the layout's common prefix; blocking); none in
         process, where one engine serves every task, or with it off."""
-        pool = self.spec.pool
-        if not pool.affinity or (pool.launcher == "inprocess" and not pool.endpoints):
+        if not self._routes_by_family():
             return {}
         signer = self._signer()
         return affinity.shard_families(items, self.spec.request_infer, signer, common=self._layout_common(signer))
@@ -183,10 +263,21 @@ class PipelineRun:
         name = self.layout.step_name(r, "infer")
         if (done := await asyncio.to_thread(self._phase_done, name)) is not None:
             return done
+        if r == 0 and (feed := self._feed) is not None:
+            await feed.first()
+            if feed.streaming:
+                return await self._infer_streamed(name, feed)
+            if feed.error is not None:
+                raise feed.error
         items, records = await asyncio.to_thread(self._pending_items, r)
         instance = await asyncio.to_thread(self._instance)
         families = await asyncio.to_thread(self._families, items)
+        summary = await self._fan_out(self._infer_phase(r, name, items, records, instance, families))
+        await asyncio.to_thread(self.ledger.write, name, summary.as_dict())
+        return summary
 
+    def _infer_phase(self, r: int, name: str, items: list[Item], records: dict[int, int], instance: str,
+                     families: dict[int, str]) -> Phase:
         def make(index: int, shard: JsonlFile) -> TaskSpec:
             return TaskSpec(
                 task_id=self.layout.task_id(r, "infer", index, instance=instance), kind="infer", input_url=shard.url,
@@ -196,13 +287,52 @@ class PipelineRun:
                 result_cache=self.spec.result_cache_url, dedup_scope=self._dedup_scope(r, "infer", instance),
             )
 
-        summary = await self._fan_out(Phase(
+        return Phase(
             round=r, kind="infer", step=name, items=items, records=records, make_task=make,
             quarantine_url=lambda i: self.layout.failed_entry(r, "infer", i),
             input_url=self.layout.pending(r), output_url=self.layout.inferred(r),
-        ))
+        )
+
+    async def _infer_streamed(self, name: str, feed: ShardFeed) -> PhaseSummary:
+        """Round 0's infer phase on each shard as the layout pass commits it (``pipeline.stream``):
+        the same tasks as after the pass, dispatched while its merge and rewrite go on. Its
+        ledger entry is written once the shard step has finished and committed exactly the
+        shards it streamed; a shard step that fails ends the dispatch, and its error is raised
+        once what was sent has finished."""
+        items: list[Item] = []
+        records: dict[int, int] = {}
+        families: dict[int, str] = {}
+        signer = self._signer() if self._routes_by_family() else None
+        sharded = self.layout.sharded
+        fanout = self._fanout(self._infer_phase(0, name, items, records, feed.instance, families))
+
+        async def ready() -> AsyncIterator[Item]:
+            wave = max(1, fanout.runner.limit)  # the first wave whole, then each shard as it comes
+            while batch := await feed.take(wave):
+                wave = 1
+                fresh = [(fed.index, self._file(join(sharded, fed.name))) for fed in batch]
+                if signer is not None:  # the blocks every record so far shares stand for the final count
+                    families.update(await asyncio.to_thread(
+                        affinity.shard_families, fresh, self.spec.request_infer, signer, common=batch[-1].common))
+                for fed, item in zip(batch, fresh):  # no await between them: the pool places them together
+                    items.append(item)
+                    records[fed.index] = fed.records
+                    yield item
+
+        summary = await fanout.run(ready(), total_records=feed.total_records)
+        if feed.error is not None:
+            raise feed.error
+        await asyncio.to_thread(self._check_streamed, feed)
         await asyncio.to_thread(self.ledger.write, name, summary.as_dict())
         return summary
+
+    def _check_streamed(self, feed: ShardFeed) -> None:
+        """The shards round 0 ran on are the ones the shard step committed (blocking)."""
+        man = self._dir(self.layout.sharded).manifest()
+        committed = [(s["name"], int(s["records"])) for s in man.shards] if man is not None else None
+        if committed != [(f.name, f.records) for f in feed.fed]:
+            raise StepOrderError(f"run {self.spec.run!r}: round 0 ran on {len(feed.fed)} shards of {self.layout.sharded} as the "
+                                 f"layout pass wrote them, but the shard step committed {committed and len(committed)}")
 
     # -- step: judge ----------------------------------------------------------------
 

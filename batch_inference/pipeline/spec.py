@@ -209,6 +209,9 @@ class LayoutSpec(_Strict):
     run_bytes: int = Field(128 << 20, ge=1 << 20, description="records held in memory per sorted run of the layout pass")
     workers: int | None = Field(
         None, ge=1, description="processes the layout pass signs in (default: the driver's cores; one per 100,000 records at most)")
+    stream: bool = Field(
+        True, description="round 0 starts on each laid-out shard as the layout pass writes it, not after the last "
+                          "(a whole run: the CLI, the API, run_pipeline; Dagster's steps run the shard step first)")
 
 
 class OpenAIBatchOptions(_Strict):

@@ -367,7 +367,7 @@ async def test_a_shard_step_that_fails_stops_the_pool_opening_and_fails_the_run_
     import time
 
     import batch_inference.pipeline.runner as runner_mod
-    from batch_inference.pipeline.run import PipelineRun
+    from batch_inference.pipeline.resume import Resume
 
     cancelled: list[bool] = []
 
@@ -380,12 +380,12 @@ async def test_a_shard_step_that_fails_stops_the_pool_opening_and_fails_the_run_
             raise
         yield None  # pragma: no cover
 
-    async def bad_shard(self):
+    async def bad_shard(self, feed=None):
         await asyncio.sleep(0.05)
         raise ValueError("input.jsonl:7: not a record")
 
     monkeypatch.setattr(runner_mod, "open_runner", slow_open)
-    monkeypatch.setattr(PipelineRun, "shard", bad_shard)
+    monkeypatch.setattr(Resume, "shard", bad_shard)
     t0 = time.monotonic()
     with pytest.raises(ValueError, match="input.jsonl:7"):
         await run_pipeline(make_spec())

@@ -1,0 +1,152 @@
+"""Round 0 beside the layout pass (``pipeline.stream``): tasks on the first rewritten shards
+while the pass still writes, the same results as after it, and a shard step that fails or is
+restarted mid-stream loses nothing and counts nothing twice."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from batch_inference.pipeline import PipelineSpec, run_pipeline
+from batch_inference.pipeline.layout import RunLayout
+from batch_inference.pipeline.spec import SpecChanged
+from batch_inference.pipeline.stream import ShardFeed
+from batch_inference.pool.protocol import TaskResult, TaskSpec
+from batch_inference.storage import JsonlDir
+from batch_inference_tests.pipeline.helpers import CountingRunner, spec_dict
+
+DOCS, QUESTIONS = 20, 10
+
+
+def _spec(tmp_path: Path, **overrides: Any) -> PipelineSpec:
+    """Documents x questions, question-major (out of prefix order: the layout pass rewrites it),
+    20 shards of 10 records."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    with open(tmp_path / "input.jsonl", "wb") as f:
+        for q in range(QUESTIONS):
+            for d in range(DOCS):
+                f.write(orjson.dumps({"id": f"d{d:02d}q{q}", "prompt": f"document {d}: " + f"fact {d} is known. " * 30
+                                      + f"question {q}?"}) + b"\n")
+    return PipelineSpec.parse(spec_dict(tmp_path, shard_records=10, chunk_size=10, max_rounds=2, **overrides))
+
+
+class WhileSharding(CountingRunner):
+    """Notes, for each round-0 infer task, whether the shard step had finished when it was sent."""
+
+    def __init__(self, inner: Any, spec: PipelineSpec) -> None:
+        super().__init__(inner)
+        self.shard_done = Path(RunLayout(spec.output, spec.run).ledger_file(RunLayout.SHARD))
+        self.sent_after_shard: list[bool] = []
+
+    async def run_task(self, spec: TaskSpec) -> TaskResult:
+        if spec.kind == "infer" and spec.round == 0:
+            self.sent_after_shard.append(self.shard_done.exists())
+        return await super().run_task(spec)
+
+
+@pytest.fixture
+def slow_rewrite(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rewritten shard takes 50 ms (the writing thread): a pass that takes a while."""
+    real = ShardFeed.committed
+
+    def committed(self: ShardFeed, *args: Any) -> None:
+        real(self, *args)
+        time.sleep(0.05)
+
+    monkeypatch.setattr(ShardFeed, "committed", committed)
+
+
+def _outcome(spec: PipelineSpec) -> dict[str, tuple[str, str]]:
+    """Every record's terminal state and text, read from storage."""
+    layout = RunLayout(spec.output, spec.run)
+    out: dict[str, tuple[str, str]] = {}
+    for url, state in ((layout.results, "approved"), (layout.exhausted, "exhausted")):
+        for rec in JsonlDir(url).iter_records_sync():
+            assert rec["id"] not in out, f"{rec['id']} twice"
+            out[rec["id"]] = (state, str(rec.get("result")))
+    return out
+
+
+async def test_round_0_starts_on_the_layout_pass_s_first_shards_with_the_same_results(
+        tmp_path: Path, inprocess_pool, slow_rewrite: None) -> None:
+    spec = _spec(tmp_path / "stream")
+    async with inprocess_pool(concurrency=4) as pool:
+        runner = WhileSharding(pool, spec)
+        summary = await run_pipeline(spec, runner=runner)
+    assert summary.conservation["ok"]
+    ledger = Path(RunLayout(spec.output, spec.run).ledger)
+    shard = orjson.loads((ledger / "shard.json").read_bytes())
+    assert shard["layout"]["applied"] and shard["shards"] == len(runner.sent_after_shard) == 20
+    assert runner.sent_after_shard[0] is False, "round 0 waited for the whole layout pass"
+    assert orjson.loads((ledger / "shard-stream.json").read_bytes())["instance"] == shard["instance"]
+    infer = orjson.loads((ledger / "round-00-infer.json").read_bytes())
+    assert infer["shards"] == infer["shards_run"] == 20 and infer["records_in"] == DOCS * QUESTIONS
+
+    whole = _spec(tmp_path / "whole", layout={"stream": False})
+    async with inprocess_pool(concurrency=4) as pool:
+        after = WhileSharding(pool, whole)
+        await run_pipeline(whole, runner=after)
+    assert all(after.sent_after_shard) and not (Path(RunLayout(whole.output, whole.run).ledger) / "shard-stream.json").exists()
+    assert _outcome(spec) == _outcome(whole) and len(_outcome(spec)) == DOCS * QUESTIONS
+
+
+async def test_a_shard_step_failing_mid_stream_lets_sent_tasks_finish_and_a_rerun_reuses_them(
+        tmp_path: Path, inprocess_pool, slow_rewrite: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = _spec(tmp_path)
+    real = ShardFeed.committed
+    fed: list[int] = []
+
+    def failing(self: ShardFeed, *args: Any) -> None:
+        fed.append(1)
+        if len(fed) == 9:
+            raise RuntimeError("the driver's disk went away")
+        real(self, *args)
+
+    with monkeypatch.context() as m:
+        m.setattr(ShardFeed, "committed", failing)
+        async with inprocess_pool(concurrency=4) as pool:
+            runner = CountingRunner(pool)
+            with pytest.raises(RuntimeError, match="disk went away"):
+                await run_pipeline(spec, runner=runner)
+    layout = RunLayout(spec.output, spec.run)
+    progress = sorted(p.name for p in Path(layout.progress_dir("round-00-infer")).glob("*.json"))
+    assert 0 < len(progress) == runner.calls["infer"] <= 8  # every task sent finished and was recorded
+    assert not Path(layout.ledger_file(RunLayout.step_name(0, "infer"))).exists()
+
+    async with inprocess_pool(concurrency=4) as pool:
+        rerun = CountingRunner(pool)
+        summary = await run_pipeline(spec, runner=rerun)
+    assert summary.conservation["ok"]
+    infer = orjson.loads(Path(layout.ledger_file(RunLayout.step_name(0, "infer"))).read_bytes())
+    assert infer["shards"] == 20 and infer["shards_run"] == 20 - len(progress)  # same instance, same shards: reused
+    assert rerun.task_ids[0].split("/")[1] == runner.task_ids[0].split("/")[1]
+    assert len(_outcome(spec)) == DOCS * QUESTIONS
+
+
+async def test_a_restart_after_round_0_began_refuses_other_shard_keys(tmp_path: Path, inprocess_pool,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shard i of the restarted step must hold the records shard i's finished task read."""
+    spec = _spec(tmp_path)
+
+    real = ShardFeed.committed
+    calls: list[int] = []
+
+    def once(self: ShardFeed, *args: Any) -> None:
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("killed mid-rewrite")
+        real(self, *args)
+
+    with monkeypatch.context() as m:
+        m.setattr(ShardFeed, "committed", once)
+        async with inprocess_pool(concurrency=4) as pool:
+            with pytest.raises(RuntimeError, match="killed mid-rewrite"):
+                await run_pipeline(spec, runner=CountingRunner(pool))
+    edited = PipelineSpec.parse({**spec.model_dump(mode="json"), "shard_records": 5})
+    async with inprocess_pool(concurrency=4) as pool:
+        with pytest.raises(SpecChanged, match="round 0 started on shards laid out under other"):
+            await run_pipeline(edited, runner=CountingRunner(pool))
