@@ -288,7 +288,7 @@ def local_overheads(spec: PipelineSpec) -> Overheads:
 
 
 def layout_overheads(spec: PipelineSpec, o: Overheads, sample: list[dict[str, Any]], records: int, *, applies: bool,
-                     notes: list[str]) -> Overheads:
+                     streams: bool, notes: list[str]) -> Overheads:
     """``o`` with the layout pass priced from its run over ``sample`` (``planning.layout_cost``),
     and a line saying so; ``applies``: the input's windows share prefixes (``sample`` is
     theirs), so the pass's tokenising half is priced (else the text gate alone, what a run
@@ -297,12 +297,16 @@ def layout_overheads(spec: PipelineSpec, o: Overheads, sample: list[dict[str, An
     if cost is None:
         return o
     o = dataclasses.replace(o, **cost.overheads(spec, records))
-    span = records * (o.layout_record_s / max(1, o.layout_workers) + o.layout_serial_record_s)
+    spread, rewrite = records * o.layout_record_s / max(1, o.layout_workers), records * o.layout_serial_record_s
+    held = (f"{duration(spread)} with the pool open and every GPU idle, then {duration(rewrite)} of merging and rewriting "
+            "beside round 0, which starts on its shards as they are written (layout.stream; the in-place strategy "
+            "and Dagster's steps wait for the whole pass)" if streams
+            else f"{duration(spread + rewrite)} with the pool open and every GPU idle")
     notes.append(f"layout pass: {cost.spread_record_s * 1e6:,.0f} us a record signing ({cost.signature}"
                  f"{'' if cost.applied else ', the text gate alone: no prefix shared in the sample'}) over "
                  f"{o.layout_workers} process(es) (layout.workers; the driver's cores here), "
                  f"{cost.serial_record_s * 1e6:,.0f} us a record in the driver (reading, merging, rewriting), "
-                 f"measured on {cost.records:,} sample records spilled as {cost.runs} sorted runs: {duration(span)} with the pool open and every GPU idle")
+                 f"measured on {cost.records:,} sample records spilled as {cost.runs} sorted runs: {held}")
     return o
 
 
@@ -319,8 +323,11 @@ def make_plan(
     prefix_sample: int = PREFIX_SAMPLE,
     overheads: Overheads | None = None,
     strategies: tuple[str, ...] = STRATEGIES,
+    stream_round0: bool | None = None,
 ) -> RunPlan:
-    """Plan ``spec`` for each of ``strategies`` (the spec's own is ``RunPlan.chosen``; keep it in them)."""
+    """Plan ``spec`` for each of ``strategies`` (the spec's own is ``RunPlan.chosen``; keep it in them).
+    ``stream_round0``: whether round 0 starts beside the layout pass (None: ``layout.stream``,
+    as a whole run driven by one process does; Dagster's steps run the shard step first)."""
     notes: list[str] = []
     size = input_size(spec, sample=sample)
     n = records if records is not None else size.records
@@ -430,7 +437,8 @@ def make_plan(
     if profile is not None and profile.overheads:
         o = dataclasses.replace(o, **profile.overheads)
     if overheads is None or not (overheads.layout_record_s or overheads.layout_serial_record_s):
-        o = layout_overheads(spec, o, layout_sample[:LAYOUT_SAMPLE_RECORDS], n, applies=prefix is not None, notes=notes)
+        o = layout_overheads(spec, o, layout_sample[:LAYOUT_SAMPLE_RECORDS], n, applies=prefix is not None, notes=notes,
+                             streams=spec.layout.stream if stream_round0 is None else stream_round0)
     notes.append(f"cluster: {cluster.replicas} replica(s) x {cluster.concurrency} slots; overheads: task {duration(o.task_s)}, "
                  f"phase launch {duration(o.phase_launch_s)}, round gap {duration(o.round_gap_s)}, "
                  f"recompaction {o.recompact_records_per_s:,.0f} rec/s, "
@@ -453,13 +461,14 @@ def make_plan(
     plans = []
     for strategy in strategies:
         s = spec.model_copy(update={"strategy": strategy})
-        res = simulate(s, w, rates, cluster=cluster, overheads=o, judge_cluster=judge_cluster, judge_rates=judge_rates)
+        res = simulate(s, w, rates, cluster=cluster, overheads=o, judge_cluster=judge_cluster, judge_rates=judge_rates,
+                       stream_round0=stream_round0)
         plan = StrategyPlan.of(res, w, gpu_hour_price, judge_tokens, cluster.replicas)
         for phase in plan.phases:
             phase["priced"] = not any(phase["name"].startswith(u) or phase["name"].endswith(u) for u in unpriced)
         if bounds is not None:
             walls = sorted(simulate(s, b, rates, cluster=cluster, overheads=o, judge_cluster=judge_cluster,
-                                    judge_rates=judge_rates).wall_s for b in bounds)
+                                    judge_rates=judge_rates, stream_round0=stream_round0).wall_s for b in bounds)
             plan.wall_band_s = (min(walls[0], res.wall_s), max(walls[-1], res.wall_s))
         plans.append(plan)
     saving: dict[str, Any] | None = None
@@ -469,7 +478,7 @@ def make_plan(
         if uncached is not None:
             chosen = next(p for p in plans if p.strategy == spec.strategy) if spec.strategy in strategies else plans[0]
             res = simulate(spec.model_copy(update={"strategy": chosen.strategy}), w, uncached, cluster=cluster, overheads=o,
-                           judge_cluster=judge_cluster, judge_rates=judge_rates)
+                           judge_cluster=judge_cluster, judge_rates=judge_rates, stream_round0=stream_round0)
             without = StrategyPlan.of(res, w, gpu_hour_price, judge_tokens, cluster.replicas)
             saving.update(hit_rate=round(rates.prefix_hit_rate, 4), strategy=chosen.strategy,
                           gpu_hours_without=round(without.gpu_hours, 3), gpu_hours_saved=round(without.gpu_hours - chosen.gpu_hours, 3),

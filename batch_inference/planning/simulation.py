@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -108,9 +109,14 @@ LAYOUT_PHASE = "layout pass (driver CPU, GPUs idle)"  # its phase's name in a pl
 def layout_pass_s(spec: PipelineSpec, records: int, o: Overheads) -> float:
     """The shard step's layout pass over ``records`` (``layout.prefix`` on): its parallel
     part over ``layout_workers`` processes plus the part left in the driver's process."""
+    return sum(layout_parts_s(spec, records, o))
+
+
+def layout_parts_s(spec: PipelineSpec, records: int, o: Overheads) -> tuple[float, float]:
+    """(the part spread over ``layout_workers`` processes, the driver's merge and rewrite)."""
     if not spec.layout.prefix:
-        return 0.0
-    return records * (o.layout_record_s / max(1, o.layout_workers) + o.layout_serial_record_s)
+        return 0.0, 0.0
+    return records * o.layout_record_s / max(1, o.layout_workers), records * o.layout_serial_record_s
 
 
 def _shards(records: int, shard_records: int) -> list[int]:
@@ -128,8 +134,15 @@ def simulate(
     phases: Literal["all", "one_round"] = "all",
     judge_cluster: Cluster | None = None,
     judge_rates: EngineRates | None = None,
+    stream_round0: bool | None = None,
 ) -> SimResult:
     """Simulate ``spec`` (strategy, max_rounds/attempts, crossover, shard_records) at scale.
+
+    ``stream_round0`` (None: ``layout.stream``): round 0's infer phase starts on the layout
+    pass's rewritten shards as they come (``pipeline.stream``: a whole run driven by one
+    process; Dagster's steps run the shard step first): every GPU waits through the pass's
+    spread part, its first wave once the rewrite has written that many shards, and each
+    shard after as the rewrite writes it.
 
     ``phases="one_round"`` stops after round 0's infer and judge (the capacity math).
     ``judge_cluster`` (a judge with its own model and pool): the judge phases run there
@@ -143,11 +156,14 @@ def simulate(
     """
     cluster = cluster or Cluster(replicas=spec.pool.replicas, concurrency=spec.pool.concurrency)
     overheads = overheads or Overheads(retries=spec.pool.retries)
-    return run_virtual(lambda: _simulate(spec, workload, rates, cluster, overheads, phases, judge_cluster, judge_rates or rates))
+    streams = (spec.layout.stream if stream_round0 is None else stream_round0) and spec.strategy != "in_place"
+    return run_virtual(lambda: _simulate(spec, workload, rates, cluster, overheads, phases, judge_cluster, judge_rates or rates,
+                                         streams))
 
 
 async def _simulate(spec: PipelineSpec, w: Workload, rates: EngineRates, cluster: Cluster, o: Overheads,
-                    phases: str, judge_cluster: Cluster | None = None, judge_rates: EngineRates | None = None) -> SimResult:
+                    phases: str, judge_cluster: Cluster | None = None, judge_rates: EngineRates | None = None,
+                    streams: bool = False) -> SimResult:
     loop = asyncio.get_running_loop()
     sim = ClusterSim(cluster, o, loop)
     sim.start()
@@ -168,8 +184,10 @@ async def _simulate(spec: PipelineSpec, w: Workload, rates: EngineRates, cluster
 
     async def phase(r: int, name: Literal["infer", "judge", "tail"], shards: list[int], per_record_s: float,
                     latency_s: float, *, sample_level: bool = False, attempts_per_record: float = 1.0,
-                    judge_per_record_s: float = 0.0) -> PhaseResult:
-        """``judge_per_record_s``: a tail's judge waves on the judge's own pool (beside its generation)."""
+                    judge_per_record_s: float = 0.0, written_every_s: float = 0.0) -> PhaseResult:
+        """``judge_per_record_s``: a tail's judge waves on the judge's own pool (beside its generation).
+        ``written_every_s``: the shards come from the layout pass's rewrite, one this often (the
+        first wave taken whole once written, as ``ShardFeed.take`` does)."""
         nonlocal quarantined
         pool = judge_sim if name == "judge" else sim
         reads = o.progress_read_s * len(shards) if name == "judge" else 0.0  # the infer phase's progress records
@@ -210,7 +228,15 @@ async def _simulate(spec: PipelineSpec, w: Workload, rates: EngineRates, cluster
                 raise exc
             lost.append({"shard": f"sim://{name}", "phase": name, "records": n, "error": str(exc), "round": r})
 
-        await dispatch_bounded(shards, one, ok, failed, limit=pool.limit)
+        async def written() -> AsyncIterator[int]:
+            wave = min(len(shards), pool.limit)
+            for k, n in enumerate(shards):
+                ready = t0 + (max(k, wave - 1) + 1) * written_every_s
+                if ready > loop.time():
+                    await asyncio.sleep(ready - loop.time())
+                yield n
+
+        await dispatch_bounded(written() if written_every_s > 0 else shards, one, ok, failed, limit=pool.limit)
         wall = loop.time() - t0
         engine = pool.engine_busy_s() - busy0
         quarantined += sum(q["records"] for q in lost)
@@ -237,10 +263,15 @@ async def _simulate(spec: PipelineSpec, w: Workload, rates: EngineRates, cluster
     await idle("shard (reshard input, CPU)", w.records / o.reshard_records_per_s + o.object_s * math.ceil(w.records / shard_n) / 10,
                w.records, math.ceil(w.records / shard_n))
     t_gpu = loop.time()  # the GPU pool is held from here (resharding is CPU work before it)
-    layout_s = layout_pass_s(spec, w.records, o)
-    if layout_s > 0:  # the pool is open: every GPU waits through the layout pass
-        await idle(LAYOUT_PHASE, layout_s, w.records, math.ceil(w.records / shard_n))
+    spread_s, rewrite_s = layout_parts_s(spec, w.records, o)
     pending = _shards(w.records, shard_n)
+    written_every_s = 0.0
+    if streams and rewrite_s > 0:  # every GPU waits through the spread part; round 0 starts on the rewrite's shards
+        await asyncio.sleep(spread_s)
+        rounds.append(RoundRecord(LAYOUT_PHASE, w.records, len(pending), spread_s + rewrite_s, 0.0, spread_s))
+        written_every_s = rewrite_s / len(pending)
+    elif spread_s + rewrite_s > 0:  # the pool is open: every GPU waits through the layout pass
+        await idle(LAYOUT_PHASE, spread_s + rewrite_s, w.records, len(pending))
     approved_total = 0
     unfinished = 0
     tail_from: int | None = 0 if spec.strategy == "in_place" else None
@@ -248,7 +279,8 @@ async def _simulate(spec: PipelineSpec, w: Workload, rates: EngineRates, cluster
     last_recompact_s = 0.0
     waves = len(pending) / sim.limit
     while tail_from is None:
-        inf = await phase(r, "infer", pending, rates.infer_s, rates.infer_latency_s)
+        inf = await phase(r, "infer", pending, rates.infer_s, rates.infer_latency_s, written_every_s=written_every_s)
+        written_every_s = 0.0
         judged = [n for n in pending]  # quarantined infer shards' records are lost to the round
         judged_records = inf.summary.records_in
         if inf.quarantined_records:

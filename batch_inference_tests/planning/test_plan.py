@@ -382,7 +382,8 @@ def test_plan_prices_the_layout_pass_as_gpu_idle_time(tmp_path: Path, monkeypatc
     phase = next(p for p in plan.for_strategy("rounds").phases if p["name"] == LAYOUT_PHASE)
     assert phase["wall_s"] == pytest.approx(1_000_000 * (400e-6 / 4 + 50e-6), rel=1e-3) and phase["priced"]
     assert plan.metadata()[f"plan.phase.{LAYOUT_PHASE}.wall_s"] == phase["wall_s"]
-    assert any(a.startswith("layout pass: 400 us a record signing") and "4 process(es)" in a for a in plan.assumptions)
+    assert any(a.startswith("layout pass: 400 us a record signing") and "4 process(es)" in a and "beside round 0" in a
+               for a in plan.assumptions)
 
     seen.clear()  # short prompts with no full block to share: the text gate alone is priced
     flat = make_plan(PipelineSpec.parse(spec_dict(tmp_path, 300)), records=1_000, strategies=("rounds",))

@@ -140,8 +140,10 @@ def test_the_layout_pass_holds_every_gpu_idle_for_its_wall() -> None:
     base = Overheads(phase_launch_s=0, task_s=0, driver_task_s=0, list_page_s=0, progress_read_s=0)
     plain = simulate(spec(), w, RATES, phases="one_round", overheads=base)
     costs = dataclasses.replace(base, layout_record_s=500e-6, layout_serial_record_s=20e-6)
-    serial = simulate(spec(), w, RATES, phases="one_round", overheads=costs)
-    spread = simulate(spec(), w, RATES, phases="one_round", overheads=dataclasses.replace(costs, layout_workers=10))
+    # round 0 after the whole pass (Dagster's steps; layout.stream off)
+    serial = simulate(spec(), w, RATES, phases="one_round", overheads=costs, stream_round0=False)
+    spread = simulate(spec(), w, RATES, phases="one_round", overheads=dataclasses.replace(costs, layout_workers=10),
+                      stream_round0=False)
     off = simulate(spec(layout={"prefix": False}), w, RATES, phases="one_round", overheads=costs)
     for res, wall in ((serial, 400_000 * 520e-6), (spread, 400_000 * 70e-6)):
         lay = next(r for r in res.rounds if r.name == LAYOUT_PHASE)
@@ -150,3 +152,25 @@ def test_the_layout_pass_holds_every_gpu_idle_for_its_wall() -> None:
         assert res.gpu_s - plain.gpu_s == pytest.approx(4 * wall)  # 4 replicas held through it
         assert res.engine_s == pytest.approx(plain.engine_s)
     assert off.wall_s == pytest.approx(plain.wall_s) and not any("layout" in r.name for r in off.rounds)
+
+
+@pytest.mark.parametrize("serial_record_s", [20e-6, 2e-3])
+def test_round_0_beside_the_rewrite_holds_the_gpus_idle_through_the_spread_part_alone(serial_record_s: float) -> None:
+    """Round 0 starts on the rewritten shards as they come (pipeline.stream): the GPUs wait
+    through the signing only; the merge and rewrite overlap round 0, which cannot end before
+    the last shard is written. A rewrite faster than the GPUs (20 us a record) or slower (2 ms)."""
+    w = Workload(records=400_000, approval=0.9)
+    base = Overheads(phase_launch_s=0, task_s=0, driver_task_s=0, list_page_s=0, progress_read_s=0)
+    costs = dataclasses.replace(base, layout_record_s=500e-6, layout_serial_record_s=serial_record_s, layout_workers=10)
+    plain = simulate(spec(), w, RATES, phases="one_round", overheads=base)
+    whole = simulate(spec(), w, RATES, phases="one_round", overheads=costs, stream_round0=False)
+    streamed = simulate(spec(), w, RATES, phases="one_round", overheads=costs)
+    spread_s, rewrite_s = 400_000 * 50e-6, 400_000 * serial_record_s
+    lay = next(r for r in streamed.rounds if r.name == LAYOUT_PHASE)
+    assert lay.wall_s == pytest.approx(spread_s + rewrite_s) and lay.overhead_s == pytest.approx(spread_s)
+    saved = whole.wall_s - streamed.wall_s
+    assert 0 < saved <= rewrite_s + 1e-6
+    assert streamed.wall_s >= max(plain.wall_s + spread_s, spread_s + rewrite_s) - 1e-6
+    assert streamed.engine_s == pytest.approx(whole.engine_s)
+    in_place = simulate(spec(strategy="in_place"), w, RATES, phases="one_round", overheads=costs)
+    assert next(r for r in in_place.rounds if r.name == LAYOUT_PHASE).overhead_s == pytest.approx(spread_s + rewrite_s)

@@ -178,7 +178,8 @@ def _plan_metadata(context: dg.OpExecutionContext, spec: Any, plan_profile: str 
 
     try:
         profile = EngineProfile.load(plan_profile) if plan_profile else None
-        p = make_plan(spec, profile=profile, strategies=(spec.strategy,))
+        # Dagster's steps: the shard step whole, then round 0 (no round 0 beside the layout pass)
+        p = make_plan(spec, profile=profile, strategies=(spec.strategy,), stream_round0=False)
         Ledger(RunLayout(spec.output, spec.run), spec.storage_options).write(RunLayout.PLAN, p.as_dict())
     except Exception as exc:
         context.log.warning("no plan for run %s: %s: %s", spec.run, type(exc).__name__, exc)
