@@ -53,7 +53,8 @@ async def test_dead_engine_core_makes_the_worker_unhealthy_and_the_task_runs_els
     spec = infer_spec("doomed", tmp_path / "in.jsonl", tmp_path / "out.jsonl", infer=infer)
     async with launcher.client(retries=30, max_backoff_s=5.0) as client:
         task = asyncio.create_task(client.run_task(spec))
-        await wait_until(lambda: asyncio.to_thread(lambda: stats(first.endpoint)["in_flight"] > 0), timeout_s=300)
+        await wait_until(lambda: task.done() or asyncio.to_thread(lambda: stats(first.endpoint)["in_flight"] > 0), timeout_s=300)
+        assert not task.done(), f"the task ended before its requests reached the engine: {task.result()!r}"
         os.kill(engine_core(first.pid).pid, signal.SIGKILL)
         result = await task  # answered by the replacement worker
     assert result.counts == {"ok": 40, "error": 0} and result.worker != first.endpoint.split("//")[1]
