@@ -43,6 +43,7 @@ from ledger_overhead import store  # noqa: E402
 
 from batch_inference.pipeline import PipelineSpec, run_pipeline  # noqa: E402
 from batch_inference.pool.protocol import TaskResult, TaskSpec  # noqa: E402
+from batch_inference_tests.pipeline.helpers import CountingRunner  # noqa: E402
 
 REPORT = Path(__file__).resolve().parent / "reports" / "stream_round0.md"
 QUESTIONS = 8
@@ -71,28 +72,17 @@ def spec_for(data: Path, base: str, options: dict[str, Any], run: str, args: arg
     })
 
 
-class FirstTask:
+class FirstTask(CountingRunner):
     """The in-process pool, noting when the first infer task was sent."""
 
     def __init__(self, inner: Any) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.first: float | None = None
-
-    @property
-    def limit(self) -> int:
-        return self.inner.limit
-
-    @property
-    def retried(self) -> int:
-        return self.inner.retried
-
-    async def stats(self) -> dict:
-        return await self.inner.stats()
 
     async def run_task(self, spec: TaskSpec) -> TaskResult:
         if spec.kind == "infer" and self.first is None:
             self.first = time.perf_counter()
-        return await self.inner.run_task(spec)
+        return await super().run_task(spec)
 
 
 async def one(spec: PipelineSpec, options: dict[str, Any]) -> dict[str, Any]:
