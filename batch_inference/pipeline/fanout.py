@@ -105,7 +105,7 @@ class FanOut:
         retried_before = self.runner.retried
         t0 = self._last_start = time.perf_counter()
         async with OccupancySampler(self.runner) as occupancy:
-            await dispatch_bounded(todo if source is None else self._not_done(source, todo), self._run_one, self._finished,
+            await dispatch_bounded(self._not_done(source, todo) if streamed else todo, self._run_one, self._finished,
                                    self._failed, limit=max(1, self.runner.limit))
         if streamed:  # a record of an index the step no longer wrote is not this phase's
             self.done = {i: rec for i, rec in self.done.items() if i in phase.records}
@@ -194,28 +194,30 @@ class FanOut:
         return JsonlFile(url, storage_options=self.storage_options)
 
     def _quarantined_before(self, indices: list[int] | None) -> set[str]:
-        """The quarantine entries among ``indices``' that exist (None: any shard's, in the
-        folder shard 0's would be in): one listing per folder, not a lookup per task (on an
-        object store, a missing key's lookup is two round trips)."""
-        by_folder: dict[str, list[str] | None] = {}
+        """The quarantine entries among ``indices``' that exist (None: every entry in the folder
+        shard 0's would be in): one listing per folder, not a lookup per task (on an object
+        store, a missing key's lookup is two round trips)."""
         if indices is None:
-            by_folder[self.phase.quarantine_url(0).rsplit("/", 1)[0]] = None
-        for i in indices or []:
+            folder = self.phase.quarantine_url(0).rsplit("/", 1)[0]
+            return {f"{folder}/{n}" for n in self._listed(folder)}
+        by_folder: dict[str, list[str]] = {}
+        for i in indices:
             url = self.phase.quarantine_url(i)
-            by_folder.setdefault(url.rsplit("/", 1)[0], []).append(url)  # type: ignore[union-attr]
+            by_folder.setdefault(url.rsplit("/", 1)[0], []).append(url)
         found: set[str] = set()
         for folder, urls in by_folder.items():
-            fs, path = fs_for(folder, self.storage_options)
-            try:
-                fs.invalidate_cache(path)
-                names = {n.rsplit("/", 1)[-1] for n in fs.ls(path, detail=False)}
-            except FileNotFoundError:
-                continue
-            if urls is None:
-                found.update(f"{folder}/{n}" for n in names)
-            else:
-                found.update(u for u in urls if u.rsplit("/", 1)[-1] in names)
+            names = self._listed(folder)
+            found.update(u for u in urls if u.rsplit("/", 1)[-1] in names)
         return found
+
+    def _listed(self, folder: str) -> set[str]:
+        """The names in ``folder`` (none when it does not exist), listed afresh."""
+        fs, path = fs_for(folder, self.storage_options)
+        try:
+            fs.invalidate_cache(path)
+            return {n.rsplit("/", 1)[-1] for n in fs.ls(path, detail=False)}
+        except FileNotFoundError:
+            return set()
 
     def _remove(self, url: str) -> None:
         if (f := self._file(url)).exists_sync():

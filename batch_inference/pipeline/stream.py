@@ -86,11 +86,6 @@ class ShardFeed:
             self._changed.clear()
             await self._changed.wait()
 
-    async def wait_ended(self) -> None:
-        while not self.ended:
-            self._changed.clear()
-            await self._changed.wait()
-
     async def take(self, at_least: int) -> list[FedShard]:
         """The shards fed and not yet taken, in order, once ``at_least`` of them are (or the step
         has ended); an empty list when the step has ended and every shard was taken (its error

@@ -67,10 +67,12 @@ class LayoutCost:
 
 
 def measure_layout(spec: PipelineSpec, sample: list[dict[str, Any]], *, applies: bool) -> LayoutCost | None:
-    """The layout pass over ``sample`` (records as the run's tasks see them), timed; None when
-    the spec lays nothing out (``layout.prefix`` off) or the sample is empty (blocking: a CPU pass)."""
+    """The layout pass over the first ``SAMPLE_RECORDS`` of ``sample`` (records as the run's
+    tasks see them), timed; None when the spec lays nothing out (``layout.prefix`` off) or
+    the sample is empty (blocking: a CPU pass)."""
     if not spec.layout.prefix or not sample:
         return None
+    sample = sample[:SAMPLE_RECORDS]
     signer = layout_signer(spec)  # the tokenizer's load is the run's once, not a record's
     p = spec.layout
     folder = tempfile.mkdtemp(prefix="bi-plan-layout-")

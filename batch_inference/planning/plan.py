@@ -21,7 +21,6 @@ from batch_inference.engines.simulated import simulated_text_tokens
 from batch_inference.pipeline.report import duration
 from batch_inference.pipeline.spec import PipelineSpec, engine_label
 from batch_inference.planning.cluster import Cluster, Overheads
-from batch_inference.planning.layout_cost import SAMPLE_RECORDS as LAYOUT_SAMPLE_RECORDS
 from batch_inference.planning.layout_cost import measure_layout
 from batch_inference.planning.profiling import EngineProfile
 from batch_inference.planning.rates import EngineRates, Workload, engine_rates
@@ -437,7 +436,7 @@ def make_plan(
     if profile is not None and profile.overheads:
         o = dataclasses.replace(o, **profile.overheads)
     if overheads is None or not (overheads.layout_record_s or overheads.layout_serial_record_s):
-        o = layout_overheads(spec, o, layout_sample[:LAYOUT_SAMPLE_RECORDS], n, applies=prefix is not None, notes=notes,
+        o = layout_overheads(spec, o, layout_sample, n, applies=prefix is not None, notes=notes,
                              streams=spec.layout.stream if stream_round0 is None else stream_round0)
     notes.append(f"cluster: {cluster.replicas} replica(s) x {cluster.concurrency} slots; overheads: task {duration(o.task_s)}, "
                  f"phase launch {duration(o.phase_launch_s)}, round gap {duration(o.round_gap_s)}, "

@@ -106,14 +106,9 @@ def wave_priced(per_record_s: float, call_s: float, calls_per_record: float, wav
 LAYOUT_PHASE = "layout pass (driver CPU, GPUs idle)"  # its phase's name in a plan (planning.progress reads it back)
 
 
-def layout_pass_s(spec: PipelineSpec, records: int, o: Overheads) -> float:
-    """The shard step's layout pass over ``records`` (``layout.prefix`` on): its parallel
-    part over ``layout_workers`` processes plus the part left in the driver's process."""
-    return sum(layout_parts_s(spec, records, o))
-
-
 def layout_parts_s(spec: PipelineSpec, records: int, o: Overheads) -> tuple[float, float]:
-    """(the part spread over ``layout_workers`` processes, the driver's merge and rewrite)."""
+    """The shard step's layout pass over ``records`` (``layout.prefix`` on): (its part spread
+    over ``layout_workers`` processes, the driver's merge and rewrite)."""
     if not spec.layout.prefix:
         return 0.0, 0.0
     return records * o.layout_record_s / max(1, o.layout_workers), records * o.layout_serial_record_s
