@@ -48,9 +48,10 @@ async def test_scheduler_sizes_are_offline_vllms_and_occupancy_comes_through_the
         loggers = h.engine._llm.logger_manager.stat_loggers  # type: ignore[union-attr]
         ours = [x for lg in loggers if isinstance(lg, PerEngineStatLoggerAdapter) for x in lg.per_engine_stat_loggers.values()]
         assert [type(x).__name__ for x in ours] == ["OccupancyLogger"] and isinstance(ours[0], StatLoggerBase)
-        futures = await h.submit([GenRequest(f"occupancy {i}", SamplingParams(max_tokens=64, min_tokens=64, temperature=1.0, seed=i), 0) for i in range(40)])
+        # long enough for the sampler to see them run: 40 x 64 tokens ended within two 20 ms samples once
+        futures = await h.submit([GenRequest(f"occupancy {i}", SamplingParams(max_tokens=256, min_tokens=256, temperature=1.0, seed=i), 0) for i in range(40)])
         running: list[int] = []
         while not all(f.done() for f in futures):
             running.append(h.occupancy().running)  # type: ignore[union-attr]
             await asyncio.sleep(0.02)
-        assert max(running) == 40 and all(f.result().completion_tokens == 64 for f in futures)
+        assert max(running) == 40 and all(f.result().completion_tokens == 256 for f in futures)
