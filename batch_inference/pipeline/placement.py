@@ -49,7 +49,8 @@ from batch_inference.engines.base import Prompt
 from batch_inference.engines.blocks import BLOCK_HASH_BYTES
 from batch_inference.pipeline.summaries import LayoutSummary
 from batch_inference.prompting import InferConfig, RequestBuilder
-from batch_inference.prompting.prefix import CharTokens, PrefixSigner, shared_blocks
+from batch_inference.engines.base import ChatPrompt
+from batch_inference.prompting.prefix import CharTokens, PlainTextTokens, PrefixSigner, shared_blocks
 from batch_inference.storage import JsonlDir, JsonlFile
 from batch_inference.storage._io import ShardStats
 from batch_inference.storage.sort import ExternalSort
@@ -90,6 +91,7 @@ class _Part:
     records: int = 0
     blocks: int = 0
     shared_input: int = 0
+    chat: int = 0  # records whose request is chat
     first: bytes | None = None
     last: bytes = b""
     sign_s: float = 0.0
@@ -104,6 +106,7 @@ class _Pass:
     records: int = 0
     blocks: int = 0
     shared_input: int = 0
+    chat: int = 0  # records whose request is chat
     shared_sorted: int = 0
     common: int = 0  # blocks every record shares (prompting.prefix.common_blocks): a family lies past them
     sign_s: float = 0.0
@@ -118,8 +121,10 @@ def _sign_into(items: Iterator[tuple[dict[str, Any], bytes]], signer: PrefixSign
     """Sign ``(record, line)`` items, add (signature, line) to ``sort`` (the line only when kept), count into ``part``."""
     for batch in _batches(items, SIGN_BATCH):  # each record with its own line: moved as it is
         t = time.perf_counter()
-        signatures = signer.sign([record_prompt(builder, rec) for rec, _ in batch])
+        prompts = [record_prompt(builder, rec) for rec, _ in batch]
+        signatures = signer.sign(prompts)
         part.sign_s += time.perf_counter() - t
+        part.chat += sum(isinstance(p, ChatPrompt) for p in prompts)
         for (_, line), sig in zip(batch, signatures):
             if part.first is None:
                 part.first = sig.blocks
@@ -212,6 +217,7 @@ def _sign_pass(d: JsonlDir, signer: PrefixSigner, builder: RequestBuilder, sort:
         p.records += part.records
         p.blocks += part.blocks
         p.shared_input += part.shared_input
+        p.chat += part.chat
         if part.first is not None:
             if prev is not None:
                 p.shared_input += shared_blocks(prev, part.first)
@@ -248,7 +254,9 @@ def layout_by_prefix(
     sorts the signatures alone: when prefix order would not share ``min_gain`` more, it
     stops there and the directory keeps its order (no record tokenised). Otherwise, with a
     tokenizer-backed ``signer``, a second pass signs every record by the engine's tokens and
-    sorts the records by those; with a text signer the first pass's sort is the order.
+    sorts the records by those; with a text signer the first pass's sort is the order, and
+    so it is with ``PlainTextTokens`` (``auto``) when no record's request is chat (the
+    first pass keeps the lines then, when the records decide whether they are chat).
 
     Both passes are spread over ``workers`` processes (``layout_workers``: None is the
     driver's cores; inputs under ``parallel_min_records`` a worker stay in this process),
@@ -270,6 +278,8 @@ def layout_by_prefix(
     builder = RequestBuilder(infer)
     t0 = time.perf_counter()
     by_text = isinstance(signer.tokenizer, CharTokens)
+    auto = isinstance(signer.tokenizer, PlainTextTokens)  # plain prompts by text: signed as the gate signs them
+    text_order = by_text or (auto and builder.chat is False)  # the gate's order is the final one
     gate_signer = signer if by_text else PrefixSigner(CharTokens(), block_size=signer.block_size, max_blocks=signer.max_blocks)
     sign_s = 0.0
     cuts_shared = 0
@@ -282,12 +292,14 @@ def layout_by_prefix(
         if isinstance(pool, Executor):
             shards = [(join(d.url, sh["name"]), int(sh["records"])) for sh in man.shards]
             par = _Workers(pool, _slices(shards, n_workers), storage_options, infer, max(1 << 20, run_bytes // n_workers))
-        gate = _sign_pass(d, gate_signer, builder, gate_sort, keep_lines=by_text, workers=par)
+        gate = _sign_pass(d, gate_signer, builder, gate_sort, workers=par,
+                          keep_lines=text_order or (auto and builder.chat is None))  # the records may all be plain
         sign_s += gate.sign_s
         if gate.records != man.records:
             raise PlacementError(f"{d.url}: read {gate.records} records, its manifest says {man.records}")
+        text_order = text_order or (auto and gate.chat == 0)
         final, applied = gate, gate.blocks > 0 and gate.gain >= min_gain and gate.gain > 0
-        if applied and not by_text:
+        if applied and not text_order:
             gate_sort.clear()
             with ExternalSort(join(spill_url, "tokens"), storage_options=storage_options, run_bytes=run_bytes) as token_sort:
                 # its gain was the gate's to decide: its figures are counted while it is rewritten
@@ -304,7 +316,7 @@ def layout_by_prefix(
     else:
         reason = "kept input order: no request has a full block"
     summary = LayoutSummary(
-        applied=applied, reason=reason, signature=(signer if final is not gate else gate_signer).tokenizer.name,
+        applied=applied, reason=reason, signature=(signer if final is not gate or text_order else gate_signer).tokenizer.name,
         block_size=signer.block_size, max_blocks=signer.max_blocks, records=final.records, blocks=final.blocks,
         shared_input=final.shared_input, shared_sorted=final.shared_sorted, gain=round(final.gain, 4),
         sign_s=round(sign_s, 3), sort_s=round(time.perf_counter() - t0 - sign_s, 3), runs=runs, merge_levels=levels,

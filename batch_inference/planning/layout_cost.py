@@ -3,8 +3,9 @@
 The layout pass (``pipeline.placement.layout_by_prefix``) runs on the driver with the pool
 already open, so every GPU waits through it: at 100M records it is hours (bench/reports/
 layout_cost.md), most of it the model's tokenizer. A plan that leaves it out is short by
-those hours. ``measure_layout`` runs the real pass, with the run's own signer (the model's
-tokenizer, the spec's block size) and the spec's shard size, over the plan's sample written
+those hours. ``measure_layout`` runs the real pass, with the run's own signer
+(``layout.signature``: by default text for plain prompts, the model's tokenizer for chat; the
+spec's block size) and the spec's shard size, over the plan's sample written
 to a temporary folder, on one process, and splits its time as the simulation prices it
 (``Overheads.layout_record_s`` / ``layout_serial_record_s``):
 

@@ -17,7 +17,9 @@ Tokens come from a ``PrefixTokenizer``:
   ``engines.chat.prompt_text`` writes it). With 4 characters it is the simulated
   engine's tokenizer (``engines.simulated.simulated_token_count``); for a real model it
   is the cheap path: a shared text prefix is a shared token prefix, so it groups the same
-  families at a fraction of the cost (no tokenizer call).
+  families at a fraction of the cost (no tokenizer call);
+- ``PlainTextTokens`` (``layout.signature: auto``, the default): plain prompts by text,
+  chat by the model's tokenizer (a chat template's turns are tokens text cannot place).
 
 Only the first ``max_blocks`` blocks count (a signature's size is bounded); tokens are
 packed into bytes (``width`` bytes per token) so hashing never loops over tokens in Python.
@@ -41,7 +43,7 @@ from batch_inference.engines.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
-SignatureKind = Literal["tokens", "text"]
+SignatureKind = Literal["auto", "tokens", "text"]
 VLLM_GPU_BLOCK_SIZE = 16  # vLLM's default block size on CUDA
 VLLM_CPU_BLOCK_SIZE = 128  # vLLM-CPU's block size
 SIMULATED_CHARS_PER_TOKEN = 4  # engines.simulated: one token per 4 characters
@@ -123,6 +125,7 @@ class Packed(NamedTuple):
     data: bytes
     tokens: int
     cut: bool = False
+    width: int = 0  # bytes a token, where not the tokenizer's ``width`` (a mixed tokenizer's parts differ)
 
 
 class PrefixTokenizer(Protocol):
@@ -198,6 +201,43 @@ class HFTokens:
         return out
 
 
+class PlainTextTokens:
+    """Plain prompts by their text (``CharTokens``), chat by the model's tokenizer
+    (``HFTokens``, loaded at the first chat prompt: a run of plain prompts never loads it).
+
+    On plain prompts the text's order is the tokens' order, at a fraction of the cost (the
+    tokenizer is most of a layout pass: bench/reports/layout_cost.md); a chat template's
+    role markers and turns are tokens the text cannot place, so chat keeps the tokenizer.
+    """
+
+    def __init__(self, engine: EngineConfig) -> None:
+        self.engine = engine
+        self.text = CharTokens(SIMULATED_CHARS_PER_TOKEN)
+        self.width = self.text.width
+        self.name = f"text for plain prompts ({SIMULATED_CHARS_PER_TOKEN} characters a token), {engine.model}'s tokenizer for chat"
+        self._chat: PrefixTokenizer | None = None
+
+    def __getstate__(self) -> dict[str, Any]:  # a layout worker process loads its own tokenizer, when it meets chat
+        return {**self.__dict__, "_chat": None}
+
+    def _chat_tokens(self) -> PrefixTokenizer:
+        if self._chat is None:
+            self._chat = prefix_tokenizer(self.engine, "tokens")
+        return self._chat
+
+    def pack(self, prompts: Sequence[Prompt], max_tokens: int | None) -> list[Packed]:
+        chat = [i for i, p in enumerate(prompts) if isinstance(p, ChatPrompt)]
+        if not chat:
+            return self.text.pack(prompts, max_tokens)
+        out = [Packed(b"", 0)] * len(prompts)
+        plain = [i for i, p in enumerate(prompts) if not isinstance(p, ChatPrompt)]
+        for idx, tokenizer in ((plain, self.text), (chat, self._chat_tokens())):
+            if idx:
+                for i, p in zip(idx, tokenizer.pack([prompts[i] for i in idx], max_tokens)):
+                    out[i] = p._replace(width=p.width or tokenizer.width)
+        return out
+
+
 def prompt_order_key(prompt: Prompt) -> tuple[int, Any]:
     """A sort key that puts prompts sharing a prefix next to each other without tokenising:
     text sorts as a string, chat as its (role, content) turns (text before chat). A shared
@@ -225,10 +265,13 @@ def prefix_tokenizer(engine: EngineConfig, kind: SignatureKind = "tokens") -> Pr
 
     ``tokens``: the simulated engine's 4 characters a token, or the model's own tokenizer
     (``transformers.AutoTokenizer``; where transformers is not installed, the text path,
-    logged). ``text``: characters, 4 a token (no tokenizer).
+    logged). ``text``: characters, 4 a token (no tokenizer). ``auto``: text for plain
+    prompts, the model's tokenizer for chat (``PlainTextTokens``).
     """
     if kind == "text" or engine.kind == "simulated":
         return CharTokens(SIMULATED_CHARS_PER_TOKEN)
+    if kind == "auto":
+        return PlainTextTokens(engine)
     try:
         from transformers import AutoTokenizer
     except ImportError:
@@ -267,9 +310,8 @@ class PrefixSigner:
         live = [i for i, p in enumerate(prompts) if p is not None]
         out = [EMPTY] * len(prompts)
         packed = self.tokenizer.pack([prompts[i] for i in live], self.max_tokens)  # type: ignore[misc]
-        block_bytes = self.block_size * self.tokenizer.width
         for i, p in zip(live, packed):
-            blocks = chain_hashes(p.data, block_bytes, self.max_blocks)
+            blocks = chain_hashes(p.data, self.block_size * (p.width or self.tokenizer.width), self.max_blocks)
             if p.cut and p.tokens - len(blocks) // BLOCK_HASH_BYTES * self.block_size < CUT_MARGIN_TOKENS:
                 blocks = blocks[:-BLOCK_HASH_BYTES]  # its tokens end near the cut: they may differ from the engine's
             out[i] = Signature(blocks, p.tokens)

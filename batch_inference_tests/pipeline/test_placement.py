@@ -280,7 +280,7 @@ async def test_the_models_tokens_are_computed_only_when_order_pays(tmp_path: Pat
                              ("docs", workload(rng, docs=6, questions=5, singles=4, preamble=False), True)):
         packed.clear()
         src = write(tmp_path / f"{name}.jsonl", recs)
-        spec = spec_for(tmp_path, src, run=name, prefix=True, engine=engine)
+        spec = spec_for(tmp_path, src, run=name, prefix=True, engine=engine, layout={"prefix": True, "signature": "tokens"})
         p = (await PipelineRun(spec).shard()).layout
         assert p is not None and p.applied is pays, p
         if not pays:  # the text pass decided: no record went through the tokenizer
@@ -299,6 +299,51 @@ async def test_the_models_tokens_are_computed_only_when_order_pays(tmp_path: Pat
 
         assert p.shared_sorted == sum(shared_blocks(a, b) for a, b in zip([b""] + sigs, sigs)) > 0
         assert p.common_blocks == common_blocks(sigs) and p.blocks == sum(len(x) // 8 for x in sigs)
+
+
+async def test_auto_signature_tokenises_only_chat_records(tmp_path: Path, tiny_model_dir: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``layout.signature: auto`` (the default): plain prompts are laid out by their text
+    (the tokenizer is never called, the shards are the ``text`` layout's, byte for byte),
+    whether the template says so or the records do; chat records, mixed in, go through the
+    model's tokenizer, and only they."""
+    from batch_inference.prompting.prefix import HFTokens
+
+    packed: list[int] = []
+    pack = HFTokens.pack
+
+    def counting(self: HFTokens, prompts: Any, max_tokens: Any) -> Any:
+        packed.append(len(prompts))
+        return pack(self, prompts, max_tokens)
+
+    monkeypatch.setattr(HFTokens, "pack", counting)
+    rng = random.Random(17)
+    engine = {"kind": "transformers", "model": str(tiny_model_dir), "device": "cpu"}
+    recs = workload(rng, docs=6, questions=5, singles=4, preamble=False)
+    plain = [{"prompt": f"Document: {r['doc']}\nQuestion: {r['q']}\nAnswer:"} for r in recs]
+    chat = [{"messages": [{"role": "user", "content": p["prompt"]}]} for p in plain[:12]]
+    laid: dict[str, list[bytes]] = {}
+    for name, rows, infer in (("template", recs, None), ("text", recs, None),
+                              ("records", plain, {"sampling": {"max_tokens": 6}}),
+                              ("mixed", plain + chat, {"sampling": {"max_tokens": 6}})):
+        packed.clear()
+        over: dict[str, Any] = {"engine": engine, "layout": {"prefix": True, "signature": "text" if name == "text" else "auto"}}
+        if infer is not None:
+            over["infer"] = infer
+        spec = spec_for(tmp_path, write(tmp_path / f"{name}.jsonl", rows), run=name, prefix=True, **over)
+        assert spec.layout.signature == ("text" if name == "text" else "auto")
+        p = (await PipelineRun(spec).shard()).layout
+        assert p is not None and p.applied and p.records == len(rows), p
+        laid[name] = _dir_bytes(RunLayout(spec.output, spec.run).sharded)
+        assert sum(packed) == (len(chat) if name == "mixed" else 0), name
+        assert p.signature.startswith("text for plain prompts") is (name != "text")
+    assert laid["template"] == laid["text"]  # the text layout's shards, byte for byte
+    def bodies(lines: list[bytes]) -> list[bytes]:
+        return [orjson.dumps({k: v for k, v in orjson.loads(line).items() if k != "id"}) for line in lines]
+
+    assert sorted(bodies(laid["mixed"])) == sorted(orjson.dumps(r) for r in plain + chat)  # nothing lost, nothing added
+    mixed_plain = [line for line in bodies(laid["mixed"]) if b'"prompt"' in line]
+    assert mixed_plain == bodies(laid["records"])  # the plain records in the text layout's order
 
 
 def _chain(*blocks: bytes) -> bytes:

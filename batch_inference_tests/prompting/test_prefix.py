@@ -14,6 +14,7 @@ from batch_inference.prompting.prefix import (
     BLOCK_HASH_BYTES,
     CharTokens,
     HFTokens,
+    PlainTextTokens,
     PrefixSigner,
     block_keys,
     chain_hashes,
@@ -60,6 +61,32 @@ def test_hf_tokens_are_the_engines_tokens(tiny_model_dir) -> None:
         sig = signer.sign([prompt])[0]
         assert sig.tokens == len(ids)
         assert sig.blocks == chain_hashes(array.array("I", ids).tobytes(), 4 * 4)  # 4 tokens of 4 bytes a block
+
+
+def test_auto_signs_plain_prompts_by_text_and_chat_by_the_models_tokens(tiny_model_dir) -> None:
+    """``layout.signature: auto``: a plain prompt's signature is the text signer's (no
+    tokenizer call), a chat prompt's the model tokenizer's, in one batch; the tokenizer is
+    loaded at the first chat prompt only, and never travels to a layout worker process."""
+    import pickle
+
+    from transformers import AutoTokenizer
+
+    engine = EngineConfig(kind="transformers", model=str(tiny_model_dir), device="cpu")
+    auto = PrefixSigner.for_engine(engine, kind="auto", block_size=4, prefix_tokens=400)
+    assert isinstance(auto.tokenizer, PlainTextTokens)
+    by_text = PrefixSigner(CharTokens(4), block_size=4, max_blocks=100)
+    by_tokens = PrefixSigner(HFTokens(AutoTokenizer.from_pretrained(str(tiny_model_dir))), block_size=4, max_blocks=100)
+    texts = ["Document: the quick brown fox jumps over the lazy dog. " * 4 + f"Question {i}?" for i in range(3)]
+    chat = ChatPrompt((("system", "be brief"), ("user", texts[0])))
+    assert auto.sign(texts) == by_text.sign(texts)
+    assert auto.tokenizer._chat is None  # plain prompts only: no tokenizer loaded
+    mixed = auto.sign([texts[0], chat, None, texts[1]])
+    assert mixed[0] == by_text.sign([texts[0]])[0] and mixed[3] == by_text.sign([texts[1]])[0]
+    assert mixed[1] == by_tokens.sign([chat])[0] and mixed[1].n_blocks > 0 and not mixed[2].blocks
+    assert auto.tokenizer._chat is not None
+    shipped = pickle.loads(pickle.dumps(auto))  # as a layout worker gets it: loads its own tokenizer if it meets chat
+    assert shipped.tokenizer._chat is None and shipped.sign([chat, texts[2]]) == auto.sign([chat, texts[2]])
+    assert "text for plain prompts" in auto.tokenizer.name and "tokenizer for chat" in auto.tokenizer.name
 
 
 class _WideTokenizer:
