@@ -37,6 +37,7 @@ import psutil
 from batch_inference.engines import EngineConfig
 from batch_inference.pool.client import PoolClient
 from batch_inference.pool.engine_host import BatcherOptions
+from batch_inference.pool.launchers.devices import replica_environments
 from batch_inference.pool.worker import config_hash
 from batch_inference.storage import urls
 
@@ -198,7 +199,8 @@ class LocalLauncher:
                 self.replaced = (f"replaced {len(replaced)} running worker(s) (pid {', '.join(map(str, replaced))}) started "
                                  f"with another configuration: {'; '.join(self._differences(state)) or 'unknown differences'}")
                 log.warning("pool %s: %s", self.name, self.replaced)
-            started = {i: self._spawn(i) for i in range(self.replicas) if i not in kept}
+            devices = replica_environments(self.engine_config, self.replicas)  # refused before any worker starts
+            started = {i: self._spawn(i, devices[i]) for i in range(self.replicas) if i not in kept}
             for i, (proc, ready) in started.items():
                 kept[i] = self._await_ready(i, proc, ready)
             workers = [kept[i] for i in sorted(kept)]
@@ -285,7 +287,8 @@ class LocalLauncher:
 
     # -- processes ------------------------------------------------------------------------
 
-    def _spawn(self, replica: int) -> tuple[subprocess.Popen[bytes], Path]:
+    def _spawn(self, replica: int, devices: dict[str, str]) -> tuple[subprocess.Popen[bytes], Path]:
+        """Start worker ``replica`` with ``devices`` (its share of the host: ``launchers.devices``) in its environment."""
         self.dir.mkdir(parents=True, exist_ok=True)
         engine_file = self.dir / "engine.json"
         engine_file.write_text(self.engine_config.model_dump_json())  # type: ignore[union-attr]
@@ -310,8 +313,11 @@ class LocalLauncher:
         if self.storage_profiles_file:
             cmd += ["--storage-options", self.storage_profiles_file]
         log_path = self.dir / f"worker-{replica}.log"
+        if devices:
+            log.info("pool %s: worker %d on %s", self.name, replica, " ".join(f"{k}={v}" for k, v in devices.items()))
         with open(log_path, "ab") as log_file:
             proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env={**os.environ, **devices},
                                     start_new_session=True)  # outlives this process: the pool is reused
         self._children.append(proc)
         return proc, ready
