@@ -262,8 +262,8 @@ def test_shared_blocks_in_sorted_order_is_the_tree_of_prefixes() -> None:
     assert total - shared == distinct
 
 
-async def test_the_models_tokens_are_computed_only_when_order_pays(tmp_path: Path, tiny_model_dir: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def tokenizer_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The prompts each call of the model's tokenizer (``HFTokens.pack``) was given, as they come."""
     from batch_inference.prompting.prefix import HFTokens
 
     packed: list[int] = []
@@ -274,6 +274,12 @@ async def test_the_models_tokens_are_computed_only_when_order_pays(tmp_path: Pat
         return pack(self, prompts, max_tokens)
 
     monkeypatch.setattr(HFTokens, "pack", counting)
+    return packed
+
+
+async def test_the_models_tokens_are_computed_only_when_order_pays(tmp_path: Path, tiny_model_dir: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    packed = tokenizer_calls(monkeypatch)
     rng = random.Random(13)
     engine = {"kind": "transformers", "model": str(tiny_model_dir), "device": "cpu"}
     for name, recs, pays in (("control", workload(rng, docs=0, questions=0, singles=40, preamble=True), False),
@@ -307,16 +313,7 @@ async def test_auto_signature_tokenises_only_chat_records(tmp_path: Path, tiny_m
     (the tokenizer is never called, the shards are the ``text`` layout's, byte for byte),
     whether the template says so or the records do; chat records, mixed in, go through the
     model's tokenizer, and only they."""
-    from batch_inference.prompting.prefix import HFTokens
-
-    packed: list[int] = []
-    pack = HFTokens.pack
-
-    def counting(self: HFTokens, prompts: Any, max_tokens: Any) -> Any:
-        packed.append(len(prompts))
-        return pack(self, prompts, max_tokens)
-
-    monkeypatch.setattr(HFTokens, "pack", counting)
+    packed = tokenizer_calls(monkeypatch)
     rng = random.Random(17)
     engine = {"kind": "transformers", "model": str(tiny_model_dir), "device": "cpu"}
     recs = workload(rng, docs=6, questions=5, singles=4, preamble=False)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pytest
 
 from batch_inference.engines import EngineConfig
 from batch_inference.pool.launchers.devices import CPU_BIND_ENV, GPU_ENV, DevicesError, replica_environments, visible_gpus
-from batch_inference_tests.fixtures.pool import infer_spec, write_shard
+from batch_inference_tests.fixtures.pool import run_shards
 
 
 def vllm(tp: int = 1, device: str = "auto") -> EngineConfig:
@@ -71,9 +70,5 @@ async def test_each_local_worker_starts_with_its_own_gpu(tmp_path: Path, local_p
     from batch_inference.pool import InferConfig, SamplingConfig
 
     infer = InferConfig(template="Q: {q}\nA:", sampling=SamplingConfig(max_tokens=2, temperature=0.0))
-    for i in range(2):
-        write_shard(tmp_path / f"in{i}.jsonl", 3, prefix=f"s{i}-")
-    async with launcher.client() as pool:
-        results = await asyncio.gather(*(pool.run_task(infer_spec(f"t{i}", tmp_path / f"in{i}.jsonl", tmp_path / f"out{i}.jsonl",
-                                                                   infer=infer)) for i in range(2)))
+    results = await run_shards(launcher, tmp_path, 2, 3, infer)
     assert [r.counts for r in results] == [{"ok": 3, "error": 0}] * 2

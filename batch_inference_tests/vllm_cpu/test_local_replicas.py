@@ -7,7 +7,6 @@ both replicas of a pool on this 2-core host computed on core 0.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import psutil
@@ -17,7 +16,7 @@ pytest.importorskip("vllm")
 
 from batch_inference.pool import InferConfig, SamplingConfig  # noqa: E402
 from batch_inference.pool.launchers.devices import CPU_BIND_ENV, allowed_cores  # noqa: E402
-from batch_inference_tests.fixtures.pool import infer_spec, write_shard  # noqa: E402
+from batch_inference_tests.fixtures.pool import run_shards  # noqa: E402
 
 pytestmark = [pytest.mark.vllm_cpu, pytest.mark.timeout(900)]
 
@@ -41,9 +40,5 @@ async def test_two_replicas_compute_on_disjoint_cores(tmp_path: Path, local_pool
     first, second = (compute_affinity(w.pid) for w in launcher.status())
     assert first and second and not first & second, (first, second)
     infer = InferConfig(template="Answer: {q}", sampling=SamplingConfig(max_tokens=4, temperature=0.0))
-    for i in range(2):
-        write_shard(tmp_path / f"in{i}.jsonl", 6, prefix=f"s{i}-")
-    async with launcher.client() as pool:
-        results = await asyncio.gather(*(pool.run_task(infer_spec(f"t{i}", tmp_path / f"in{i}.jsonl", tmp_path / f"out{i}.jsonl",
-                                                                   infer=infer)) for i in range(2)))
+    results = await run_shards(launcher, tmp_path, 2, 6, infer)
     assert [r.counts for r in results] == [{"ok": 6, "error": 0}] * 2
