@@ -193,7 +193,10 @@ class PipelineRun:
             return
         try:
             await self.infer(0)
-        except BaseException:
+        except BaseException as exc:
+            if not task.done():  # said now: the wait below is up to the rest of the rewrite (hours at scale)
+                log.error("run %s: round 0 failed beside the layout pass (%s: %s); waiting for the pass to finish "
+                          "writing %s, which a rerun then reuses", self.spec.run, type(exc).__name__, exc, self.layout.sharded)
             with contextlib.suppress(BaseException):
                 await asyncio.shield(task)
             raise

@@ -295,6 +295,8 @@ async def test_the_models_tokens_are_computed_only_when_order_pays(tmp_path: Pat
         assert sum(packed) == len(recs) and "tokenizer" in p.signature and p.gain > 0.5
         from transformers import AutoTokenizer
 
+        from batch_inference.prompting.prefix import HFTokens
+
         signer = PrefixSigner(HFTokens(AutoTokenizer.from_pretrained(str(tiny_model_dir))), block_size=16, max_blocks=128)
         builder = RequestBuilder(spec.infer)
         rows = list(JsonlDir(RunLayout(spec.output, spec.run).sharded).iter_records_sync())

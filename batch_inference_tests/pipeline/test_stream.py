@@ -4,6 +4,7 @@ restarted mid-stream loses nothing and counts nothing twice."""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -150,3 +151,34 @@ async def test_a_restart_after_round_0_began_refuses_other_shard_keys(tmp_path: 
     async with inprocess_pool(concurrency=4) as pool:
         with pytest.raises(SpecChanged, match="round 0 started on shards laid out under other"):
             await run_pipeline(edited, runner=CountingRunner(pool))
+
+
+async def test_round_0_failing_beside_the_pass_says_so_at_once_and_the_pass_finishes(
+        tmp_path: Path, inprocess_pool, slow_rewrite: None, caplog: pytest.LogCaptureFixture) -> None:
+    """Round 0's failure is logged when it happens, not once the rewrite ends (hours at
+    scale); the pass still finishes writing ``sharded/``, so a rerun reuses it."""
+    spec = _spec(tmp_path)
+    shard_done = Path(RunLayout(spec.output, spec.run).ledger_file(RunLayout.SHARD))
+    said_before_the_pass_ended: list[bool] = []
+
+    class Noting(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "round 0 failed beside the layout pass" in record.getMessage():
+                said_before_the_pass_ended.append(not shard_done.exists())
+
+    class Refusing(CountingRunner):
+        async def run_task(self, spec: TaskSpec) -> TaskResult:
+            if spec.kind == "infer":
+                raise RuntimeError("the pool refused the task")
+            return await super().run_task(spec)
+
+    handler = Noting()
+    logging.getLogger("batch_inference.pipeline.run").addHandler(handler)
+    try:
+        async with inprocess_pool(concurrency=4) as pool:
+            with pytest.raises(RuntimeError, match="refused"):
+                await run_pipeline(spec, runner=Refusing(pool))
+    finally:
+        logging.getLogger("batch_inference.pipeline.run").removeHandler(handler)
+    assert said_before_the_pass_ended == [True]
+    assert shard_done.exists() and JsonlDir(RunLayout(spec.output, spec.run).sharded).manifest() is not None
