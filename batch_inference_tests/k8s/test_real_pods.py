@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -44,10 +45,12 @@ LABELS = "app.kubernetes.io/name=batch-inference-worker"
 class _SharedFolderLauncher(K8sLauncher):
     """The pool's own manifests, plus the test's run folder as a hostPath at the same path."""
 
-    def __init__(self, *args: Any, folder: Path, judge_url: str | None = None, **kw: Any) -> None:
+    def __init__(self, *args: Any, folder: Path, judge_url: str | None = None, liveness: dict[str, Any] | None = None,
+                 **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.folder = folder
         self.judge_url = judge_url
+        self.liveness = liveness or {}  # overrides of the manifest's livenessProbe timing (a test cannot wait 2 min)
 
     def judge_endpoints(self) -> list[str]:
         """The judge pool's Service by its ClusterIP: this sandbox has no cluster DNS (no
@@ -62,6 +65,7 @@ class _SharedFolderLauncher(K8sLauncher):
                 pod = obj["spec"]["template"]["spec"]
                 pod["volumes"].append({"name": "runs", "hostPath": {"path": str(self.folder), "type": "Directory"}})
                 pod["containers"][0]["volumeMounts"].append({"name": "runs", "mountPath": str(self.folder)})
+                pod["containers"][0]["livenessProbe"].update(self.liveness)
         return objs
 
 
@@ -231,6 +235,45 @@ def test_spot_reclaim_pods_deleted_mid_task_lose_no_record(k8s_node: tuple[K8sCl
     # the deleted pods are gone and the Deployment replaced them
     wait_until(lambda: len([p for p in _pods(k8s, ns) if p.metadata.name not in killed]) == 3, 120, "3 replacement pods")
     print(f"SPOT RECLAIM: deleted {killed} mid-task; terminal states {dict(counts)}")
+    launcher.down()
+
+
+def test_a_hung_worker_fails_its_liveness_probe_and_the_kubelet_restarts_it(
+        k8s_node: tuple[K8sCluster, RealNode], tmp_path: Path) -> None:
+    """A worker that stops answering (its process frozen with SIGSTOP: a wedged engine, a
+    deadlock) leaves the Service's Endpoints by its readiness probe, fails the manifest's
+    liveness probe (its period shortened here), and the kubelet kills and restarts its
+    container in the same pod; the pool then serves a run whole again."""
+    k8s, node = k8s_node
+    ns = _namespace(k8s)
+    engine = {"kind": "simulated", "simulated": {"latency_a_s": 0.002, "latency_b_s": 0.0, "approval_rate": 0.6}}
+    launcher = _launcher(k8s, ns, tmp_path, engine, replicas=1, concurrency=2,
+                         liveness={"periodSeconds": 2, "failureThreshold": 2, "timeoutSeconds": 1})
+    launcher.up(wait_s=240, poll_s=0.5)
+    (pod,) = _pods(k8s, ns)
+    status = pod.status.container_statuses[0]
+    assert status.restart_count == 0
+    pid = int(node.ctr("tasks", "ls").split(status.container_id.split("//", 1)[1], 1)[1].split()[0])
+    os.kill(pid, signal.SIGSTOP)  # the worker hangs: /health never answers
+    core = client.CoreV1Api(k8s.api_client())
+
+    def restarted() -> bool:
+        statuses = core.read_namespaced_pod(pod.metadata.name, ns).status.container_statuses or []
+        return bool(statuses) and statuses[0].restart_count >= 1 and statuses[0].ready
+
+    wait_until(restarted, 120, "the kubelet restarting the hung worker's container")
+    (again,) = _pods(k8s, ns)
+    assert again.metadata.name == pod.metadata.name  # the same pod: the kubelet restarted its container
+    events = core.list_namespaced_event(ns, field_selector=f"involvedObject.name={pod.metadata.name}").items
+    assert any("Liveness probe failed" in (e.message or "") for e in events), [e.message for e in events]
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)  # gone with its container; nothing left stopped
+    _grant_discovery(k8s, ns)
+    spec, ids = _spec(tmp_path, "after-restart", ns, launcher, engine, 100)
+    run = subprocess.run(_driver(k8s, spec, launcher), env=_driver_env(k8s, launcher), capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode in (0, 3), run.stdout[-3000:] + run.stderr[-3000:]
+    assert_conserved(PipelineSpec.load(spec), ids)
     launcher.down()
 
 

@@ -133,6 +133,8 @@ if [[ ! -f $ARCHIVE ]]; then
         --workdir /home/app --env PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
         --env HOME=/home/app --env PYTHONUNBUFFERED=1
     echo "OCI archive written in $((SECONDS - t0)) s ($(du -h "$ARCHIVE" | cut -f1))" >&2
+    # the variant's archives of earlier code: ~1.5 GB each, one a code change (CI builds one a run)
+    find "$CACHE" -maxdepth 1 -name "batch-inference-$VARIANT-*.oci.tar" ! -path "$ARCHIVE" -delete
 fi
 [[ -z $OUT ]] || cp "$ARCHIVE" "$OUT"
 if [[ -n $IMPORT ]]; then
