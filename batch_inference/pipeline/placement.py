@@ -278,7 +278,6 @@ def layout_by_prefix(
     t0 = time.perf_counter()
     by_text = isinstance(signer.tokenizer, CharTokens)
     auto = isinstance(signer.tokenizer, PlainTextTokens)  # plain prompts by text: signed as the gate signs them
-    text_order = by_text or (auto and builder.chat is False)  # the gate's order is the final one
     gate_signer = signer if by_text else PrefixSigner(CharTokens(), block_size=signer.block_size, max_blocks=signer.max_blocks)
     sign_s = 0.0
     cuts_shared = 0
@@ -292,11 +291,11 @@ def layout_by_prefix(
             shards = [(join(d.url, sh["name"]), int(sh["records"])) for sh in man.shards]
             par = _Workers(pool, _slices(shards, n_workers), storage_options, infer, max(1 << 20, run_bytes // n_workers))
         gate = _sign_pass(d, gate_signer, builder, gate_sort, workers=par,
-                          keep_lines=text_order or (auto and builder.chat is None))  # the records may all be plain
+                          keep_lines=by_text or (auto and builder.chat is not True))  # the records may all be plain
         sign_s += gate.sign_s
         if gate.records != man.records:
             raise PlacementError(f"{d.url}: read {gate.records} records, its manifest says {man.records}")
-        text_order = text_order or (auto and gate.chat == 0)
+        text_order = by_text or (auto and gate.chat == 0)  # the gate's order is the final one
         final, applied = gate, gate.blocks > 0 and gate.gain >= min_gain and gate.gain > 0
         if applied and not text_order:
             gate_sort.clear()

@@ -22,7 +22,7 @@ Tokens come from a ``PrefixTokenizer``:
   chat by the model's tokenizer (a chat template's turns are tokens text cannot place).
 
 Only the first ``max_blocks`` blocks count (a signature's size is bounded); tokens are
-packed into bytes (``width`` bytes per token) so hashing never loops over tokens in Python.
+packed into bytes (``Packed.width`` bytes per token) so hashing never loops over tokens in Python.
 Shared by the layout pass (pipeline.placement), the prefix families the layout cuts
 between and the pool dispatches by (``common_blocks``, ``family_key``), in-worker
 submission order and figures that predict the cache (``lru_blocks_computed``, ``distinct_blocks``).
@@ -119,20 +119,19 @@ def family_key(blocks: bytes, common: int) -> str | None:
 
 
 class Packed(NamedTuple):
-    """A prompt's first tokens packed as bytes, how many tokens were made (all of the
-    prompt's unless ``cut``), and whether the text was cut before tokenising."""
+    """A prompt's first tokens packed as bytes, ``width`` bytes a token (each prompt's own:
+    ``PlainTextTokens`` packs text and token ids side by side), how many tokens were made
+    (all of the prompt's unless ``cut``), and whether the text was cut before tokenising."""
 
     data: bytes
     tokens: int
+    width: int
     cut: bool = False
-    width: int = 0  # bytes a token, where not the tokenizer's ``width`` (a mixed tokenizer's parts differ)
 
 
 class PrefixTokenizer(Protocol):
-    """Prompts to packed tokens: ``width`` bytes per token, at most ``max_tokens`` each
-    (None: all)."""
+    """Prompts to packed tokens, at most ``max_tokens`` each (None: all)."""
 
-    width: int
     name: str
 
     def pack(self, prompts: Sequence[Prompt], max_tokens: int | None) -> list[Packed]: ...
@@ -153,7 +152,7 @@ class CharTokens:
             n = max(1, -(-len(text) // self.chars))
             if max_tokens is not None:
                 text = text[:max_tokens * self.chars]
-            out.append(Packed(text.encode("utf-32-le"), n))
+            out.append(Packed(text.encode("utf-32-le"), n, self.width))
         return out
 
 
@@ -183,7 +182,7 @@ class HFTokens:
 
     def pack(self, prompts: Sequence[Prompt], max_tokens: int | None) -> list[Packed]:
         limit = None if max_tokens is None else max_tokens * MAX_CHARS_PER_TOKEN
-        out = [Packed(b"", 0)] * len(prompts)
+        out = [Packed(b"", 0, self.width)] * len(prompts)
         groups: dict[bool, list[tuple[int, str, bool]]] = {True: [], False: []}
         for i, p in enumerate(prompts):
             try:
@@ -197,7 +196,8 @@ class HFTokens:
                 continue
             encoded = self.tokenizer([t for _, t, _ in items], add_special_tokens=special, verbose=False)["input_ids"]
             for (i, _, cut), ids in zip(items, encoded):
-                out[i] = Packed(array.array("I", ids[:max_tokens] if max_tokens is not None else ids).tobytes(), len(ids), cut)
+                out[i] = Packed(array.array("I", ids[:max_tokens] if max_tokens is not None else ids).tobytes(), len(ids),
+                                self.width, cut)
         return out
 
 
@@ -213,7 +213,6 @@ class PlainTextTokens:
     def __init__(self, engine: EngineConfig) -> None:
         self.engine = engine
         self.text = CharTokens(SIMULATED_CHARS_PER_TOKEN)
-        self.width = self.text.width
         self.name = f"text for plain prompts ({SIMULATED_CHARS_PER_TOKEN} characters a token), {engine.model}'s tokenizer for chat"
         self._chat: PrefixTokenizer | None = None
 
@@ -229,12 +228,12 @@ class PlainTextTokens:
         chat = [i for i, p in enumerate(prompts) if isinstance(p, ChatPrompt)]
         if not chat:
             return self.text.pack(prompts, max_tokens)
-        out = [Packed(b"", 0)] * len(prompts)
+        out = [Packed(b"", 0, self.text.width)] * len(prompts)
         plain = [i for i, p in enumerate(prompts) if not isinstance(p, ChatPrompt)]
         for idx, tokenizer in ((plain, self.text), (chat, self._chat_tokens())):
             if idx:
                 for i, p in zip(idx, tokenizer.pack([prompts[i] for i in idx], max_tokens)):
-                    out[i] = p._replace(width=p.width or tokenizer.width)
+                    out[i] = p
         return out
 
 
@@ -311,7 +310,7 @@ class PrefixSigner:
         out = [EMPTY] * len(prompts)
         packed = self.tokenizer.pack([prompts[i] for i in live], self.max_tokens)  # type: ignore[misc]
         for i, p in zip(live, packed):
-            blocks = chain_hashes(p.data, self.block_size * (p.width or self.tokenizer.width), self.max_blocks)
+            blocks = chain_hashes(p.data, self.block_size * p.width, self.max_blocks)
             if p.cut and p.tokens - len(blocks) // BLOCK_HASH_BYTES * self.block_size < CUT_MARGIN_TOKENS:
                 blocks = blocks[:-BLOCK_HASH_BYTES]  # its tokens end near the cut: they may differ from the engine's
             out[i] = Signature(blocks, p.tokens)
