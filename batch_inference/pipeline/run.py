@@ -27,7 +27,7 @@ from batch_inference.pipeline.policy import decide_round
 from batch_inference.pipeline.resume import Resume
 from batch_inference.pipeline.runner import PoolPair
 from batch_inference.pipeline.spec import PipelineSpec
-from batch_inference.pipeline.stream import ShardFeed
+from batch_inference.pipeline.stream import ShardFeed, ShardStepStart
 from batch_inference.pipeline.summaries import (
     Decision,
     JudgedRound,
@@ -82,8 +82,7 @@ class PipelineRun:
         # round 0 may start beside the layout pass (pipeline.stream): set where one process
         # drives the whole run (run_pipeline), never by a step that runs the shard step alone
         self.stream_round0 = stream_round0
-        self._sharding: asyncio.Future[ShardSummary] | None = None
-        self._feed: ShardFeed | None = None
+        self._shard_start: ShardStepStart | None = None
 
     # -- helpers --------------------------------------------------------------------
 
@@ -132,27 +131,25 @@ class PipelineRun:
         """Reshard the input once (CPU): ids assigned where missing, duplicate ids reported.
         A call while the step runs in this process joins it (``run_pipeline`` starts it beside
         the pool's start); else the step runs here, in the caller's task."""
-        if (task := self._live_shard_step()) is not None:
-            return await asyncio.shield(task)
-        self._feed = None
+        if (start := self._live_shard_step()) is not None:
+            return await asyncio.shield(start.task)
+        self._shard_start = None
         return await self.resume.shard()
 
-    def _live_shard_step(self) -> asyncio.Future[ShardSummary] | None:
+    def _live_shard_step(self) -> ShardStepStart | None:
         """The shard step started in this process, running or finished, unless it failed."""
-        task = self._sharding
-        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
-            return None
-        return task
+        start = self._shard_start
+        return None if start is None or start.failed else start
 
     def start_shard(self) -> asyncio.Future[ShardSummary]:
         """Start the shard step as a task of its own, or join the one started (a new one after
         it failed). With ``stream_round0``, its layout pass feeds round 0 each shard it rewrites
-        (``_feed``)."""
-        if (task := self._live_shard_step()) is not None:
-            return task
-        self._feed = ShardFeed() if self._may_stream() else None
-        task = self._sharding = asyncio.ensure_future(self._shard_step(self._feed))
-        return task
+        (``ShardStepStart.feed``, which round 0 takes once)."""
+        if (start := self._live_shard_step()) is not None:
+            return start.task
+        feed = ShardFeed() if self._may_stream() else None
+        self._shard_start = ShardStepStart(asyncio.ensure_future(self._shard_step(feed)), feed)
+        return self._shard_start.task
 
     def _may_stream(self) -> bool:
         """Round 0 may start beside the layout pass: a whole run (``stream_round0``), the pass
@@ -162,8 +159,9 @@ class PipelineRun:
 
     @property
     def streams_round0(self) -> bool:
-        """Whether the shard step in this process feeds round 0 the shards it lays out."""
-        return self._feed is not None
+        """Whether the shard step in this process feeds round 0 the shards it lays out (and round
+        0 has not taken the feed yet)."""
+        return self._shard_start is not None and self._shard_start.feed is not None
 
     async def _shard_step(self, feed: ShardFeed | None) -> ShardSummary:
         try:
@@ -188,7 +186,7 @@ class PipelineRun:
             await self.shard()  # nothing to stream: the step alone, in this task
             return
         task = self.start_shard()
-        if self._feed is None or task.done():
+        if not self.streams_round0 or task.done():
             await asyncio.shield(task)
             return
         try:
@@ -266,10 +264,10 @@ class PipelineRun:
         name = self.layout.step_name(r, "infer")
         if (done := await asyncio.to_thread(self._phase_done, name)) is not None:
             return done
-        if r == 0 and (feed := self._feed) is not None:
+        if r == 0 and (start := self._shard_start) is not None and (feed := start.take_feed()) is not None:
             await feed.first()
-            if feed.streaming:
-                return await self._infer_streamed(name, feed)
+            if feed.streaming and (streamed := await self._infer_streamed(name, feed)) is not None:
+                return streamed
             if feed.error is not None:
                 raise feed.error
         items, records = await asyncio.to_thread(self._pending_items, r)
@@ -296,12 +294,13 @@ class PipelineRun:
             input_url=self.layout.pending(r), output_url=self.layout.inferred(r),
         )
 
-    async def _infer_streamed(self, name: str, feed: ShardFeed) -> PhaseSummary:
+    async def _infer_streamed(self, name: str, feed: ShardFeed) -> PhaseSummary | None:
         """Round 0's infer phase on each shard as the layout pass commits it (``pipeline.stream``):
         the same tasks as after the pass, dispatched while its merge and rewrite go on. Its
         ledger entry is written once the shard step has finished and committed exactly the
-        shards it streamed; a shard step that fails ends the dispatch, and its error is raised
-        once what was sent has finished."""
+        shards it streamed, and every one of them ran (else None, with nothing recorded: the
+        caller runs the rest from ``sharded/``); a shard step that fails ends the dispatch, and
+        its error is raised once what was sent has finished."""
         items: list[Item] = []
         records: dict[int, int] = {}
         families: dict[int, str] = {}
@@ -326,6 +325,12 @@ class PipelineRun:
         if feed.error is not None:
             raise feed.error
         await asyncio.to_thread(self._check_streamed, feed)
+        quarantined = {q.shard for q in fanout.quarantined}
+        ran = set(fanout.done) | {i for i, shard in items if shard.url in quarantined}
+        if left := [fed.name for fed in feed.fed if fed.index not in ran]:
+            log.warning("run %s: round 0 ran %d of the %d shards the layout pass streamed; running %s from %s",
+                        self.spec.run, len(ran), len(feed.fed), ", ".join(left[:10]), self.layout.sharded)
+            return None
         await asyncio.to_thread(self.ledger.write, name, summary.as_dict())
         return summary
 

@@ -5,7 +5,9 @@ serially, on the driver: at scale that is an hour and more with every GPU held a
 (docs/pipeline.md). Its shards come out in their final order, each committed whole as it
 fills, so round 0's infer phase can start on each one as it lands instead of after the last.
 ``ShardFeed`` carries them from the pass's writing thread to the event loop; the shard step
-(``pipeline.resume``) fills it, ``PipelineRun.infer(0)`` drains it.
+(``pipeline.resume``) fills it, ``PipelineRun.infer(0)`` drains it. ``ShardStepStart`` holds
+the step's task with its feed, which round 0 takes once: a stream is read once, so round 0
+driven again after a failure (``drive_retrying``) reads ``sharded/`` whole instead.
 
 A feed ends when the shard step does: with its summary's count of shards, or with its error,
 after which the infer phase dispatches nothing more (what it sent is finished and recorded,
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -108,3 +111,28 @@ class ShardFeed:
                     self._waiting.append(item)
         out, self._waiting = self._waiting, []
         return out
+
+
+@dataclass
+class ShardStepStart:
+    """The shard step started in this process (``PipelineRun.start_shard``) and the feed its layout
+    pass fills for round 0 (None: round 0 does not stream).
+
+    The feed is round 0's infer phase's to take, once (``take_feed``): what a first attempt
+    took from it is gone, so an attempt driven again after a transient error must list
+    ``sharded/`` (committed by then: the step is waited for) rather than read what the first
+    left in the feed, which lost the shards it had taken and not finished."""
+
+    task: asyncio.Future[Any]
+    feed: ShardFeed | None
+
+    @property
+    def failed(self) -> bool:
+        """The step ended in an error (or was cancelled): a later start runs it again."""
+        task = self.task
+        return task.done() and (task.cancelled() or task.exception() is not None)
+
+    def take_feed(self) -> ShardFeed | None:
+        """The feed, to the first caller only."""
+        feed, self.feed = self.feed, None
+        return feed

@@ -14,10 +14,12 @@ import pytest
 
 from batch_inference.pipeline import PipelineSpec, run_pipeline
 from batch_inference.pipeline.layout import RunLayout
+from batch_inference.pipeline.runner import PoolPair, open_runner
 from batch_inference.pipeline.spec import SpecChanged
 from batch_inference.pipeline.stream import ShardFeed
 from batch_inference.pool.protocol import TaskResult, TaskSpec
 from batch_inference.storage import JsonlDir
+from batch_inference_tests.faults.helpers import assert_conserved
 from batch_inference_tests.pipeline.helpers import CountingRunner, spec_dict
 
 DOCS, QUESTIONS = 20, 10
@@ -182,3 +184,63 @@ async def test_round_0_failing_beside_the_pass_says_so_at_once_and_the_pass_fini
         logging.getLogger("batch_inference.pipeline.run").removeHandler(handler)
     assert said_before_the_pass_ended == [True]
     assert shard_done.exists() and JsonlDir(RunLayout(spec.output, spec.run).sharded).manifest() is not None
+
+
+class DropsOnce(CountingRunner):
+    """A pool whose connection drops once, under the ``nth`` round-0 infer task sent: a
+    transient error the run rides out (``drive_retrying``), not a task failure. Notes whether
+    the layout pass was still writing then."""
+
+    def __init__(self, inner: Any, spec: PipelineSpec, nth: int = 5) -> None:
+        super().__init__(inner)
+        self.shard_done = Path(RunLayout(spec.output, spec.run).ledger_file(RunLayout.SHARD))
+        self.nth, self.sent, self.dropped, self.mid_stream = nth, 0, False, False
+
+    async def run_task(self, spec: TaskSpec) -> TaskResult:
+        if spec.kind == "infer" and spec.round == 0 and not self.dropped:
+            self.sent += 1
+            if self.sent == self.nth:
+                self.dropped, self.mid_stream = True, not self.shard_done.exists()
+                raise ConnectionError("connection to the pool reset")
+        return await super().run_task(spec)
+
+
+def _input_ids() -> list[str]:
+    return [f"d{d:02d}q{q}" for q in range(QUESTIONS) for d in range(DOCS)]
+
+
+def _assert_round_0_whole(spec: PipelineSpec) -> None:
+    """Round 0's infer phase ran every shard the shard step committed, and every record ended once."""
+    ledger = Path(RunLayout(spec.output, spec.run).ledger)
+    shard = orjson.loads((ledger / "shard.json").read_bytes())
+    infer = orjson.loads((ledger / "round-00-infer.json").read_bytes())
+    assert (infer["shards"], infer["records_in"]) == (shard["shards"], DOCS * QUESTIONS) == (20, DOCS * QUESTIONS)
+    assert sum(assert_conserved(spec, _input_ids()).values()) == DOCS * QUESTIONS
+
+
+@pytest.mark.parametrize("strategy", ["rounds", "hybrid"])
+async def test_a_transient_error_mid_stream_resumes_round_0_on_every_shard(
+        tmp_path: Path, inprocess_pool, slow_rewrite: None, strategy: str) -> None:
+    """The retry after a dropped connection reads ``sharded/`` whole: the feed the first attempt
+    drained is not read again, so no shard is left out of round 0."""
+    spec = _spec(tmp_path, strategy=strategy)
+    async with inprocess_pool(concurrency=4) as pool:
+        runner = DropsOnce(pool, spec)
+        summary = await run_pipeline(spec, runner=runner, backoff_s=0.01)
+    assert runner.dropped and runner.mid_stream and summary.conservation["ok"] and summary.records == DOCS * QUESTIONS
+    _assert_round_0_whole(spec)
+
+
+async def test_a_transient_error_mid_stream_with_a_judge_of_its_own_loses_nothing(
+        tmp_path: Path, slow_rewrite: None) -> None:
+    """The same with the judge on a model and pool of its own (``PoolPair``, as a Batch API
+    model with a judge runs)."""
+    spec = _spec(tmp_path, judge={"engine": {"kind": "simulated", "seed": 1, "simulated": {
+        "approval_rate": 0.5, "latency_a_s": 0.0002, "latency_b_s": 0.0}}})
+    async with open_runner(spec) as pair:
+        assert isinstance(pair, PoolPair)
+        infer = DropsOnce(pair.infer, spec)
+        summary = await run_pipeline(spec, runner=PoolPair(infer, pair.judge), backoff_s=0.01)
+    assert infer.dropped and infer.mid_stream and summary.conservation["ok"]
+    _assert_round_0_whole(spec)
+
