@@ -262,7 +262,7 @@ class PipelineRun:
     async def infer(self, r: int) -> PhaseSummary:
         """pending(r) -> inferred(r), one output shard per pending shard."""
         name = self.layout.step_name(r, "infer")
-        if (done := await asyncio.to_thread(self._phase_done, name)) is not None:
+        if (done := await asyncio.to_thread(self._infer_recorded, r, name)) is not None:
             return done
         if r == 0 and (start := self._shard_start) is not None and (feed := start.take_feed()) is not None:
             await feed.first()
@@ -293,6 +293,40 @@ class PipelineRun:
             quarantine_url=lambda i: self.layout.failed_entry(r, "infer", i),
             input_url=self.layout.pending(r), output_url=self.layout.inferred(r),
         )
+
+    def _infer_recorded(self, r: int, name: str) -> PhaseSummary | None:
+        """infer(r)'s ledger entry, if it covers every shard of pending(r) (blocking).
+
+        An entry short of shards with some never run (what a retry of streamed round 0 once
+        recorded, reading the feed its first attempt had drained) is not trusted: while the
+        round is not judged yet, None, so the phase runs the shards left out (those finished
+        are skipped); once judged, the round's later steps stand without them, and this fails
+        naming them."""
+        done = self._phase_done(name)
+        if done is None:
+            return None
+        pending = self._dir(self.layout.pending(r))
+        man = pending.manifest()
+        if man is None or done.shards == len(man.shards):
+            return done
+        shards = pending.shards()
+        ran = self.ledger.progress(name, list(range(len(shards))))
+        never_ran = [f for i, f in enumerate(shards)
+                     if i not in ran and not self._file(self.layout.failed_entry(r, "infer", i)).exists_sync()]
+        if not never_ran:
+            return done
+        per_shard = {s["name"]: int(s["records"]) for s in man.shards}
+        lost = sum(per_shard.get(f.name, 0) for f in never_ran)
+        named = ", ".join(f.url for f in never_ran[:10]) + (" ..." if len(never_ran) > 10 else "")
+        told = (f"run {self.spec.run!r}: {self.layout.ledger_file(name)} records {done.shards} of the {len(shards)} shards of "
+                f"{pending.url}; {len(never_ran)} never ran: {named}")
+        if self.ledger.read(self.layout.step_name(r, "judge")) is None:
+            log.warning("%s; running them now", told)
+            return None
+        raise ConservationError(
+            f"{told}, and round {r} was judged without them, so their {lost} records have no terminal state. "
+            f"Give the spec a new `run` name, or delete {self.layout.root} to start over.",
+            {"never_ran": [f.url for f in never_ran], "records": lost})
 
     async def _infer_streamed(self, name: str, feed: ShardFeed) -> PhaseSummary | None:
         """Round 0's infer phase on each shard as the layout pass commits it (``pipeline.stream``):

@@ -12,8 +12,9 @@ from typing import Any
 import orjson
 import pytest
 
-from batch_inference.pipeline import PipelineSpec, run_pipeline
+from batch_inference.pipeline import PipelineRun, PipelineSpec, run_pipeline
 from batch_inference.pipeline.layout import RunLayout
+from batch_inference.pipeline.ledger import ConservationError
 from batch_inference.pipeline.runner import PoolPair, open_runner
 from batch_inference.pipeline.spec import SpecChanged
 from batch_inference.pipeline.stream import ShardFeed
@@ -244,3 +245,74 @@ async def test_a_transient_error_mid_stream_with_a_judge_of_its_own_loses_nothin
     assert infer.dropped and infer.mid_stream and summary.conservation["ok"]
     _assert_round_0_whole(spec)
 
+
+LEFT_OUT = (3, 7, 11, 15)
+
+
+def _leave_out_of_round_0(spec: PipelineSpec) -> None:
+    """What a retry of streamed round 0 recorded before the fix: round-00-infer.json counting
+    16 of the 20 shards, the other 4 never run (no progress record, no output)."""
+    layout = RunLayout(spec.output, spec.run)
+    entry = Path(layout.ledger_file(RunLayout.step_name(0, "infer")))
+    recorded = orjson.loads(entry.read_bytes())
+    entry.write_bytes(orjson.dumps({**recorded, "shards": 20 - len(LEFT_OUT)}))
+    for i in LEFT_OUT:
+        Path(layout.progress_file(RunLayout.step_name(0, "infer"), i)).unlink()
+        Path(layout.inferred(0), f"part-{i:05d}.jsonl.zst").unlink(missing_ok=True)
+        Path(layout.inferred(0), f"part-{i:05d}.jsonl").unlink(missing_ok=True)
+
+
+class NoJudge(CountingRunner):
+    """A pool that loses its judge: the run stops with round 0 inferred and recorded."""
+
+    async def run_task(self, spec: TaskSpec) -> TaskResult:
+        if spec.kind == "judge":
+            raise RuntimeError("the judge pool is gone")
+        return await super().run_task(spec)
+
+
+async def _stopped_with_round_0_short(spec: PipelineSpec, inprocess_pool: Any) -> None:
+    async with inprocess_pool(concurrency=4) as pool:
+        with pytest.raises(RuntimeError, match="judge pool is gone"):
+            await run_pipeline(spec, runner=NoJudge(pool))
+    _leave_out_of_round_0(spec)
+
+
+async def test_a_rerun_runs_the_shards_a_short_round_0_entry_left_out(
+        tmp_path: Path, inprocess_pool, caplog: pytest.LogCaptureFixture) -> None:
+    """A run stopped before its judge with round 0 recorded short: the rerun runs the shards
+    left out (only those) and every record ends, instead of trusting the entry."""
+    spec = _spec(tmp_path)
+    await _stopped_with_round_0_short(spec, inprocess_pool)
+    class Round0Inputs(CountingRunner):
+        def __init__(self, inner: Any) -> None:
+            super().__init__(inner)
+            self.inputs: list[str] = []
+
+        async def run_task(self, spec: TaskSpec) -> TaskResult:
+            if spec.kind == "infer" and spec.round == 0:
+                self.inputs.append(spec.input_url.rsplit("/", 1)[-1])
+            return await super().run_task(spec)
+
+    async with inprocess_pool(concurrency=4) as pool:
+        rerun = Round0Inputs(pool)
+        with caplog.at_level(logging.WARNING, logger="batch_inference.pipeline.run"):
+            summary = await run_pipeline(spec, runner=rerun)
+    assert summary.conservation["ok"]
+    assert sorted(rerun.inputs) == [f"part-{i:05d}.jsonl.zst" for i in LEFT_OUT]
+    assert "records 16 of the 20 shards" in caplog.text and "part-00003" in caplog.text
+    _assert_round_0_whole(spec)
+
+
+async def test_a_rerun_of_a_round_judged_without_some_shards_fails_naming_them(tmp_path: Path, inprocess_pool) -> None:
+    """Once round 0 was judged on a short entry (the judge step judges what infer recorded),
+    the round's later steps stand without the shards left out: the rerun fails at once
+    naming them and their records, rather than ending in a count of missing ids."""
+    spec = _spec(tmp_path)
+    await _stopped_with_round_0_short(spec, inprocess_pool)
+    async with inprocess_pool(concurrency=4) as pool:
+        judged = await PipelineRun(spec, CountingRunner(pool)).judge(0)
+        assert judged.shards == 20 - len(LEFT_OUT)
+        with pytest.raises(ConservationError, match=r"records 16 of the 20 shards .*4 never ran: .*part-00003.*part-00007"
+                                                     r".*part-00011.*part-00015.*40 records have no terminal state"):
+            await run_pipeline(spec, runner=CountingRunner(pool))
