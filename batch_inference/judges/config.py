@@ -68,6 +68,8 @@ class JudgeConfig(BaseModel):
     threshold: Annotated[float, DECIDES] = Field(0.5, description="score mode: approved when score >= threshold")
     max_tokens: Annotated[int, DECIDES] = Field(16, ge=1, description="judge reply length")
     temperature: Annotated[float, DECIDES] = Field(0.0, ge=0)
+    null_fields: Annotated[Literal["error", "empty"], DECIDES] = Field(
+        "error", description="llm: a template field that is null: error (missing_field) or empty ('')")
     adapter: Annotated[str | None, DECIDES] = Field(None, description="llm: the LoRA adapter the judge runs on (its engine's lora adapters); none: the base model")
     # rule
     callable: Annotated[str | None, DECIDES] = Field(None, description="regex | exact_match | json_valid | min_length | module:fn")
@@ -105,6 +107,6 @@ def build_judge(cfg: JudgeConfig | dict[str, Any]) -> LLMJudge | RuleJudge:
         fmt = VERDICT_FORMAT if cfg.parse == "json" else None
         sampling = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, response_format=fmt, adapter=cfg.adapter)
         return LLMJudge(cfg.template, parse=cfg.parse, threshold=cfg.threshold, sampling=sampling,
-                        chat=cfg.chat, system=cfg.system)
+                        chat=cfg.chat, system=cfg.system, null_fields=cfg.null_fields)
     assert cfg.callable is not None
     return RuleJudge(cfg.callable, cfg.kwargs)

@@ -25,6 +25,9 @@ full check, the whole input) through the infer and judge paths. What stops the r
 
 A record's own bad values (``bad_messages``, ``bad_sampling``) are that record's error at
 run time, not a spec error: they are reported in ``Plan.record_errors`` and the run goes on.
+So are template fields records lack or hold null (``missing_field`` unless ``null_fields:
+empty``) and empty strings (legal, but suspicious): ``Plan.field_notes`` counts them over
+every record read (the whole input for a full check, the sample otherwise), naming a few.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Any
 
 from batch_inference.engines.base import ChatPrompt
 from batch_inference.judges import LLMJudge, MissingFieldError, RuleJudge, build_judge
+from batch_inference.judges.templates import MISSING, PromptTemplate
 from batch_inference.pipeline import inputs
 from batch_inference.engines import EngineConfig
 from batch_inference.pipeline.accounting import ID_CHECK_LIMIT, InputAccount
@@ -67,6 +71,7 @@ class Plan:
     shards: int | None = None
     record_errors: list[str] = field(default_factory=list)
     account: InputAccount | None = None  # the whole input's lines (a full check only: ``pipeline.accounting``)
+    field_notes: list[str] = field(default_factory=list)  # template fields missing, null or empty (``FieldCensus``)
 
     def lines(self) -> list[str]:
         fmt = f"{self.input_format}{' (detected)' if self.format_detected else ''}"
@@ -83,6 +88,7 @@ class Plan:
             f"checked    {self.checked_records} record(s) sampled across the input render through infer and judge",
         ]
         out += [f"warning    {e}" for e in (self.account.notes() if self.account is not None else [])]
+        out += [f"warning    {e}" for e in self.field_notes]
         out += [f"warning    {e}" for e in self.record_errors]
         return out
 
@@ -172,11 +178,15 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
     fmt, detected = ("jsonl", False) if sharded else inputs.resolve_format(spec, [rec for _, rec in head])
     openai = fmt == "openai_batch"
     n_sample = spec.preflight_records
+    census = FieldCensus.of(spec) if not openai else None
     if full and not sharded:  # one pass: the whole input counted, and the sample spread across all of it
-        account, sample = _count(spec, inputs.openai_reader(spec) if openai else None, n_sample)
+        account, sample = _count(spec, inputs.openai_reader(spec) if openai else None, n_sample, census)
         n_records: int | None = account.records
     else:
         account, n_records, sample = None, None, inputs.sample_numbered(source, n_sample, so)
+        if census is not None:
+            for line, rec in sample:
+                census.add(line, rec)
     if openai:  # lines with file-level problems are the full check's to report (the file is refused)
         reader = inputs.openai_reader(spec)
         sample = [(line, typed.record()) for line, rec in sample if (typed := reader.line(rec, line)) is not None]
@@ -234,15 +244,15 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
         strategy=spec.strategy, prompt=spec.infer.source, chat=chat or judge_chat,
         constrained=spec.infer.constrained or (spec.judge.kind == "llm" and spec.judge.parse == "json"),
         judge=judge_text, checked_records=len(sample), records=n_records, shards=n_shards, record_errors=record_errors,
-        account=account,
+        account=account, field_notes=census.notes() if census is not None else [],
     )
 
 
-def _count(spec: PipelineSpec, reader: OpenAIBatchReader | None,
-           n_sample: int) -> tuple[InputAccount, list[tuple[int, dict[str, Any]]]]:
+def _count(spec: PipelineSpec, reader: OpenAIBatchReader | None, n_sample: int,
+           census: FieldCensus | None = None) -> tuple[InputAccount, list[tuple[int, dict[str, Any]]]]:
     """The whole input's account (records, malformed lines, duplicate ids: ``pipeline.accounting``)
     and ``n_sample`` records spread across it, in one pass; for OpenAI Batch the sharding
-    pass's file checks too."""
+    pass's file checks too; ``census`` sees every record."""
     source = inputs.open_input(spec.input, spec.storage_options or None)
     account = InputAccount()
     report = ReshardReport()
@@ -251,6 +261,8 @@ def _count(spec: PipelineSpec, reader: OpenAIBatchReader | None,
         for line, rec in numbered:
             if reader is not None:  # the sharding pass's checks, on the typed line (no record built)
                 reader.line(rec, line)
+            if census is not None:
+                census.add(line, rec)
             yield line, rec
 
     def malformed(entry: dict[str, Any]) -> None:
@@ -291,3 +303,99 @@ class _Misses:
                 raise SpecError(f"{key}: {messages[0]} (so do {share} {self.sampled} record(s) sampled across the input: "
                                 "a typo in the spec?)")
         return [f"{key}: {m} (that record fails alone, the run goes on)" for key, ms in self.by_key.items() for m in ms]
+
+
+FIELD_EXAMPLES = 3  # records named per field in a census note
+
+
+@dataclass
+class _FieldCount:
+    """One template field's records that lack it, hold null, or hold an empty string (a few ids each)."""
+
+    missing: int = 0
+    null: int = 0
+    empty: int = 0
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, what: str, rid: str) -> None:
+        setattr(self, what, getattr(self, what) + 1)
+        named = self.examples.setdefault(what, [])
+        if len(named) < FIELD_EXAMPLES:
+            named.append(rid)
+
+
+@dataclass
+class FieldCensus:
+    """Template fields over the records read: how many records would fail ``missing_field``
+    (a field missing, or null under ``null_fields: error``) and which fields are empty
+    strings (legal: the prompt renders without them, which is rarely what was meant). A
+    count per spec key and field, with a few record ids, for ``validate`` to print."""
+
+    templates: dict[str, tuple[PromptTemplate, ...]]
+    fields: dict[tuple[str, str], _FieldCount] = field(default_factory=dict)
+    failing: dict[str, int] = field(default_factory=dict)  # spec key -> records that would fail on it
+    records: int = 0
+
+    @classmethod
+    def of(cls, spec: PipelineSpec) -> FieldCensus | None:
+        """The census of the spec's templates (None when the prompt is the record's own and no llm judge has one)."""
+        infer = spec.request_infer
+        templates: dict[str, tuple[PromptTemplate, ...]] = {}
+        try:
+            if infer.template is not None:
+                templates["infer.template"] = (PromptTemplate(infer.template, nulls=infer.null_fields),)
+            elif infer.messages:
+                templates["infer.messages"] = tuple(PromptTemplate(m.content, nulls=infer.null_fields) for m in infer.messages)
+            if spec.judge.kind == "llm" and spec.judge.template:
+                templates["judge.template"] = (PromptTemplate(spec.judge.template, nulls=spec.judge.null_fields),)
+        except ValueError:  # a template that does not parse: the builder says so, naming its key
+            return None
+        return cls(templates) if templates else None
+
+    def add(self, line: int, rec: dict[str, Any]) -> None:
+        self.records += 1
+        rid = str(rec.get("id", assigned_id(line)))
+        for key, templates in self.templates.items():
+            fails = False
+            for template in templates:
+                for name, value in template.values(rec):
+                    if key == "judge.template" and name.split("[")[0].split(".")[0] == "result":
+                        continue  # the inference result, not a record field
+                    if value is MISSING:
+                        what = "missing"
+                    elif value is None:
+                        what = "null"
+                    elif isinstance(value, str) and not value.strip():
+                        what = "empty"
+                    else:
+                        continue
+                    self.fields.setdefault((key, name), _FieldCount()).add(what, rid)
+                    fails = fails or what == "missing" or (what == "null" and template.nulls == "error")
+            if fails:
+                self.failing[key] = self.failing.get(key, 0) + 1
+
+    def notes(self) -> list[str]:
+        """One line per spec key with failing records, one per field with empty strings."""
+        out = []
+        for key, n in self.failing.items():
+            parts = []
+            for (k, name), c in self.fields.items():
+                if k != key:
+                    continue
+                for what in ("missing", "null"):
+                    if getattr(c, what) and (what == "missing" or self.templates[key][0].nulls == "error"):
+                        parts.append(f"{{{name}}} {what} in {getattr(c, what):,} (e.g. {_ids(c.examples[what])})")
+            out.append(f"{key}: {n:,} of {self.records:,} record(s) read would fail missing_field: {'; '.join(parts)} "
+                       f"(each fails alone, the run goes on{'; null_fields: empty renders a null as an empty string' if any('null in' in p for p in parts) else ''})")
+        for (key, name), c in self.fields.items():
+            if c.empty:
+                out.append(f"{key}: {{{name}}} is an empty string in {c.empty:,} of {self.records:,} record(s) read "
+                           f"(e.g. {_ids(c.examples['empty'])}): legal, but each prompt renders without it")
+            if c.null and self.templates[key][0].nulls == "empty":
+                out.append(f"{key}: {{{name}}} is null in {c.null:,} of {self.records:,} record(s) read "
+                           f"(e.g. {_ids(c.examples['null'])}): rendered empty (null_fields: empty)")
+        return out
+
+
+def _ids(ids: list[str]) -> str:
+    return ", ".join(repr(i) for i in ids)
