@@ -94,7 +94,7 @@ class Plan:
 
 
 def _build_judge(spec: PipelineSpec) -> LLMJudge | RuleJudge | None:
-    if spec.judge.kind == "human":  # people judge: nothing automated to build or try
+    if spec.judge.kind in ("human", "none"):  # people judge, or nothing does: nothing automated to build or try
         return None
     try:
         return build_judge(spec.judge)
@@ -230,7 +230,8 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
     if judge_chat:
         _check_chat_template("judge.engine" if spec.judge.engine else "engine", spec.judge_engine, "the judge's prompts (judge.chat)")
     n_shards = None if n_records is None else math.ceil(n_records / spec.shard_records) if n_records else 0
-    judge_text = ("human (review queue)" if spec.judge.kind == "human"
+    judge_text = ("none (one inference per record; every success approved)" if spec.judge.kind == "none"
+                  else "human (review queue)" if spec.judge.kind == "human"
                   else f"llm ({spec.judge.parse}{', chat' if spec.judge.chat else ''})" if spec.judge.kind == "llm"
                   else f"rule {spec.judge.callable} {spec.judge.kwargs or ''}".rstrip())
     if spec.judge.escalate is not None:
