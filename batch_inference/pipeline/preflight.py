@@ -18,6 +18,10 @@ full check, the whole input) through the infer and judge paths. What stops the r
   ``adapter_config.json``, not LORA, no weights, a rank over ``max_lora_rank``);
 * a model folder neither engine can load (``engine.model``, ``judge.engine.model``: its
   config is read, no weights);
+* ``infer.sampling.max_tokens`` (an llm judge's ``judge.max_tokens``) at or over the model's
+  context (``engine.max_model_len``, else the config's ``max_position_embeddings``; the
+  simulated engine's 4,096): no prompt could fit. Sampled prompts that with ``max_tokens``
+  would not fit are counted in a warning (each fails ``prompt_too_long`` alone);
 * chat prompts on a model whose tokenizer has no chat template (``engine.model``, or
   ``judge.engine.model`` for a chat judge with its own model);
 * records asking for ``response_format`` on an engine that cannot constrain (``engine.kind``);
@@ -44,7 +48,7 @@ from batch_inference.pipeline import inputs
 from batch_inference.engines import EngineConfig
 from batch_inference.pipeline.accounting import ID_CHECK_LIMIT, InputAccount
 from batch_inference.pipeline.spec import PipelineSpec, SpecError, engine_label
-from batch_inference.prompting import RequestBuilder, RequestError
+from batch_inference.prompting import Request, RequestBuilder, RequestError
 from batch_inference.prompting.openai_batch import OpenAIBatchReader, record_id
 from batch_inference.rows import ErrorKind
 from batch_inference.storage import ReshardReport, assigned_id
@@ -113,19 +117,54 @@ def _engines(spec: PipelineSpec) -> list[tuple[str, EngineConfig]]:
     return [("engine", spec.engine)] + ([("judge.engine", spec.judge.engine)] if spec.judge.engine is not None else [])
 
 
-def _check_engine(key: str, engine: EngineConfig) -> None:
-    """An engine's model folder is one the engines can load: its config reads (no weights, no GPU)."""
+SIMULATED_CONTEXT = 4096  # the simulated engines' max_model_len when the spec sets none
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")  # config.json's names for it
+
+
+@dataclass(frozen=True)
+class Context:
+    """The most tokens (prompt + output) one request to an engine may hold, and where that figure comes from."""
+
+    tokens: int
+    source: str
+
+
+def _check_engine(key: str, engine: EngineConfig) -> Context | None:
+    """An engine's model folder is one the engines can load: its config reads (no weights, no
+    GPU). Returns the engine's context (None: not known here, e.g. a model on a URL)."""
+    if engine.max_model_len is not None:
+        context: Context | None = Context(engine.max_model_len, f"{key}.max_model_len")
+    elif engine.kind == "simulated":
+        context = Context(SIMULATED_CONTEXT, "the simulated engine's default max_model_len")
+    else:
+        context = None
     if engine.kind not in ("transformers", "vllm") or not engine.model or "://" in engine.model:
-        return
+        return context
     try:
         from transformers import AutoConfig
     except ImportError:  # an environment without transformers: the worker's own load says what is wrong
-        return
+        return context
     try:
-        AutoConfig.from_pretrained(engine.model)
+        config = AutoConfig.from_pretrained(engine.model)
     except (OSError, ValueError) as exc:
         raise SpecError(f"{key}.model: {engine.model} is not a model folder the {engine.kind} engine can load "
                         f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+    if context is not None:
+        return context
+    text_config = getattr(config, "text_config", None) or config  # a multimodal config keeps the LM's apart
+    for name in CONTEXT_KEYS:
+        value = getattr(text_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return Context(value, f"{engine.model}'s {name} (config.json)")
+    return None
+
+
+def _check_max_tokens(key: str, max_tokens: int, engine_key: str, context: Context | None) -> None:
+    """A request's output alone fills the context: no prompt could fit (every record would fail prompt_too_long)."""
+    if context is not None and max_tokens >= context.tokens:
+        raise SpecError(f"{key}: {max_tokens} >= the {context.tokens:,}-token context of {engine_key} ({context.source}): "
+                        f"no prompt fits beside it, every record would fail prompt_too_long; lower {key} "
+                        f"(a prompt of n tokens needs n + max_tokens <= {context.tokens:,})")
 
 
 def _check_adapters(key: str, engine: EngineConfig) -> None:
@@ -155,16 +194,24 @@ def _check_chat_template(key: str, engine: EngineConfig, what: str) -> None:
                         "use a text template, or a model with one")
 
 
-def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = None) -> Plan:
+def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = None, cheap: bool = False) -> Plan:
     """Raise ``SpecError`` if the spec cannot run; else the ``Plan``. Blocking (reads the input's start).
 
     ``full`` also reads the whole input: counts records and shards, and runs the OpenAI Batch
     file checks the sharding pass would (duplicate custom_ids included). ``sharded``: a
     resumed run's committed shards (already native records) are checked instead of the input.
+    ``cheap`` (Dagster definitions loading: ``dg check defs``): the checks that read no model
+    file and no tokenizer, on the input's first ``preflight_records`` records only.
     """
-    for key, engine in _engines(spec):
-        _check_engine(key, engine)
+    contexts: dict[str, Context | None] = {}
+    for key, engine in _engines(spec) if not cheap else ():
+        contexts[key] = _check_engine(key, engine)
         _check_adapters(key, engine)
+    if not cheap:
+        _check_max_tokens("infer.sampling.max_tokens", spec.infer.sampling.max_tokens, "engine", contexts["engine"])
+    if spec.judge.kind == "llm" and not cheap:
+        judge_key = "judge.engine" if spec.judge.engine is not None else "engine"
+        _check_max_tokens("judge.max_tokens", spec.judge.max_tokens, judge_key, contexts[judge_key])
     judge = _build_judge(spec)
     try:
         builder = RequestBuilder(spec.request_infer)
@@ -183,7 +230,8 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
         account, sample = _count(spec, inputs.openai_reader(spec) if openai else None, n_sample, census)
         n_records: int | None = account.records
     else:
-        account, n_records, sample = None, None, inputs.sample_numbered(source, n_sample, so)
+        window = {"window": n_sample} if cheap else {}
+        account, n_records, sample = None, None, inputs.sample_numbered(source, n_sample, so, **window)
         if census is not None:
             for line, rec in sample:
                 census.add(line, rec)
@@ -191,6 +239,7 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
         reader = inputs.openai_reader(spec)
         sample = [(line, typed.record()) for line, rec in sample if (typed := reader.line(rec, line)) is not None]
     record_errors: list[str] = []
+    requests: list[tuple[str, Request]] = []  # the sample's built requests, by record id
     misses = _Misses(len(sample))
     judge_chat = isinstance(judge, LLMJudge) and judge.chat
     chat = False
@@ -209,6 +258,7 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
                 record_errors.append(str(exc))
             continue
         chat = chat or isinstance(request.prompt, ChatPrompt)
+        requests.append((str(rec["id"]), request))
         if request.params.response_format is not None and not spec.engine.structured_output:
             raise SpecError(f"engine.kind: record {rec['id']!r} asks for response_format, but engine kind "
                             f"{spec.engine.kind!r} cannot constrain generation (vLLM's structured outputs can)")
@@ -225,9 +275,11 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
             if kind is ErrorKind.RULE_ERROR and detail.startswith("KeyError"):
                 misses.add("judge.kwargs", f"rule {judge.name!r} needs a field record {rec['id']!r} lacks: {verdict.reason}")
     record_errors += misses.raise_or_list()
-    if chat:
+    if not cheap:
+        record_errors += _too_long(spec, requests, contexts["engine"])
+    if chat and not cheap:
         _check_chat_template("engine", spec.engine, "the prompts (infer.messages, or records with messages)")
-    if judge_chat:
+    if judge_chat and not cheap:
         _check_chat_template("judge.engine" if spec.judge.engine else "engine", spec.judge_engine, "the judge's prompts (judge.chat)")
     n_shards = None if n_records is None else math.ceil(n_records / spec.shard_records) if n_records else 0
     judge_text = ("none (one inference per record; every success approved)" if spec.judge.kind == "none"
@@ -400,3 +452,26 @@ class FieldCensus:
 
 def _ids(ids: list[str]) -> str:
     return ", ".join(repr(i) for i in ids)
+
+
+def _too_long(spec: PipelineSpec, requests: list[tuple[str, Request]], context: Context | None) -> list[str]:
+    """A warning counting the sampled requests whose prompt tokens + max_tokens exceed the
+    engine's context (each would fail ``prompt_too_long`` alone), tokenised as the layout
+    signs them (``prompting.prefix``: the model's tokenizer, no weights); none when the
+    context is unknown or the tokenizer cannot load here."""
+    if context is None or not requests:
+        return []
+    from batch_inference.prompting.prefix import prefix_tokenizer
+
+    try:
+        packed = prefix_tokenizer(spec.engine, "tokens").pack([r.prompt for _, r in requests], None)
+    except Exception:  # a tokenizer this machine cannot run: the engine still refuses each one alone
+        return []
+    over = [(rid, p.tokens, r.params.max_tokens) for (rid, r), p in zip(requests, packed)
+            if p.tokens and p.tokens + r.params.max_tokens > context.tokens]
+    if not over:
+        return []
+    examples = ", ".join(f"{rid!r} {n:,} + {m:,}" for rid, n, m in over[:FIELD_EXAMPLES])
+    return [f"engine: {len(over)} of {len(requests)} sampled record(s) will not fit the {context.tokens:,}-token context "
+            f"({context.source}) with max_tokens: prompt tokens + max_tokens > {context.tokens:,} (e.g. {examples}); "
+            "each fails prompt_too_long alone"]
