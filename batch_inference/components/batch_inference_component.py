@@ -58,6 +58,44 @@ class BatchInferenceScaffolder(DefaultComponentScaffolder):
         })
 
 
+PLACEHOLDER_RUN = "defs-check"  # a spec's run name comes from the partition: any valid one checks the rest
+PLACEHOLDER_URL = "/nonexistent/set-per-run"  # input or output a run is given (an upstream, the storage resource)
+
+
+class ComponentSpecError(ValueError):
+    """A component whose spec cannot run: raised while the definitions load (``dg check defs``)."""
+
+
+def check_spec(source: SpecSource, where: Path) -> None:
+    """Fail the definitions' load with ``validate``'s message when the spec cannot run, so
+    ``dg check defs`` catches a misspelt key or a placeholder the data lacks instead of the
+    nightly run. Cheap (``preflight(cheap=True)``): keys, types and paths, the judge built, and
+    the templates rendered on the input's first ``preflight_records`` records where the input
+    exists; no model, tokenizer or weights are read. Keys a run supplies (its name; the input
+    an upstream names; the output the storage resource gives) may be left out."""
+    from batch_inference.pipeline import SpecError, inputs
+    from batch_inference.pipeline.preflight import preflight
+
+    try:
+        given = source.top_keys()
+        # the keys a run supplies may be absent; the run's name always comes from its partition
+        overrides = {key: PLACEHOLDER_URL for key in ("input", "output") if key not in given}
+        spec = source.load(run=PLACEHOLDER_RUN, **overrides)
+        if spec.input == PLACEHOLDER_URL or not _readable(spec.input):
+            return  # the input comes with the run (an upstream's, the schedule's) or is not here yet: its start checks it
+        if not inputs.first_numbered(spec.input, 1, spec.storage_options or None):
+            return  # an empty drop folder: a run over it is refused at its start (allow_empty aside)
+        preflight(spec, cheap=True)
+    except SpecError as exc:
+        raise ComponentSpecError(f"{where}: the pipeline's spec cannot run (as `batch-inference validate` says):\n{exc}") from None
+
+
+def _readable(url: str) -> bool:
+    """Whether the input is there to read now (a local path; a URL is left to the run's start:
+    no network at definitions load)."""
+    return "://" not in url and Path(url).exists()
+
+
 @dg.scaffold_with(BatchInferenceScaffolder)
 @dataclass
 class BatchInferenceComponent(dg.Component, dg.Resolvable):
@@ -78,6 +116,7 @@ class BatchInferenceComponent(dg.Component, dg.Resolvable):
             raise ValueError(f"{folder / 'defs.yaml'}: give exactly one of `spec` (inline) and `spec_file`")
         source = (SpecSource(inline=self.spec, base_dir=str(folder)) if self.spec is not None
                   else SpecSource(path=str((folder / str(self.spec_file)).resolve())))
+        check_spec(source, folder / "defs.yaml")
         prefix = self.asset_key_prefix if self.asset_key_prefix is not None else folder.name
         parts = tuple(prefix.split("/")) if isinstance(prefix, str) else tuple(prefix)
         keys = PipelineKeys(tuple(re.sub(r"[^A-Za-z0-9_]", "_", p) for p in parts))

@@ -50,6 +50,24 @@ class SpecSource:
     def exists(self) -> bool:
         return self.inline is not None or "://" in str(self.path) or os.path.isfile(str(self.path))
 
+    def top_keys(self) -> set[str]:
+        """The spec's own top-level keys (a file's read as ``PipelineSpec.load`` reads it; none
+        when it cannot be read: loading it then says why)."""
+        if self.inline is not None:
+            return set(self.inline)
+        import tomllib
+
+        import yaml
+
+        path = str(self.path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            data = tomllib.loads(text) if path.endswith(".toml") else yaml.safe_load(text)
+        except (OSError, ValueError, yaml.YAMLError):
+            return set()
+        return set(data) if isinstance(data, dict) else set()
+
     def load(self, **overrides: Any) -> PipelineSpec:
         """The spec with ``overrides`` (run, input, output: None keeps the spec's) applied."""
         from batch_inference import speckeys
