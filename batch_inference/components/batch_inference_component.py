@@ -9,6 +9,7 @@ instance, so two pipelines in one project merge).
     type: batch_inference.BatchInferenceComponent
     attributes:
       spec_file: spec.yaml            # or spec: {...} inline (relative paths from this folder)
+                                      # no output: $DAGSTER_HOME/storage/batch_inference/<prefix>/<run>
       asset_key_prefix: scoring       # default: this folder's name
       deps: [raw_prompts]             # a materialisation of it starts a run over the path in its metadata
       schedule: {cron: "0 2 * * *", run_name: "scoring-{date}"}
@@ -40,14 +41,16 @@ class ScheduleModel(dg.Model):
 
 class BatchInferenceScaffolder(DefaultComponentScaffolder):
     """Writes a ``defs.yaml`` that loads as is: an inline spec on the simulated engine (swap in
-    your model), the folder name as prefix, a nightly schedule (stopped until turned on)."""
+    your model), the folder name as prefix, a nightly schedule (stopped until turned on). It
+    sets no ``output``: a relative one would resolve inside the project's source tree
+    (``src/<pkg>/defs/<name>/out``); without one, runs write under the Dagster instance's
+    storage, ``$DAGSTER_HOME/storage/batch_inference/<prefix>/<run>`` (``defs.runs.start.default_output``)."""
 
     def scaffold(self, request: Any) -> None:
         name = Path(request.target_path).name
         scaffold_component(request, {
             "spec": {
-                "input": "prompts.jsonl",
-                "output": "out",
+                "input": "prompts.jsonl",  # no output: runs write under the instance's storage (default_output)
                 "engine": {"kind": "simulated", "simulated": {"approval_rate": 0.8}},
                 "infer": {"template": "{prompt}", "sampling": {"max_tokens": 32, "temperature": 1.0, "seed": 1}},
                 "judge": {"kind": "rule", "callable": "regex", "kwargs": {"pattern": "^APPROVED"}},
