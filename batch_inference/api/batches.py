@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 TERMINAL = ("completed", "failed", "expired", "cancelled")
-NO_JUDGE = {"kind": "rule", "callable": "min_length", "kwargs": {"min_chars": 0}}  # every answer accepted, as hosted APIs do
+NO_JUDGE = {"kind": "none"}  # every answer accepted, as hosted APIs do: one inference per request
 STOPPED = {"cancelled": ("batch_cancelled", "This request was not executed: the batch was cancelled."),
            "expired": ("batch_expired", "This request could not be executed before the completion window expired.")}
 

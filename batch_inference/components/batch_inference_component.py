@@ -9,6 +9,7 @@ instance, so two pipelines in one project merge).
     type: batch_inference.BatchInferenceComponent
     attributes:
       spec_file: spec.yaml            # or spec: {...} inline (relative paths from this folder)
+                                      # no output: $DAGSTER_HOME/storage/batch_inference/<prefix>/<run>
       asset_key_prefix: scoring       # default: this folder's name
       deps: [raw_prompts]             # a materialisation of it starts a run over the path in its metadata
       schedule: {cron: "0 2 * * *", run_name: "scoring-{date}"}
@@ -40,14 +41,16 @@ class ScheduleModel(dg.Model):
 
 class BatchInferenceScaffolder(DefaultComponentScaffolder):
     """Writes a ``defs.yaml`` that loads as is: an inline spec on the simulated engine (swap in
-    your model), the folder name as prefix, a nightly schedule (stopped until turned on)."""
+    your model), the folder name as prefix, a nightly schedule (stopped until turned on). It
+    sets no ``output``: a relative one would resolve inside the project's source tree
+    (``src/<pkg>/defs/<name>/out``); without one, runs write under the Dagster instance's
+    storage, ``$DAGSTER_HOME/storage/batch_inference/<prefix>/<run>`` (``defs.runs.start.default_output``)."""
 
     def scaffold(self, request: Any) -> None:
         name = Path(request.target_path).name
         scaffold_component(request, {
             "spec": {
-                "input": "prompts.jsonl",
-                "output": "out",
+                "input": "prompts.jsonl",  # no output: runs write under the instance's storage (default_output)
                 "engine": {"kind": "simulated", "simulated": {"approval_rate": 0.8}},
                 "infer": {"template": "{prompt}", "sampling": {"max_tokens": 32, "temperature": 1.0, "seed": 1}},
                 "judge": {"kind": "rule", "callable": "regex", "kwargs": {"pattern": "^APPROVED"}},
@@ -56,6 +59,44 @@ class BatchInferenceScaffolder(DefaultComponentScaffolder):
             },
             "schedule": {"cron": "0 2 * * *", "run_name": f"{name}-{{date}}"},
         })
+
+
+PLACEHOLDER_RUN = "defs-check"  # a spec's run name comes from the partition: any valid one checks the rest
+PLACEHOLDER_URL = "/nonexistent/set-per-run"  # input or output a run is given (an upstream, the storage resource)
+
+
+class ComponentSpecError(ValueError):
+    """A component whose spec cannot run: raised while the definitions load (``dg check defs``)."""
+
+
+def check_spec(source: SpecSource, where: Path) -> None:
+    """Fail the definitions' load with ``validate``'s message when the spec cannot run, so
+    ``dg check defs`` catches a misspelt key or a placeholder the data lacks instead of the
+    nightly run. Cheap (``preflight(cheap=True)``): keys, types and paths, the judge built, and
+    the templates rendered on the input's first ``preflight_records`` records where the input
+    exists; no model, tokenizer or weights are read. Keys a run supplies (its name; the input
+    an upstream names; the output the storage resource gives) may be left out."""
+    from batch_inference.pipeline import SpecError, inputs
+    from batch_inference.pipeline.preflight import preflight
+
+    try:
+        given = source.top_keys()
+        # the keys a run supplies may be absent; the run's name always comes from its partition
+        overrides = {key: PLACEHOLDER_URL for key in ("input", "output") if key not in given}
+        spec = source.load(run=PLACEHOLDER_RUN, **overrides)
+        if spec.input == PLACEHOLDER_URL or not _readable(spec.input):
+            return  # the input comes with the run (an upstream's, the schedule's) or is not here yet: its start checks it
+        if not inputs.first_numbered(spec.input, 1, spec.storage_options or None):
+            return  # an empty drop folder: a run over it is refused at its start (allow_empty aside)
+        preflight(spec, cheap=True)
+    except SpecError as exc:
+        raise ComponentSpecError(f"{where}: the pipeline's spec cannot run (as `batch-inference validate` says):\n{exc}") from None
+
+
+def _readable(url: str) -> bool:
+    """Whether the input is there to read now (a local path; a URL is left to the run's start:
+    no network at definitions load)."""
+    return "://" not in url and Path(url).exists()
 
 
 @dg.scaffold_with(BatchInferenceScaffolder)
@@ -78,6 +119,7 @@ class BatchInferenceComponent(dg.Component, dg.Resolvable):
             raise ValueError(f"{folder / 'defs.yaml'}: give exactly one of `spec` (inline) and `spec_file`")
         source = (SpecSource(inline=self.spec, base_dir=str(folder)) if self.spec is not None
                   else SpecSource(path=str((folder / str(self.spec_file)).resolve())))
+        check_spec(source, folder / "defs.yaml")
         prefix = self.asset_key_prefix if self.asset_key_prefix is not None else folder.name
         parts = tuple(prefix.split("/")) if isinstance(prefix, str) else tuple(prefix)
         keys = PipelineKeys(tuple(re.sub(r"[^A-Za-z0-9_]", "_", p) for p in parts))

@@ -53,12 +53,14 @@ class JudgeConfig(BaseModel):
 
     ``kind: human`` sends every inferred record to the review queue (no automated
     judge); ``escalate`` on an llm or rule judge sends the verdicts it matches there.
+    ``kind: none`` (what a spec without ``judge`` gets) judges nothing: every record whose
+    inference succeeded is approved, one inference per record.
     Every key decides results (``speckeys.DECIDES``).
     """
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Annotated[Literal["llm", "rule", "human"], DECIDES]
+    kind: Annotated[Literal["llm", "rule", "human", "none"], DECIDES]
     # llm
     template: Annotated[str | None, DECIDES] = Field(None, description="judge prompt; {field} from the record, {result} the inference result")
     parse: Annotated[Literal["keyword", "score", "json"], DECIDES] = Field(
@@ -68,6 +70,8 @@ class JudgeConfig(BaseModel):
     threshold: Annotated[float, DECIDES] = Field(0.5, description="score mode: approved when score >= threshold")
     max_tokens: Annotated[int, DECIDES] = Field(16, ge=1, description="judge reply length")
     temperature: Annotated[float, DECIDES] = Field(0.0, ge=0)
+    null_fields: Annotated[Literal["error", "empty"], DECIDES] = Field(
+        "error", description="llm: a template field that is null: error (missing_field) or empty ('')")
     adapter: Annotated[str | None, DECIDES] = Field(None, description="llm: the LoRA adapter the judge runs on (its engine's lora adapters); none: the base model")
     # rule
     callable: Annotated[str | None, DECIDES] = Field(None, description="regex | exact_match | json_valid | min_length | module:fn")
@@ -82,6 +86,10 @@ class JudgeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> JudgeConfig:
+        if self.kind == "none" and (given := sorted(
+                name for name, f in JudgeConfig.model_fields.items()
+                if name != "kind" and getattr(self, name) != f.get_default(call_default_factory=True))):
+            raise ValueError(f"a judge of kind 'none' judges nothing: remove {', '.join(given)} (or name a kind that uses them)")
         if self.kind == "human" and self.escalate is not None:
             raise ValueError("a human judge reviews every record: 'escalate' is for llm and rule judges")
         if self.kind == "llm" and not self.template:
@@ -100,11 +108,13 @@ def build_judge(cfg: JudgeConfig | dict[str, Any]) -> LLMJudge | RuleJudge:
     cfg = cfg if isinstance(cfg, JudgeConfig) else JudgeConfig.model_validate(cfg)
     if cfg.kind == "human":
         raise ValueError("a human judge has no automated judge to build: its records go to the review queue")
+    if cfg.kind == "none":
+        raise ValueError("judge kind 'none' has no judge to build: every inferred record is approved")
     if cfg.kind == "llm":
         assert cfg.template is not None
         fmt = VERDICT_FORMAT if cfg.parse == "json" else None
         sampling = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, response_format=fmt, adapter=cfg.adapter)
         return LLMJudge(cfg.template, parse=cfg.parse, threshold=cfg.threshold, sampling=sampling,
-                        chat=cfg.chat, system=cfg.system)
+                        chat=cfg.chat, system=cfg.system, null_fields=cfg.null_fields)
     assert cfg.callable is not None
     return RuleJudge(cfg.callable, cfg.kwargs)

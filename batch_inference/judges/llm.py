@@ -13,7 +13,7 @@ from typing import Any, Literal
 import orjson
 
 from batch_inference.engines.base import ChatPrompt, Completion, Prompt, ResponseFormat, SamplingParams
-from batch_inference.judges.templates import PromptTemplate
+from batch_inference.judges.templates import NullFields, PromptTemplate
 from batch_inference.judges.verdicts import Verdict
 from batch_inference.rows import ErrorKind
 
@@ -78,8 +78,9 @@ class LLMJudge:
         sampling: SamplingParams | None = None,
         chat: bool = False,
         system: str | None = None,
+        null_fields: NullFields = "error",
     ) -> None:
-        self.template = PromptTemplate(template)
+        self.template = PromptTemplate(template, nulls=null_fields)
         self.chat = chat
         self.system = system
         self.parse_mode = parse

@@ -43,7 +43,7 @@ from batch_inference.pipeline.summaries import (
     RunSummary,
     ShardSummary,
 )
-from batch_inference.rows import Status
+from batch_inference.rows import ErrorKind, Status
 from batch_inference.storage import CorruptShardError, JsonlDir, JsonlFile, MalformedRecordError
 from batch_inference.storage.urls import fs_for, is_local
 
@@ -194,8 +194,27 @@ class IdSource:
     status_field: bool = False  # rows carry "status" (tail unfinished: max_attempts | error)
 
 
-def _iter_ids(src: IdSource, storage_options: dict[str, Any], unreadable: list[str]) -> Iterator[tuple[str, str]]:
-    """Ids of one source; a shard damaged in storage is read up to the damage and listed in ``unreadable``."""
+QUARANTINED_SHARD = "quarantined_shard"  # the failure kind of a record whose whole shard was quarantined
+
+
+def failure_kind(row: dict[str, Any], in_dir: bool = True) -> str:
+    """The kind a failed row failed with (its error's ``ErrorKind`` tag: ``prompt_too_long``,
+    ``missing_field``...); a quarantined shard's rows (``in_dir`` False: read from the shard
+    itself) carry none: ``quarantined_shard``."""
+    if not in_dir:
+        return QUARANTINED_SHARD
+    text = row.get("reason") or row.get("error")
+    kind = ErrorKind.of(text)
+    if kind is not None:
+        return kind.value
+    head = str(text).partition(":")[0].strip()[:40] if text else ""  # an untagged error: its first words
+    return head or "unknown"
+
+
+def _iter_ids(src: IdSource, storage_options: dict[str, Any], unreadable: list[str],
+              reasons: Counter[str] | None = None) -> Iterator[tuple[str, str]]:
+    """Ids of one source; a shard damaged in storage is read up to the damage and listed in
+    ``unreadable``. ``reasons`` counts the failed rows by ``failure_kind``."""
     for url in src.urls:
         if src.is_dir:
             d = JsonlDir(url, storage_options=storage_options)
@@ -210,6 +229,8 @@ def _iter_ids(src: IdSource, storage_options: dict[str, Any], unreadable: list[s
                     state = src.state
                     if src.status_field:
                         state = Status.MAX_ATTEMPTS if rec.get("status") == Status.MAX_ATTEMPTS else Status.FAILED
+                    if state == Status.FAILED and reasons is not None:
+                        reasons[failure_kind(rec, src.is_dir)] += 1
                     yield state, str(rec.get("id"))
             except (CorruptShardError, MalformedRecordError) as exc:
                 if f.url not in unreadable:
@@ -232,6 +253,7 @@ def check_conservation(
     options = storage_options or {}
     n_buckets = max(1, -(-input_records // BUCKET_IDS))
     totals: Counter[str] = Counter()
+    reasons: Counter[str] = Counter()  # failed rows by what they failed with, read on the same pass
     missing = extra = dup_results = 0
     bad: list[str] = []
     unreadable: list[str] = []
@@ -239,7 +261,7 @@ def check_conservation(
         files = [open(os.path.join(tmp, f"b{i}"), "wb") for i in range(n_buckets)]  # noqa: SIM115
         try:
             for src in sources:
-                for state, rid in _iter_ids(src, options, unreadable):
+                for state, rid in _iter_ids(src, options, unreadable, reasons):
                     totals[state] += 1
                     files[_bucket_of(rid, n_buckets)].write(orjson.dumps([state, rid]) + b"\n")
         finally:
@@ -269,6 +291,6 @@ def check_conservation(
     ok = missing == 0 and extra == 0 and dup_results == 0 and totals.get("input", 0) == input_records and not unreadable
     return ConservationReport(
         ok=ok, input=totals.get("input", 0), terminal=terminal, missing=missing, extra=extra,
-        duplicate_results=dup_results, examples=bad, unreadable=unreadable,
+        duplicate_results=dup_results, examples=bad, unreadable=unreadable, failed_reasons=dict(reasons.most_common()),
         method=f"hashed buckets on local disk ({n_buckets} bucket(s), <= ~{BUCKET_IDS} ids in memory each)",
     )

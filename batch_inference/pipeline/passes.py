@@ -23,14 +23,15 @@ from batch_inference.storage.reshard import Source
 class _FailedSink:
     """Writes rows with a permanent error to ``dst`` as ``status: failed`` (opened on first use)."""
 
-    def __init__(self, dst: str | None, storage_options: dict[str, Any] | None) -> None:
+    def __init__(self, dst: str | None, storage_options: dict[str, Any] | None, *, every_error: bool = False) -> None:
         self.dst, self.storage_options = dst, storage_options
+        self.every_error = every_error  # a run without a judge: any inference error is final
         self.records = 0
         self._stack = ExitStack()
         self._w: Any = None
 
     def take(self, rec: dict[str, Any], round: int | None = None) -> bool:
-        reason = permanent_error(rec) if self.dst else None
+        reason = (permanent_error(rec) or (rec.get("error") or rec.get("rejection") if self.every_error else None)) if self.dst else None
         if reason is None:
             return False
         if self._w is None:
@@ -113,12 +114,13 @@ def recompact(
 
 def write_exhausted(
     src_dirs: Iterable[str], dst: str, *, round: int, storage_options: dict[str, Any] | None = None,
-    failed_dst: str | None = None,
+    failed_dst: str | None = None, every_error: bool = False,
 ) -> int:
     """Write the records still rejected at the round cap as ``status: exhausted``
-    (those with a permanent error to ``failed_dst`` as ``failed``)."""
+    (those with a permanent error to ``failed_dst`` as ``failed``; with ``every_error``,
+    a run without a judge, those with any error)."""
     out = JsonlDir(dst, storage_options=storage_options)
-    with _FailedSink(failed_dst, storage_options) as failed, out.writer_sync(compression="zstd") as w:
+    with _FailedSink(failed_dst, storage_options, every_error=every_error) as failed, out.writer_sync(compression="zstd") as w:
         for url in src_dirs:
             d = JsonlDir(url, storage_options=storage_options)
             if not d.exists_sync():

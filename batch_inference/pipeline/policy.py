@@ -175,7 +175,11 @@ def decide_round(spec: PipelineSpec, r: int, infer: PhaseSummary, judge: PhaseSu
     figures: dict[str, Any] = {"records_in": records_in, "approved": approved, "rejected": rejected,
                                "quarantined": infer.records_quarantined + judge.records_quarantined,
                                "rounds_left": rounds_left, "attempts_left": attempts_left, **more_figures}
-    if rejected == 0:
+    if not spec.judged:  # one inference per record: every rejection is a failed inference, none is retried
+        failed = judge.rejected
+        figures.update(rejected=0, failed=failed)
+        kind, reason = "done", f"no judge: {approved} inferred and approved" + (f", {failed} failed" if failed else "")
+    elif rejected == 0:
         kind, reason = "done", f"nothing left to retry ({failed} failed permanently)" if failed else "nothing rejected"
     elif attempts_left <= 0:
         kind, reason = "exhausted", f"max_attempts ({spec.max_attempts}) reached with {rejected} rejected"

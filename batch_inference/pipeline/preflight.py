@@ -18,6 +18,10 @@ full check, the whole input) through the infer and judge paths. What stops the r
   ``adapter_config.json``, not LORA, no weights, a rank over ``max_lora_rank``);
 * a model folder neither engine can load (``engine.model``, ``judge.engine.model``: its
   config is read, no weights);
+* ``infer.sampling.max_tokens`` (an llm judge's ``judge.max_tokens``) at or over the model's
+  context (``engine.max_model_len``, else the config's ``max_position_embeddings``; the
+  simulated engine's 4,096): no prompt could fit. Sampled prompts that with ``max_tokens``
+  would not fit are counted in a warning (each fails ``prompt_too_long`` alone);
 * chat prompts on a model whose tokenizer has no chat template (``engine.model``, or
   ``judge.engine.model`` for a chat judge with its own model);
 * records asking for ``response_format`` on an engine that cannot constrain (``engine.kind``);
@@ -25,6 +29,9 @@ full check, the whole input) through the infer and judge paths. What stops the r
 
 A record's own bad values (``bad_messages``, ``bad_sampling``) are that record's error at
 run time, not a spec error: they are reported in ``Plan.record_errors`` and the run goes on.
+So are template fields records lack or hold null (``missing_field`` unless ``null_fields:
+empty``) and empty strings (legal, but suspicious): ``Plan.field_notes`` counts them over
+every record read (the whole input for a full check, the sample otherwise), naming a few.
 """
 
 from __future__ import annotations
@@ -36,11 +43,12 @@ from typing import Any
 
 from batch_inference.engines.base import ChatPrompt
 from batch_inference.judges import LLMJudge, MissingFieldError, RuleJudge, build_judge
+from batch_inference.judges.templates import MISSING, PromptTemplate
 from batch_inference.pipeline import inputs
 from batch_inference.engines import EngineConfig
 from batch_inference.pipeline.accounting import ID_CHECK_LIMIT, InputAccount
 from batch_inference.pipeline.spec import PipelineSpec, SpecError, engine_label
-from batch_inference.prompting import RequestBuilder, RequestError
+from batch_inference.prompting import Request, RequestBuilder, RequestError
 from batch_inference.prompting.openai_batch import OpenAIBatchReader, record_id
 from batch_inference.rows import ErrorKind
 from batch_inference.storage import ReshardReport, assigned_id
@@ -67,6 +75,7 @@ class Plan:
     shards: int | None = None
     record_errors: list[str] = field(default_factory=list)
     account: InputAccount | None = None  # the whole input's lines (a full check only: ``pipeline.accounting``)
+    field_notes: list[str] = field(default_factory=list)  # template fields missing, null or empty (``FieldCensus``)
 
     def lines(self) -> list[str]:
         fmt = f"{self.input_format}{' (detected)' if self.format_detected else ''}"
@@ -83,12 +92,13 @@ class Plan:
             f"checked    {self.checked_records} record(s) sampled across the input render through infer and judge",
         ]
         out += [f"warning    {e}" for e in (self.account.notes() if self.account is not None else [])]
+        out += [f"warning    {e}" for e in self.field_notes]
         out += [f"warning    {e}" for e in self.record_errors]
         return out
 
 
 def _build_judge(spec: PipelineSpec) -> LLMJudge | RuleJudge | None:
-    if spec.judge.kind == "human":  # people judge: nothing automated to build or try
+    if spec.judge.kind in ("human", "none"):  # people judge, or nothing does: nothing automated to build or try
         return None
     try:
         return build_judge(spec.judge)
@@ -107,19 +117,54 @@ def _engines(spec: PipelineSpec) -> list[tuple[str, EngineConfig]]:
     return [("engine", spec.engine)] + ([("judge.engine", spec.judge.engine)] if spec.judge.engine is not None else [])
 
 
-def _check_engine(key: str, engine: EngineConfig) -> None:
-    """An engine's model folder is one the engines can load: its config reads (no weights, no GPU)."""
+SIMULATED_CONTEXT = 4096  # the simulated engines' max_model_len when the spec sets none
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")  # config.json's names for it
+
+
+@dataclass(frozen=True)
+class Context:
+    """The most tokens (prompt + output) one request to an engine may hold, and where that figure comes from."""
+
+    tokens: int
+    source: str
+
+
+def _check_engine(key: str, engine: EngineConfig) -> Context | None:
+    """An engine's model folder is one the engines can load: its config reads (no weights, no
+    GPU). Returns the engine's context (None: not known here, e.g. a model on a URL)."""
+    if engine.max_model_len is not None:
+        context: Context | None = Context(engine.max_model_len, f"{key}.max_model_len")
+    elif engine.kind == "simulated":
+        context = Context(SIMULATED_CONTEXT, "the simulated engine's default max_model_len")
+    else:
+        context = None
     if engine.kind not in ("transformers", "vllm") or not engine.model or "://" in engine.model:
-        return
+        return context
     try:
         from transformers import AutoConfig
     except ImportError:  # an environment without transformers: the worker's own load says what is wrong
-        return
+        return context
     try:
-        AutoConfig.from_pretrained(engine.model)
+        config = AutoConfig.from_pretrained(engine.model)
     except (OSError, ValueError) as exc:
         raise SpecError(f"{key}.model: {engine.model} is not a model folder the {engine.kind} engine can load "
                         f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+    if context is not None:
+        return context
+    text_config = getattr(config, "text_config", None) or config  # a multimodal config keeps the LM's apart
+    for name in CONTEXT_KEYS:
+        value = getattr(text_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return Context(value, f"{engine.model}'s {name} (config.json)")
+    return None
+
+
+def _check_max_tokens(key: str, max_tokens: int, engine_key: str, context: Context | None) -> None:
+    """A request's output alone fills the context: no prompt could fit (every record would fail prompt_too_long)."""
+    if context is not None and max_tokens >= context.tokens:
+        raise SpecError(f"{key}: {max_tokens} >= the {context.tokens:,}-token context of {engine_key} ({context.source}): "
+                        f"no prompt fits beside it, every record would fail prompt_too_long; lower {key} "
+                        f"(a prompt of n tokens needs n + max_tokens <= {context.tokens:,})")
 
 
 def _check_adapters(key: str, engine: EngineConfig) -> None:
@@ -149,16 +194,24 @@ def _check_chat_template(key: str, engine: EngineConfig, what: str) -> None:
                         "use a text template, or a model with one")
 
 
-def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = None) -> Plan:
+def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = None, cheap: bool = False) -> Plan:
     """Raise ``SpecError`` if the spec cannot run; else the ``Plan``. Blocking (reads the input's start).
 
     ``full`` also reads the whole input: counts records and shards, and runs the OpenAI Batch
     file checks the sharding pass would (duplicate custom_ids included). ``sharded``: a
     resumed run's committed shards (already native records) are checked instead of the input.
+    ``cheap`` (Dagster definitions loading: ``dg check defs``): the checks that read no model
+    file and no tokenizer, on the input's first ``preflight_records`` records only.
     """
-    for key, engine in _engines(spec):
-        _check_engine(key, engine)
+    contexts: dict[str, Context | None] = {}
+    for key, engine in _engines(spec) if not cheap else ():
+        contexts[key] = _check_engine(key, engine)
         _check_adapters(key, engine)
+    if not cheap:
+        _check_max_tokens("infer.sampling.max_tokens", spec.infer.sampling.max_tokens, "engine", contexts["engine"])
+    if spec.judge.kind == "llm" and not cheap:
+        judge_key = "judge.engine" if spec.judge.engine is not None else "engine"
+        _check_max_tokens("judge.max_tokens", spec.judge.max_tokens, judge_key, contexts[judge_key])
     judge = _build_judge(spec)
     try:
         builder = RequestBuilder(spec.request_infer)
@@ -172,15 +225,21 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
     fmt, detected = ("jsonl", False) if sharded else inputs.resolve_format(spec, [rec for _, rec in head])
     openai = fmt == "openai_batch"
     n_sample = spec.preflight_records
+    census = FieldCensus.of(spec) if not openai else None
     if full and not sharded:  # one pass: the whole input counted, and the sample spread across all of it
-        account, sample = _count(spec, inputs.openai_reader(spec) if openai else None, n_sample)
+        account, sample = _count(spec, inputs.openai_reader(spec) if openai else None, n_sample, census)
         n_records: int | None = account.records
     else:
-        account, n_records, sample = None, None, inputs.sample_numbered(source, n_sample, so)
+        window = {"window": n_sample} if cheap else {}
+        account, n_records, sample = None, None, inputs.sample_numbered(source, n_sample, so, **window)
+        if census is not None:
+            for line, rec in sample:
+                census.add(line, rec)
     if openai:  # lines with file-level problems are the full check's to report (the file is refused)
         reader = inputs.openai_reader(spec)
         sample = [(line, typed.record()) for line, rec in sample if (typed := reader.line(rec, line)) is not None]
     record_errors: list[str] = []
+    requests: list[tuple[str, Request]] = []  # the sample's built requests, by record id
     misses = _Misses(len(sample))
     judge_chat = isinstance(judge, LLMJudge) and judge.chat
     chat = False
@@ -199,6 +258,7 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
                 record_errors.append(str(exc))
             continue
         chat = chat or isinstance(request.prompt, ChatPrompt)
+        requests.append((str(rec["id"]), request))
         if request.params.response_format is not None and not spec.engine.structured_output:
             raise SpecError(f"engine.kind: record {rec['id']!r} asks for response_format, but engine kind "
                             f"{spec.engine.kind!r} cannot constrain generation (vLLM's structured outputs can)")
@@ -215,12 +275,15 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
             if kind is ErrorKind.RULE_ERROR and detail.startswith("KeyError"):
                 misses.add("judge.kwargs", f"rule {judge.name!r} needs a field record {rec['id']!r} lacks: {verdict.reason}")
     record_errors += misses.raise_or_list()
-    if chat:
+    if not cheap:
+        record_errors += _too_long(spec, requests, contexts["engine"])
+    if chat and not cheap:
         _check_chat_template("engine", spec.engine, "the prompts (infer.messages, or records with messages)")
-    if judge_chat:
+    if judge_chat and not cheap:
         _check_chat_template("judge.engine" if spec.judge.engine else "engine", spec.judge_engine, "the judge's prompts (judge.chat)")
     n_shards = None if n_records is None else math.ceil(n_records / spec.shard_records) if n_records else 0
-    judge_text = ("human (review queue)" if spec.judge.kind == "human"
+    judge_text = ("none (one inference per record; every success approved)" if spec.judge.kind == "none"
+                  else "human (review queue)" if spec.judge.kind == "human"
                   else f"llm ({spec.judge.parse}{', chat' if spec.judge.chat else ''})" if spec.judge.kind == "llm"
                   else f"rule {spec.judge.callable} {spec.judge.kwargs or ''}".rstrip())
     if spec.judge.escalate is not None:
@@ -234,15 +297,15 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
         strategy=spec.strategy, prompt=spec.infer.source, chat=chat or judge_chat,
         constrained=spec.infer.constrained or (spec.judge.kind == "llm" and spec.judge.parse == "json"),
         judge=judge_text, checked_records=len(sample), records=n_records, shards=n_shards, record_errors=record_errors,
-        account=account,
+        account=account, field_notes=census.notes() if census is not None else [],
     )
 
 
-def _count(spec: PipelineSpec, reader: OpenAIBatchReader | None,
-           n_sample: int) -> tuple[InputAccount, list[tuple[int, dict[str, Any]]]]:
+def _count(spec: PipelineSpec, reader: OpenAIBatchReader | None, n_sample: int,
+           census: FieldCensus | None = None) -> tuple[InputAccount, list[tuple[int, dict[str, Any]]]]:
     """The whole input's account (records, malformed lines, duplicate ids: ``pipeline.accounting``)
     and ``n_sample`` records spread across it, in one pass; for OpenAI Batch the sharding
-    pass's file checks too."""
+    pass's file checks too; ``census`` sees every record."""
     source = inputs.open_input(spec.input, spec.storage_options or None)
     account = InputAccount()
     report = ReshardReport()
@@ -251,6 +314,8 @@ def _count(spec: PipelineSpec, reader: OpenAIBatchReader | None,
         for line, rec in numbered:
             if reader is not None:  # the sharding pass's checks, on the typed line (no record built)
                 reader.line(rec, line)
+            if census is not None:
+                census.add(line, rec)
             yield line, rec
 
     def malformed(entry: dict[str, Any]) -> None:
@@ -291,3 +356,122 @@ class _Misses:
                 raise SpecError(f"{key}: {messages[0]} (so do {share} {self.sampled} record(s) sampled across the input: "
                                 "a typo in the spec?)")
         return [f"{key}: {m} (that record fails alone, the run goes on)" for key, ms in self.by_key.items() for m in ms]
+
+
+FIELD_EXAMPLES = 3  # records named per field in a census note
+
+
+@dataclass
+class _FieldCount:
+    """One template field's records that lack it, hold null, or hold an empty string (a few ids each)."""
+
+    missing: int = 0
+    null: int = 0
+    empty: int = 0
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, what: str, rid: str) -> None:
+        setattr(self, what, getattr(self, what) + 1)
+        named = self.examples.setdefault(what, [])
+        if len(named) < FIELD_EXAMPLES:
+            named.append(rid)
+
+
+@dataclass
+class FieldCensus:
+    """Template fields over the records read: how many records would fail ``missing_field``
+    (a field missing, or null under ``null_fields: error``) and which fields are empty
+    strings (legal: the prompt renders without them, which is rarely what was meant). A
+    count per spec key and field, with a few record ids, for ``validate`` to print."""
+
+    templates: dict[str, tuple[PromptTemplate, ...]]
+    fields: dict[tuple[str, str], _FieldCount] = field(default_factory=dict)
+    failing: dict[str, int] = field(default_factory=dict)  # spec key -> records that would fail on it
+    records: int = 0
+
+    @classmethod
+    def of(cls, spec: PipelineSpec) -> FieldCensus | None:
+        """The census of the spec's templates (None when the prompt is the record's own and no llm judge has one)."""
+        infer = spec.request_infer
+        templates: dict[str, tuple[PromptTemplate, ...]] = {}
+        try:
+            if infer.template is not None:
+                templates["infer.template"] = (PromptTemplate(infer.template, nulls=infer.null_fields),)
+            elif infer.messages:
+                templates["infer.messages"] = tuple(PromptTemplate(m.content, nulls=infer.null_fields) for m in infer.messages)
+            if spec.judge.kind == "llm" and spec.judge.template:
+                templates["judge.template"] = (PromptTemplate(spec.judge.template, nulls=spec.judge.null_fields),)
+        except ValueError:  # a template that does not parse: the builder says so, naming its key
+            return None
+        return cls(templates) if templates else None
+
+    def add(self, line: int, rec: dict[str, Any]) -> None:
+        self.records += 1
+        rid = str(rec.get("id", assigned_id(line)))
+        for key, templates in self.templates.items():
+            fails = False
+            for template in templates:
+                for name, value in template.values(rec):
+                    if key == "judge.template" and name.split("[")[0].split(".")[0] == "result":
+                        continue  # the inference result, not a record field
+                    if value is MISSING:
+                        what = "missing"
+                    elif value is None:
+                        what = "null"
+                    elif isinstance(value, str) and not value.strip():
+                        what = "empty"
+                    else:
+                        continue
+                    self.fields.setdefault((key, name), _FieldCount()).add(what, rid)
+                    fails = fails or what == "missing" or (what == "null" and template.nulls == "error")
+            if fails:
+                self.failing[key] = self.failing.get(key, 0) + 1
+
+    def notes(self) -> list[str]:
+        """One line per spec key with failing records, one per field with empty strings."""
+        out = []
+        for key, n in self.failing.items():
+            parts = []
+            for (k, name), c in self.fields.items():
+                if k != key:
+                    continue
+                for what in ("missing", "null"):
+                    if getattr(c, what) and (what == "missing" or self.templates[key][0].nulls == "error"):
+                        parts.append(f"{{{name}}} {what} in {getattr(c, what):,} (e.g. {_ids(c.examples[what])})")
+            out.append(f"{key}: {n:,} of {self.records:,} record(s) read would fail missing_field: {'; '.join(parts)} "
+                       f"(each fails alone, the run goes on{'; null_fields: empty renders a null as an empty string' if any('null in' in p for p in parts) else ''})")
+        for (key, name), c in self.fields.items():
+            if c.empty:
+                out.append(f"{key}: {{{name}}} is an empty string in {c.empty:,} of {self.records:,} record(s) read "
+                           f"(e.g. {_ids(c.examples['empty'])}): legal, but each prompt renders without it")
+            if c.null and self.templates[key][0].nulls == "empty":
+                out.append(f"{key}: {{{name}}} is null in {c.null:,} of {self.records:,} record(s) read "
+                           f"(e.g. {_ids(c.examples['null'])}): rendered empty (null_fields: empty)")
+        return out
+
+
+def _ids(ids: list[str]) -> str:
+    return ", ".join(repr(i) for i in ids)
+
+
+def _too_long(spec: PipelineSpec, requests: list[tuple[str, Request]], context: Context | None) -> list[str]:
+    """A warning counting the sampled requests whose prompt tokens + max_tokens exceed the
+    engine's context (each would fail ``prompt_too_long`` alone), tokenised as the layout
+    signs them (``prompting.prefix``: the model's tokenizer, no weights); none when the
+    context is unknown or the tokenizer cannot load here."""
+    if context is None or not requests:
+        return []
+    from batch_inference.prompting.prefix import prefix_tokenizer
+
+    try:
+        packed = prefix_tokenizer(spec.engine, "tokens").pack([r.prompt for _, r in requests], None)
+    except Exception:  # a tokenizer this machine cannot run: the engine still refuses each one alone
+        return []
+    over = [(rid, p.tokens, r.params.max_tokens) for (rid, r), p in zip(requests, packed)
+            if p.tokens and p.tokens + r.params.max_tokens > context.tokens]
+    if not over:
+        return []
+    examples = ", ".join(f"{rid!r} {n:,} + {m:,}" for rid, n, m in over[:FIELD_EXAMPLES])
+    return [f"engine: {len(over)} of {len(requests)} sampled record(s) will not fit the {context.tokens:,}-token context "
+            f"({context.source}) with max_tokens: prompt tokens + max_tokens > {context.tokens:,} (e.g. {examples}); "
+            "each fails prompt_too_long alone"]

@@ -26,7 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from batch_inference.pipeline.accounting import InputAccount
-from batch_inference.pipeline.summaries import LedgerView, PhaseSummary, rate
+from batch_inference.pipeline.summaries import LedgerView, PhaseSummary, RunSummary, rate
 
 
 OFF_TTY_WIDTH = 160  # the ledger table's columns fit without wrapping
@@ -328,6 +328,23 @@ def run_lines(view: LedgerView) -> list[str]:
     return [*input_lines(view), *_verdict_lines(view)]
 
 
+TOP_REASONS = 5  # failure kinds named after a run; the rest are summed
+
+
+def failed_reason_lines(r: RunSummary) -> list[str]:
+    """Why records failed, most first, from the counts the final check took on its pass over the
+    terminal rows (``ConservationReport.failed_reasons``): "records_failed: 5,000 — prompt_too_long
+    4,980, missing_field 20". None when nothing failed (or the ledger predates the counts)."""
+    reasons = r.conservation.failed_reasons
+    if not r.failed or not reasons:
+        return []
+    ranked = sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))
+    named = [f"{kind} {n:,}" for kind, n in ranked[:TOP_REASONS]]
+    if rest := ranked[TOP_REASONS:]:
+        named.append(f"{len(rest)} other kind(s) {sum(n for _, n in rest):,}")
+    return [f"records_failed: {r.failed:,} — {', '.join(named)} (each failed row's error: `batch-inference export`)"]
+
+
 def _verdict_lines(view: LedgerView) -> list[str]:
     if not (r := view.run):
         waiting = [f"round {x.round}: {x.awaiting_review} record(s) sent to human review "
@@ -340,6 +357,7 @@ def _verdict_lines(view: LedgerView) -> list[str]:
         f"status: {r.status}  ({r.strategy}, {r.rounds} round(s){', tail' if r.tail else ''})",
         f"records {r.records:,}: approved {r.approved:,}, exhausted {r.exhausted:,}, "
         f"max_attempts {r.max_attempts:,}, failed {r.failed:,}" + (f" ({r.quarantined:,} in quarantined shards)" if r.quarantined else ""),
+        *failed_reason_lines(r),
         f"conservation: {'OK' if c.ok else 'FAILED'} (missing {c.missing}, extra {c.extra}, "
         f"duplicated in results {c.duplicate_results}; {c.method})",
         f"results: {r.results_url}",

@@ -576,7 +576,8 @@ class PipelineRun:
         """
         if (done := await asyncio.to_thread(self._phase_done, RunLayout.TAIL)) is not None:
             return done
-        attempts_left = self.spec.max_attempts - from_round
+        # without a judge a record is inferred once: nothing is rejected, a failure is final
+        attempts_left = self.spec.max_attempts - from_round if self.spec.judged else 1
         if attempts_left < 1:
             raise StepOrderError(f"tail({from_round}): no attempts left (max_attempts {self.spec.max_attempts})")
         items, records = await asyncio.to_thread(self._pending_items, from_round)
@@ -750,7 +751,7 @@ class PipelineRun:
         if last is not None and not tail and (last.kind == "exhausted" or (last.kind == "done" and last.figures.get("failed"))):
             exhausted = passes.write_exhausted(
                 [self.layout.rejected(last.round)], self.layout.exhausted, round=last.round, storage_options=self.storage_options,
-                failed_dst=self.layout.failed_records(last.round),
+                failed_dst=self.layout.failed_records(last.round), every_error=not self.spec.judged,
             )
         report = check_conservation(self.terminal_sources(), input_records=shard.records, storage_options=self.storage_options)
         t = report.terminal

@@ -260,7 +260,9 @@ class PipelineSpec(_Strict):
         default_factory=list, description="also write these when the run finishes: <run>/export/<format>/ (as `batch-inference export`)")
     engine: EngineConfig
     infer: Annotated[InferConfig, DECIDES]
-    judge: JudgeSpec
+    judge: JudgeSpec = Field(
+        default_factory=lambda: JudgeSpec(kind="none"),
+        description="none (the default): one inference per record, every success approved; else llm | rule | human")
     strategy: Strategy = "rounds"
     max_rounds: int = Field(3, ge=1, le=99)
     max_attempts: int = Field(5, ge=1)
@@ -451,6 +453,13 @@ class PipelineSpec(_Strict):
         """A pool's bearer token (default: the infer pool's), read from the environment (never stored in the spec)."""
         pool = pool or self.pool
         return os.environ.get(pool.token_env) if pool.token_env else None
+
+    @property
+    def judged(self) -> bool:
+        """Whether anything judges the results. Without a judge (``judge`` left out, or ``kind:
+        none``) every record is inferred once: a success is approved, a failure fails with its
+        reason; no round or attempt follows (``pipeline.policy``, ``PipelineRun.tail``)."""
+        return self.judge.kind != "none"
 
     # -- where each phase runs --------------------------------------------------------
 

@@ -70,6 +70,9 @@ class ConservationReport(_Summary):
     examples: list[str]
     unreadable: list[str]
     method: str
+    # the failed rows by what they failed with (``ledger.failure_kind``), most first: what
+    # ``run`` and ``status`` name (a ledger written before it has none)
+    failed_reasons: dict[str, int] = field(default_factory=dict)
 
     def __getitem__(self, key: str) -> Any:  # report["ok"] reads as the ledger's JSON of it does
         return getattr(self, key)

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 # The automated "verdict" of a human judge: nothing decided yet.
 HUMAN_REVIEW = "human_review"
+# The verdict of ``judge: {kind: none}`` (a spec without a judge): every inferred record stands.
+NO_JUDGE = "no_judge"
 
 
 class Judging:
@@ -32,12 +34,15 @@ class Judging:
 
     def __init__(self, ctx: TaskContext, config: JudgeConfig) -> None:
         self.ctx = ctx
-        self.judge = build_judge(config) if config.kind != "human" else None
+        self.kind = config.kind
+        self.judge = build_judge(config) if config.kind not in ("human", "none") else None
         self.escalate = config.escalate
 
     async def verdicts(self, records: Sequence[dict[str, Any]], results: Sequence[str],
                        attempts: Sequence[int] | None = None) -> list[Verdict]:
         """One verdict per record; ``attempts``: the attempt each result came from (pool.dedup)."""
+        if self.kind == "none":  # no judge: every inferred record is approved, no model call
+            return [Verdict(True, NO_JUDGE) for _ in records]
         if self.judge is None:  # a human judge: every record waits for a person
             return [Verdict(False, HUMAN_REVIEW) for _ in records]
         if isinstance(self.judge, LLMJudge):
@@ -54,7 +59,7 @@ class Judging:
 
     def escalated(self, verdict: Verdict) -> bool:
         """Whether people decide this record (a human judge: always)."""
-        return self.judge is None or (self.escalate is not None and self.escalate.matches(verdict))
+        return self.kind == "human" or (self.escalate is not None and self.escalate.matches(verdict))
 
     def _rules(self, records: list[dict[str, Any]], results: list[str]) -> list[Verdict]:
         assert self.judge is not None and not isinstance(self.judge, LLMJudge)

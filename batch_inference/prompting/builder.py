@@ -106,8 +106,8 @@ class RequestBuilder:
 
     def __init__(self, config: InferConfig) -> None:
         self.config = config
-        self.template = PromptTemplate(config.template) if config.template is not None else None
-        self.turns = [(m.role, PromptTemplate(m.content)) for m in config.messages or ()]
+        self.template = PromptTemplate(config.template, nulls=config.null_fields) if config.template is not None else None
+        self.turns = [(m.role, PromptTemplate(m.content, nulls=config.null_fields)) for m in config.messages or ()]
         self.base = config.sampling.to_params()
         self.base_seed = config.sampling.seed
         self.response_format = config.response_format.to_format() if config.response_format else None

@@ -116,6 +116,9 @@ class InferConfig(_Wire):
     ``sampling_field`` (default ``sampling``) overrides ``sampling`` per record, within
     ``limits``; its ``response_format`` field overrides ``response_format``.
 
+    ``null_fields`` says what a template placeholder whose value is null renders as: ``error``
+    (the default: the record fails ``missing_field``, as when it lacks the field) or ``empty``.
+
     ``adapter`` is the LoRA adapter the requests run on (none: the base model); a record's
     ``adapter_field`` (default ``adapter``) names its own, one of ``adapters`` (the
     engine's adapters: the spec fills them in) or null for the base model.
@@ -131,6 +134,9 @@ class InferConfig(_Wire):
     adapter: str | None = Field(None, description="the LoRA adapter the requests run on (its engine's lora adapters); none: the base model")
     adapter_field: str | None = Field("adapter", description="the record field naming its own adapter (null: the base model)")
     adapters: tuple[str, ...] = Field((), description="the adapter names records may name (default: the engine's, set by the spec)")
+    null_fields: Literal["error", "empty"] = Field(
+        "error", description="a template field that is null: error (its record fails missing_field, as a missing one does) "
+                             "or empty (renders as ''); never the string 'None'")
 
     @model_validator(mode="after")
     def _check(self) -> InferConfig:

@@ -38,8 +38,10 @@ def test_scaffold_writes_a_defs_yaml_that_loads() -> None:
         assert body["type"] == "batch_inference.components.batch_inference_component.BatchInferenceComponent" or \
             body["type"].endswith("BatchInferenceComponent")
         assert body["attributes"]["schedule"] == {"cron": "0 2 * * *", "run_name": "scoring-{date}"}
-        # the scaffolded spec is a valid spec (its input is the user's to write): a run of it would start
-        spec = SpecSource(inline=body["attributes"]["spec"], base_dir=str(path)).load(run="scoring-1")
+        # the scaffolded spec is a valid spec (its input is the user's to write): a run of it would start,
+        # writing where the run's start puts it (no output: the instance's storage, test_component_output.py)
+        assert "output" not in body["attributes"]["spec"]
+        spec = SpecSource(inline=body["attributes"]["spec"], base_dir=str(path)).load(run="scoring-1", output="/runs")
         assert spec.input == str(path / "prompts.jsonl") and spec.engine.kind == "simulated"
         with sandbox.build_all_defs() as defs:
             dg.Definitions.validate_loadable(defs)

@@ -39,7 +39,8 @@ def test_dg_check_defs_on_this_project(tmp_path: Path) -> None:
     assert "All definitions loaded successfully" in done.stdout + done.stderr
 
 
-def test_dg_scaffold_writes_a_working_defs_yaml(tmp_path: Path) -> None:
+def _user_project(tmp_path: Path) -> tuple[Path, Path]:
+    """A user's dg project (``create-dagster project``'s layout): its root and its package."""
     root = tmp_path / "proj"
     pkg = root / "src" / "user_proj"
     (pkg / "defs").mkdir(parents=True)
@@ -66,6 +67,11 @@ def test_dg_scaffold_writes_a_working_defs_yaml(tmp_path: Path) -> None:
         def defs() -> dg.Definitions:
             return dg.load_from_defs_folder(path_within_project=Path(__file__).parent)
     '''))
+    return root, pkg
+
+
+def test_dg_scaffold_writes_a_working_defs_yaml(tmp_path: Path) -> None:
+    root, pkg = _user_project(tmp_path)
     env = _env(tmp_path, root / "src")
     listed = _dg(["list", "components", "--json"], root, env)
     assert "batch_inference.BatchInferenceComponent" in {c["key"] for c in json.loads(listed.stdout)["items"]}
@@ -76,3 +82,17 @@ def test_dg_scaffold_writes_a_working_defs_yaml(tmp_path: Path) -> None:
     _dg(["check", "defs"], root, env)
     assets = {a.get("asset_key", a.get("key")) for a in json.loads(_dg(["list", "defs", "--json"], root, env).stdout)["assets"]}
     assert {"scoring/source_dataset", "scoring/sharded", "scoring/results"} <= assets
+
+
+def test_dg_check_defs_fails_on_a_misspelt_spec_key(tmp_path: Path) -> None:
+    """Issue 40 item 5: the component checks its spec at load, so `dg check defs` names the key."""
+    root, pkg = _user_project(tmp_path)
+    env = _env(tmp_path, root / "src")
+    _dg(["scaffold", "defs", "batch_inference.BatchInferenceComponent", "scoring"], root, env)
+    path = pkg / "defs" / "scoring" / "defs.yaml"
+    body = yaml.safe_load(path.read_text())
+    body["attributes"]["spec"]["max_round"] = body["attributes"]["spec"].pop("max_rounds")
+    path.write_text(yaml.safe_dump(body, sort_keys=False))
+    done = subprocess.run([DG, "check", "defs"], cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0, done.stdout[-2000:]
+    assert "max_round: unknown key (did you mean `max_rounds`?)" in done.stdout + done.stderr, (done.stdout + done.stderr)[-3000:]

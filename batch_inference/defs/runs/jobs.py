@@ -12,7 +12,14 @@ import dagster as dg
 from pydantic import Field
 
 from batch_inference.defs.keys import CPU_OP_TAGS, DEFAULT, PipelineKeys
-from batch_inference.defs.runs.start import SpecSource, already_started, ensure_gpu_pool, start_metadata, validated_spec
+from batch_inference.defs.runs.start import (
+    SpecSource,
+    already_started,
+    default_output,
+    ensure_gpu_pool,
+    start_metadata,
+    validated_spec,
+)
 from batch_inference.defs.storage.resources import StorageResource
 
 
@@ -37,7 +44,8 @@ def build_start_job(k: PipelineKeys, spec_source: SpecSource | None = None) -> d
         source: SpecSource | str | None = config.spec_path or spec_source
         if source is None:
             raise dg.Failure("no spec: set spec_path in the config")
-        spec, plan = validated_spec(source, storage, run=config.run, input=config.input, output=config.output or storage.base_url)
+        spec, plan = validated_spec(source, storage, run=config.run, input=config.input, output=config.output or storage.base_url,
+                                    fallback_output=default_output(context.instance, k))
         if spec.run in context.instance.get_dynamic_partitions(k.runs.name) and already_started(context.instance, k, spec.run, by_run_id=context.run_id):
             raise dg.Failure(f"pipeline run {spec.run!r} was already started; give the new run another name (`run:` in the config)")
         ensure_gpu_pool(context.instance, context.log)

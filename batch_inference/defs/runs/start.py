@@ -50,6 +50,24 @@ class SpecSource:
     def exists(self) -> bool:
         return self.inline is not None or "://" in str(self.path) or os.path.isfile(str(self.path))
 
+    def top_keys(self) -> set[str]:
+        """The spec's own top-level keys (a file's read as ``PipelineSpec.load`` reads it; none
+        when it cannot be read: loading it then says why)."""
+        if self.inline is not None:
+            return set(self.inline)
+        import tomllib
+
+        import yaml
+
+        path = str(self.path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            data = tomllib.loads(text) if path.endswith(".toml") else yaml.safe_load(text)
+        except (OSError, ValueError, yaml.YAMLError):
+            return set()
+        return set(data) if isinstance(data, dict) else set()
+
     def load(self, **overrides: Any) -> PipelineSpec:
         """The spec with ``overrides`` (run, input, output: None keeps the spec's) applied."""
         from batch_inference import speckeys
@@ -122,12 +140,25 @@ def ensure_gpu_pool(instance: dg.DagsterInstance, log: Any) -> None:
         storage.set_concurrency_slots(GPU_POOL, info.limit)
 
 
-def validated_spec(source: SpecSource | str, storage: StorageResource, **overrides: Any) -> tuple[PipelineSpec, Any]:
-    """Load and preflight the spec (judge built, first records rendered); a spec error is the step's failure."""
+def default_output(instance: dg.DagsterInstance, k: PipelineKeys) -> str:
+    """Where a pipeline's runs write when neither the spec, the run's config nor the storage
+    resource says: ``<instance storage>/batch_inference/<prefix>`` (``$DAGSTER_HOME/storage/...``),
+    beside the instance's own data, never inside the project's source tree."""
+    return os.path.join(instance.storage_directory(), "batch_inference", k.group)
+
+
+def validated_spec(source: SpecSource | str, storage: StorageResource, *, fallback_output: str | None = None,
+                   **overrides: Any) -> tuple[PipelineSpec, Any]:
+    """Load and preflight the spec (judge built, first records rendered); a spec error is the step's failure.
+    ``fallback_output``: the output when no override gives one and the spec has none (``default_output``)."""
     from batch_inference.pipeline import PipelineSpec, SpecError
     from batch_inference.pipeline.preflight import preflight
 
     label = source if isinstance(source, str) else source.describe()
+    if overrides.get("output") is None and fallback_output is not None:
+        spec_source = SpecSource(path=source) if isinstance(source, str) else source
+        if "output" not in spec_source.top_keys():
+            overrides["output"] = fallback_output
     try:  # the step's own failure message is the spec error (a raw exception would nest it as the cause)
         spec = PipelineSpec.load(source, **overrides) if isinstance(source, str) else source.load(**overrides)
         if storage.storage_options():  # the input may be on the resource's storage, as the steps will read it
@@ -162,7 +193,8 @@ def start_source(context: dg.AssetExecutionContext, config: SourceConfig, storag
     if already_started(context.instance, k, run, by_run_id=context.run_id):
         raise dg.Failure(f"pipeline run {run!r} of {k.label} was already started; add a new partition (a new run name)")
     drop = config.input or upstream_input(context.instance, deps)
-    spec, plan = validated_spec(source, storage, run=run, input=drop, output=config.output or storage.base_url)
+    spec, plan = validated_spec(source, storage, run=run, input=drop, output=config.output or storage.base_url,
+                                fallback_output=default_output(context.instance, k))
     ensure_gpu_pool(context.instance, context.log)
     context.log.info("starting pipeline run %s of %s over %s; the round sensor takes it from here", run, k.label, spec.input)
     return start_metadata(context.op_execution_context, spec, plan, spec_label=source.path or source.describe(),
