@@ -3,15 +3,17 @@
 Uses ``str.format`` syntax, so nested access (``{meta[lang]}``), conversions and
 format specs work and ``{{``/``}}`` are literal braces. A field the record lacks raises
 ``MissingFieldError`` naming the field and the record's id, so that one record fails
-with a reason and the rest go on.
+with a reason and the rest go on. An input field the run keeps aside because the run
+writes a field of its name (``rows.INPUT``) fills a placeholder the record's own fields do not.
 """
 
 from __future__ import annotations
 
 import string
+from collections.abc import Mapping
 from typing import Any
 
-from batch_inference.rows import ErrorKind
+from batch_inference.rows import ErrorKind, input_fields
 
 _FORMATTER = string.Formatter()
 
@@ -26,6 +28,20 @@ class MissingFieldError(KeyError):
 
     def __str__(self) -> str:
         return ErrorKind.MISSING_FIELD.tag(f"template field {{{self.field}}} not found in record {self.record_id!r}")
+
+
+class _Fields:
+    """A record's fields as a template sees them: the run's own first (``{result}`` in a judge
+    template is the answer), then the input's fields the shard step kept aside because the run
+    writes fields of their names (``rows.input_fields``: an input column ``status``)."""
+
+    def __init__(self, record: Mapping[str, Any]) -> None:
+        self.record = record
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self.record:
+            return self.record[key]
+        return input_fields(self.record)[key]
 
 
 class PromptTemplate:
@@ -54,7 +70,7 @@ class PromptTemplate:
             if field is None:
                 continue
             try:
-                value, _ = _FORMATTER.get_field(field, (), record)
+                value, _ = _FORMATTER.get_field(field, (), _Fields(record))
             except (KeyError, IndexError, AttributeError, TypeError):
                 raise MissingFieldError(field, record.get("id")) from None
             out.append(_FORMATTER.format_field(_FORMATTER.convert_field(value, conversion), spec or ""))
