@@ -113,6 +113,43 @@ RESULT_FIELDS: tuple[str, ...] = ("result", "error", "finish_reason", "usage", "
                                    "cached")
 
 
+# The input's own view of a record, kept by the shard step under one key the run never writes
+# otherwise: ``{"row": <0-based position in the input>, "fields": {<input fields named as the
+# run's>}}``. A field of the input named as one the run writes (``RUN_FIELDS``: a Parquet column
+# ``status``, a JSONL field ``usage``) is moved under ``fields`` instead of being overwritten by
+# the run, so the exports give it back as it was; ``row`` lets the Parquet export write the
+# input's order back.
+INPUT = "_input"
+RUN_FIELDS: frozenset[str] = frozenset(RESULT_FIELDS) | {"attempts", "reason", "failed_round", "last_error", INPUT}
+
+
+def from_input(record: Mapping[str, Any], row: int, reserved: frozenset[str] = RUN_FIELDS) -> dict[str, Any]:
+    """An input record as the run carries it: its fields named in ``reserved`` moved under
+    ``INPUT["fields"]``, its position ``row`` recorded (``INPUT["row"]``)."""
+    clash = {k: v for k, v in record.items() if k in reserved}
+    out = {k: v for k, v in record.items() if k not in reserved} if clash else dict(record)
+    out[INPUT] = {"row": row, "fields": clash} if clash else {"row": row}
+    return out
+
+
+def input_fields(row: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The input fields ``from_input`` moved aside (empty for a record that had none)."""
+    kept = row.get(INPUT)
+    return kept.get("fields") or {} if isinstance(kept, Mapping) else {}
+
+
+def input_value(row: Mapping[str, Any], name: str) -> Any:
+    """The input's value of field ``name``: the one kept aside when the run writes a field of that name."""
+    kept = input_fields(row)
+    return kept[name] if name in kept else row.get(name)
+
+
+def input_row(row: Mapping[str, Any]) -> int | None:
+    """The record's 0-based position in the input, when the shard step recorded it."""
+    kept = row.get(INPUT)
+    return kept.get("row") if isinstance(kept, Mapping) else None
+
+
 def strip_results(record: Mapping[str, Any]) -> dict[str, Any]:
     """The record without any previous round's result fields (``RESULT_FIELDS``)."""
     return {k: v for k, v in record.items() if k not in RESULT_FIELDS}
@@ -131,4 +168,5 @@ def error_text(exc: BaseException) -> str:
     return text if ErrorKind.of(text) is not None else f"{type(exc).__name__}: {text}"
 
 
-__all__ = ["PERMANENT", "RESULT_FIELDS", "TERMINAL_STATES", "ErrorKind", "Status", "error_text", "permanent_error", "strip_results"]
+__all__ = ["INPUT", "PERMANENT", "RESULT_FIELDS", "RUN_FIELDS", "TERMINAL_STATES", "ErrorKind", "Status", "error_text",
+           "from_input", "input_fields", "input_row", "input_value", "permanent_error", "strip_results"]

@@ -172,8 +172,8 @@ def export(target: str, fmt: str, out: str | None, storage_options: str | None) 
                    + (f"; {done.malformed} of the failed rows are malformed input lines (error names file:line)" if done.malformed else ""))
         for note in done.notes:
             click.echo(f"warning: {note}")
-        if done.replaced:
-            click.echo(f"input columns {done.replaced} were replaced by the run's own of the same name")
+        if done.run_column != "run":
+            click.echo(f"the run's fields are in column {done.run_column!r} (the input has a column 'run')")
         return
     try:
         summary = export_openai_batch(_run_of(target, storage_options), out)  # type: ignore[arg-type]

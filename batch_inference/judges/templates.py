@@ -6,16 +6,18 @@ format specs work and ``{{``/``}}`` are literal braces. A field the record lacks
 with a reason and the rest go on. A field that is null (JSON ``null``, a Parquet null) is
 no value either: by default it fails its record the same way (``nulls="error"``) instead
 of rendering as the string ``"None"``; ``nulls="empty"`` renders it as ``""`` (the spec's
-``infer.null_fields`` / ``judge.null_fields``).
+``infer.null_fields`` / ``judge.null_fields``). An input field the run keeps aside because
+the run writes a field of its name (``rows.INPUT``) fills a placeholder the record's own
+fields do not.
 """
 
 from __future__ import annotations
 
 import string
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
-from batch_inference.rows import ErrorKind
+from batch_inference.rows import ErrorKind, input_fields
 
 _FORMATTER = string.Formatter()
 
@@ -37,6 +39,20 @@ class MissingFieldError(KeyError):
             return ErrorKind.MISSING_FIELD.tag(f"template field {{{self.field}}} is null in record {self.record_id!r} "
                                                "(null_fields: empty renders a null as '')")
         return ErrorKind.MISSING_FIELD.tag(f"template field {{{self.field}}} not found in record {self.record_id!r}")
+
+
+class _Fields:
+    """A record's fields as a template sees them: the run's own first (``{result}`` in a judge
+    template is the answer), then the input's fields the shard step kept aside because the run
+    writes fields of their names (``rows.input_fields``: an input column ``status``)."""
+
+    def __init__(self, record: Mapping[str, Any]) -> None:
+        self.record = record
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self.record:
+            return self.record[key]
+        return input_fields(self.record)[key]
 
 
 class PromptTemplate:
@@ -90,6 +106,6 @@ class PromptTemplate:
 def _lookup(field: str, record: dict[str, Any]) -> Any:
     """The record's value for a placeholder (``meta[lang]`` included), or ``MISSING``."""
     try:
-        return _FORMATTER.get_field(field, (), record)[0]
+        return _FORMATTER.get_field(field, (), _Fields(record))[0]
     except (KeyError, IndexError, AttributeError, TypeError):
         return MISSING

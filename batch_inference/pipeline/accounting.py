@@ -105,7 +105,7 @@ class InputAccount:
         if self.malformed:
             named = ", ".join(self.malformed_at) + (", ..." if self.malformed > len(self.malformed_at) else "")
             where = f"; kept in {self.quarantine}" if self.quarantine else ""
-            out.append(f"{self.malformed:,} malformed line(s) (not a JSON object) left out of the run: {named}{where}")
+            out.append(f"{self.malformed:,} malformed line(s) (not a JSON object, or a record without its id) left out of the run: {named}{where}")
         if self.duplicate_ids:
             named = ", ".join(repr(x) for x in self.duplicate_examples) + (", ..." if self.duplicate_ids > len(self.duplicate_examples) else "")
             out.append(f"{self.duplicate_ids:,} id(s) appear more than once in the input: {named}; each occurrence is "

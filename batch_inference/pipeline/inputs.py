@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, TypeVar
 
 from batch_inference.pipeline.spec import PipelineSpec, SpecError
@@ -19,7 +19,8 @@ from batch_inference.pipeline.accounting import EXAMPLES, id_lines
 from batch_inference.prompting.openai_batch import OpenAIBatchReader, looks_like_openai_batch, record_id
 from batch_inference.storage import CorruptShardError, JsonlDir, JsonlFile, ReshardReport, UnreadableInputError, input_format, open_source
 from batch_inference.storage.parquet import ParquetSource, schema_to_text
-from batch_inference.storage.reshard import Source
+from batch_inference.rows import RUN_FIELDS, from_input
+from batch_inference.storage.reshard import RefusedRecord, Source
 from batch_inference.storage.sources import READABLE
 
 log = logging.getLogger(__name__)
@@ -183,6 +184,34 @@ def schema_entry(source: Source) -> dict[str, Any]:
         return {"format": "jsonl", "arrow_schema": None}
     return {"format": "parquet", "arrow_schema": schema_to_text(source.schema), "files": len(source.files),
             "rows": source.rows, "columns": [f"{f.name}: {f.type}" for f in source.schema]}
+
+
+def record_transform(spec: PipelineSpec, fmt: InputFormat,
+                     reader: OpenAIBatchReader | None = None) -> Callable[[dict[str, Any], int], dict[str, Any]]:
+    """How the shard step (and the preflight's sample) turns an input record into the run's:
+    an OpenAI Batch line converted (``reader``), the input's fields named as the run's own kept
+    aside and its position recorded (``rows.from_input``), and its id taken from the spec's
+    ``id_field`` (a record without one raises ``RefusedRecord``: it is left out, named by file
+    and line). With the default ``id_field: id``, a record without an ``id`` gets its line's
+    number at sharding, as before."""
+    id_field = spec.id_field
+    if id_field != "id" and fmt == "openai_batch":
+        raise InputError(f"id_field: {id_field!r}, but {spec.input} is an OpenAI Batch file: its ids are the lines' "
+                         "custom_id (leave id_field out)")
+    reserved = RUN_FIELDS if id_field == "id" else RUN_FIELDS | {"id"}  # the input's own `id` kept as it was
+
+    def transform(rec: dict[str, Any], pos: int) -> dict[str, Any]:
+        if reader is not None:
+            rec = reader.convert(rec, pos)
+        out = from_input(rec, pos, reserved)
+        if id_field != "id":
+            rid = rec.get(id_field)
+            if rid is None:
+                raise RefusedRecord(f"no id: the id column {id_field!r} (id_field) is {'null' if id_field in rec else 'missing'}")
+            out["id"] = rid
+        return out
+
+    return transform
 
 
 def openai_reader(spec: PipelineSpec) -> OpenAIBatchReader:

@@ -61,6 +61,11 @@ class RunLayout:
         return join(self.root, "layout-spill")
 
     @property
+    def export_spill(self) -> str:
+        """The Parquet export's sorted runs while it puts rows back in input order (removed when it ends)."""
+        return join(self.root, "export-spill")
+
+    @property
     def input_quarantine(self) -> str:
         """Malformed input lines found at sharding: ``{file, line, reason, raw}`` each."""
         return join(self.root, "quarantine", "input.jsonl")

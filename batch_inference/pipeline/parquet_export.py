@@ -1,34 +1,45 @@
-"""Export a finished run as Parquet: every input record once, its input columns with their
-own Arrow types, plus what became of it.
+"""Export a finished run as Parquet: every input record once, in the input's order, its input
+columns exactly as they went in, plus what became of it.
 
-The columns are the input's (for a Parquet input, restored to the Arrow schema recorded
-at sharding, ``RunLayout.INPUT_SCHEMA``; for a JSONL input, the types pyarrow infers over
-the sharded records), an ``id`` column when the input had none (the ids sharding
-assigned), and four of the run's own (an input column of one of these names was replaced
-by the run's value while it ran; the export writes the run's and lists it in ``replaced``):
+The input's columns are the input's own (for a Parquet input, restored to the Arrow schema
+recorded at sharding, ``RunLayout.INPUT_SCHEMA``; for a JSONL input, the types pyarrow infers
+over the sharded records), with their values as they went in: an input field named as one
+the run writes (``status``, ``usage``, ``round``...) was kept aside at sharding
+(``rows.from_input``) and is written back. An ``id`` column is added when the input had none
+(the ids sharding assigned; with ``id_field`` the input's own id column is the id). What the
+run made of a record is one struct column, ``run`` (``run_`` when the input has a ``run``
+column), so the run's fields never collide with the input's:
 
 - ``status``: ``approved``, ``exhausted`` (rejected in every round), ``max_attempts``
   (in-place retry gave up), ``failed`` (the record's own permanent error, or a quarantined shard);
 - ``result``: the approved text, else null;
 - ``error``: why a record was not approved (null when it was);
-- ``attempts``: the attempts the record was given.
+- ``attempts``: the attempts the record was given;
+- ``finish_reason``, ``prompt_tokens``, ``completion_tokens``: of the record's last generation
+  (``length``: cut at ``max_tokens``);
+- ``cached``: true when that result came from the result cache (null when not recorded).
 
-An input line that was no record (malformed: left out at sharding) is a row too: every
-input column null, ``status`` ``failed``, ``error`` naming its ``file:line``
+An input line that was no record (malformed, or without its id: left out at sharding) is a
+row too: every input column null, status ``failed``, ``error`` naming its ``file:line``
 (``pipeline.accounting``), so the rows add up to the input's lines. A duplicate input id
 is a row per occurrence (``notes`` says so).
 
-The count is checked against the input's lines (the sharded records plus the malformed lines) (``ExportError`` otherwise). Blocking and
-streaming (one batch of rows in memory); call it off the event loop.
+Rows come out in the input's order (the position the shard step recorded, ``rows.input_row``),
+put back through an external sort (``storage.sort``: memory bounded by one run of
+``SORT_RUN_BYTES``, whatever the run's size). The count is checked against the input's lines
+(the sharded records plus the malformed lines) (``ExportError`` otherwise). Blocking;
+call it off the event loop.
 """
 
 from __future__ import annotations
 
+import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 import pyarrow as pa
 
 from batch_inference.pipeline.accounting import InputAccount, malformed_message, quarantined_lines
@@ -36,11 +47,18 @@ from batch_inference.pipeline.export import ExportError, _failure, _rows
 from batch_inference.pipeline.layout import RunLayout
 from batch_inference.pipeline.run import PipelineRun, StepOrderError
 from batch_inference.pipeline.summaries import ShardSummary, _Summary
-from batch_inference.rows import Status
+from batch_inference.rows import INPUT, RUN_FIELDS, Status, input_fields, input_row, input_value
 from batch_inference.storage import JsonlDir
 from batch_inference.storage.parquet import schema_from_text, write_rows
+from batch_inference.storage.sort import ExternalSort
 
-OWN_COLUMNS = pa.schema([("status", pa.string()), ("result", pa.string()), ("error", pa.string()), ("attempts", pa.int32())])
+# What the run made of a record: one struct column beside the input's columns.
+RUN_COLUMN = pa.struct([
+    ("status", pa.string()), ("result", pa.string()), ("error", pa.string()), ("attempts", pa.int32()),
+    ("finish_reason", pa.string()), ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()), ("cached", pa.bool_()),
+])
+SORT_RUN_BYTES = 64 << 20  # rows held in memory while they are put back in input order
+_NO_POSITION = (1 << 63) - 1  # a record sharded before positions were recorded: after those that have one
 
 
 @dataclass(frozen=True)
@@ -50,7 +68,7 @@ class ParquetExportSummary(_Summary):
     records: int
     by_status: dict[str, int]
     columns: list[str]
-    replaced: list[str]  # input columns named as the export's own (status, result, error, attempts)
+    run_column: str  # the struct column of the run's fields (``run``, ``run_`` when the input has a ``run``)
     wall_s: float
     malformed: int = 0  # rows for input lines that were no record (status failed, error malformed_line)
     notes: list[str] = field(default_factory=list)  # the input account's warnings (``InputAccount.notes``)
@@ -74,7 +92,7 @@ def input_schema(run: PipelineRun) -> pa.Schema:
             raise ExportError(f"run {run.spec.run!r}: the input's fields have no one Arrow type across records: {exc}") from None
 
     for rec in JsonlDir(run.layout.sharded, storage_options=run.storage_options).iter_records_sync():
-        batch.append(rec)
+        batch.append(input_view(rec, run.spec.id_field))
         if len(batch) >= 10_000:
             unify(batch)
             batch = []
@@ -82,6 +100,21 @@ def input_schema(run: PipelineRun) -> pa.Schema:
         unify(batch)
     assert schema is not None
     return schema
+
+
+def input_view(rec: dict[str, Any], id_field: str = "id") -> dict[str, Any]:
+    """A sharded record's input fields as they went in (the run's own fields left out, the
+    input's fields of the run's names put back; with an ``id_field``, ``id`` is the run's)."""
+    own = RUN_FIELDS if id_field == "id" else RUN_FIELDS | {"id"}
+    return {**{k: v for k, v in rec.items() if k not in own}, **input_fields(rec)}
+
+
+def run_column_name(names: list[str]) -> str:
+    """``run``, or ``run_`` (``run__``...) when the input has a column of that name."""
+    name = "run"
+    while name in names:
+        name += "_"
+    return name
 
 
 def _attempts(row: dict[str, Any], status: str, max_rounds: int) -> int | None:
@@ -98,7 +131,8 @@ def _attempts(row: dict[str, Any], status: str, max_rounds: int) -> int | None:
 
 def _terminal_rows(run: PipelineRun) -> Iterator[tuple[dict[str, Any], str, str | None]]:
     """``(row, status, error)`` of every input line once: the run's terminal sets, the
-    records of quarantined shards, then the malformed lines (an empty row: no record was read)."""
+    records of quarantined shards, then the malformed lines (a row of only ``INPUT``: its
+    place in the input's order; no record was read)."""
     spec, so = run.spec, run.storage_options
     for row in _rows((run.layout.results,), so):
         yield row, Status.APPROVED.value, None
@@ -113,7 +147,22 @@ def _terminal_rows(run: PipelineRun) -> Iterator[tuple[dict[str, Any], str, str 
         for row in _rows((q.shard,), so, is_dir=False):
             yield row, Status.FAILED.value, f"shard_quarantined: {q.error}"
     for entry in quarantined_lines(run.layout.input_quarantine, so):
-        yield {}, Status.FAILED.value, malformed_message(entry)
+        yield {INPUT: {"follows": entry.get("follows")}}, Status.FAILED.value, malformed_message(entry)
+
+
+def _order_key(row: dict[str, Any]) -> bytes:
+    """Where a row goes in the input's order: its record's position; a line left out at sharding
+    just after the record before it (``follows``), ahead of the next record."""
+    pos = input_row(row)
+    if pos is not None:
+        return struct.pack(">QB", pos, 1)
+    follows = (row.get(INPUT) or {}).get("follows")
+    return struct.pack(">QB", follows + 1, 0) if follows is not None else struct.pack(">QB", _NO_POSITION, 1)
+
+
+def _usage(row: dict[str, Any], key: str) -> int | None:
+    usage = row.get("usage")
+    return usage.get(key) if isinstance(usage, dict) else None
 
 
 def export_parquet(run: PipelineRun, out: str | None = None, *, rows_per_file: int = 1_000_000) -> ParquetExportSummary:
@@ -124,38 +173,42 @@ def export_parquet(run: PipelineRun, out: str | None = None, *, rows_per_file: i
     if shard is None or run.ledger.read(layout.RUN) is None:
         raise StepOrderError(f"run {spec.run!r} is not finished (ledger/run.json is missing): run it to the end first")
     columns = input_schema(run)
-    # an input column named as one of the run's own was overwritten by the run (rows.RESULT_FIELDS): the run's is written
-    replaced = [name for name in OWN_COLUMNS.names if name in columns.names]
-    columns = pa.schema([f for f in columns if f.name not in replaced], metadata=columns.metadata)
-    schema = columns if "id" in columns.names else columns.append(pa.field("id", pa.string()))
-    for f in OWN_COLUMNS:
-        schema = schema.append(f)
+    own_id = spec.id_field == "id" and "id" not in columns.names  # the ids sharding assigned
+    schema = columns.append(pa.field("id", pa.string())) if own_id else columns
+    run_name = run_column_name(schema.names)
+    schema = schema.append(pa.field(run_name, RUN_COLUMN))
     by_status: dict[str, int] = {}
 
     # a null in a non-text id column got its row's number as id at sharding: exported as the null it was
-    assigned_to_null = "id" in columns.names and not pa.types.is_string(columns.field("id").type) \
+    assigned_to_null = spec.id_field == "id" and "id" in columns.names and not pa.types.is_string(columns.field("id").type) \
         and not pa.types.is_large_string(columns.field("id").type)
 
-    def rows() -> Iterator[dict[str, Any]]:
-        for row, status, error in _terminal_rows(run):
-            by_status[status] = by_status.get(status, 0) + 1
-            approved = status == Status.APPROVED
-            if assigned_to_null and isinstance(row.get("id"), str):
-                row = {**row, "id": None}
-            own_id = {} if "id" in columns.names else {"id": str(row["id"]) if "id" in row else None}
-            yield {**{name: row.get(name) for name in columns.names}, **own_id,
-                   "status": status, "result": row.get("result") if approved else None, "error": error,
-                   "attempts": _attempts(row, status, spec.max_rounds)}
+    def export_row(row: dict[str, Any], status: str, error: str | None) -> dict[str, Any]:
+        by_status[status] = by_status.get(status, 0) + 1
+        approved = status == Status.APPROVED
+        out = {name: input_value(row, name) for name in columns.names}
+        if assigned_to_null and isinstance(out.get("id"), str):
+            out["id"] = None
+        if own_id:
+            out["id"] = str(row["id"]) if "id" in row else None
+        out[run_name] = {"status": status, "result": row.get("result") if approved else None, "error": error,
+                         "attempts": _attempts(row, status, spec.max_rounds), "finish_reason": row.get("finish_reason"),
+                         "prompt_tokens": _usage(row, "prompt_tokens"), "completion_tokens": _usage(row, "completion_tokens"),
+                         "cached": row.get("cached")}
+        return out
 
-    written = write_rows(out or layout.parquet_export, schema, rows(), rows_per_file=rows_per_file,
-                         storage_options=run.storage_options)
+    with ExternalSort(layout.export_spill, storage_options=run.storage_options, run_bytes=SORT_RUN_BYTES) as in_order:
+        for row, status, error in _terminal_rows(run):
+            in_order.add(_order_key(row), orjson.dumps(export_row(row, status, error)) + b"\n")
+        written = write_rows(out or layout.parquet_export, schema, map(orjson.loads, in_order.sorted_lines()),
+                             rows_per_file=rows_per_file, storage_options=run.storage_options)
     account = InputAccount.of_shard(shard, layout.input_quarantine)
     if written.rows != account.lines:
         raise ExportError(f"run {spec.run!r}: exported {written.rows} rows ({by_status}) but the input has "
                           f"{account.summary()}: the run's terminal sets (or {layout.input_quarantine}) do not add up")
     return ParquetExportSummary(out_url=written.url, files=written.files, records=written.rows,
-                                by_status=dict(sorted(by_status.items())), columns=schema.names, replaced=replaced,
+                                by_status=dict(sorted(by_status.items())), columns=schema.names, run_column=run_name,
                                 wall_s=time.perf_counter() - t0, malformed=account.malformed, notes=account.notes())
 
 
-__all__ = ["ParquetExportSummary", "export_parquet", "input_schema"]
+__all__ = ["RUN_COLUMN", "ParquetExportSummary", "export_parquet", "input_schema", "input_view", "run_column_name"]

@@ -59,7 +59,9 @@ def shard_input(
     Duplicate input ids are reported (``report.duplicate_ids``), never merged. With
     ``quarantine_url``, malformed lines (bad JSON, bad UTF-8, not an object) are written
     there as ``{file, line, reason, raw}`` and the rest goes on (``report.malformed``).
-    ``transform`` converts each input record first (OpenAI Batch lines to native records).
+    ``transform`` converts each input record first (``inputs.record_transform``: OpenAI Batch
+    lines to native records, the input's fields named as the run's kept aside, the id column);
+    a record it refuses (``RefusedRecord``) is quarantined like a malformed line.
     """
     if quarantine_url is None:
         return reshard(src, dst, records_per_shard=records_per_shard, storage_options=storage_options, transform=transform)

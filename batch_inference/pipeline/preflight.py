@@ -52,6 +52,7 @@ from batch_inference.prompting import Request, RequestBuilder, RequestError
 from batch_inference.prompting.openai_batch import OpenAIBatchReader, record_id
 from batch_inference.rows import ErrorKind
 from batch_inference.storage import ReshardReport, assigned_id
+from batch_inference.storage.reshard import RefusedRecord, locate
 
 SAMPLE_RESULT = "preflight result"  # what judge templates and rules see as {result}
 
@@ -76,6 +77,7 @@ class Plan:
     record_errors: list[str] = field(default_factory=list)
     account: InputAccount | None = None  # the whole input's lines (a full check only: ``pipeline.accounting``)
     field_notes: list[str] = field(default_factory=list)  # template fields missing, null or empty (``FieldCensus``)
+    id_field: str = "id"  # the field or column holding each record's id (spec ``id_field``)
 
     def lines(self) -> list[str]:
         fmt = f"{self.input_format}{' (detected)' if self.format_detected else ''}"
@@ -85,6 +87,7 @@ class Plan:
         out = [
             f"run        {self.run}",
             f"input      {self.input} [{fmt}]: {size}",
+            f"ids        {self._ids()}",
             f"engine     {self.engine}",
             f"prompt     {self.prompt}{' (chat template)' if self.chat else ''}{', constrained output' if self.constrained else ''}",
             f"judge      {self.judge}",
@@ -95,6 +98,19 @@ class Plan:
         out += [f"warning    {e}" for e in self.field_notes]
         out += [f"warning    {e}" for e in self.record_errors]
         return out
+
+
+    def _ids(self) -> str:
+        if self.input_format == "openai_batch":
+            where = "each line's custom_id"
+        elif self.id_field == "id":
+            where = "the records' 'id' (a record without one: its line's or row's number)"
+        else:
+            where = f"the {'column' if self.input_format == 'parquet' else 'field'} {self.id_field!r} (id_field; a record without one is left out)"
+        if self.account is None:
+            return where
+        repeats = self.account.duplicate_ids
+        return f"{where}: {repeats:,} id(s) repeated" if repeats else f"{where}: no id repeated"
 
 
 def _build_judge(spec: PipelineSpec) -> LLMJudge | RuleJudge | None:
@@ -243,7 +259,14 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
     misses = _Misses(len(sample))
     judge_chat = isinstance(judge, LLMJudge) and judge.chat
     chat = False
+    as_sharded = None if sharded else inputs.record_transform(spec, fmt)  # as the shard step turns them into the run's
     for line, rec in sample:
+        if as_sharded is not None:
+            try:
+                rec = as_sharded(rec, line)
+            except RefusedRecord as exc:
+                record_errors.append(f"record {line + 1}: {exc} (left out of the run)")
+                continue
         rec.setdefault("id", assigned_id(line))  # as sharding assigns it
         try:
             request = builder.build(rec, 0)
@@ -297,7 +320,7 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
         strategy=spec.strategy, prompt=spec.infer.source, chat=chat or judge_chat,
         constrained=spec.infer.constrained or (spec.judge.kind == "llm" and spec.judge.parse == "json"),
         judge=judge_text, checked_records=len(sample), records=n_records, shards=n_shards, record_errors=record_errors,
-        account=account, field_notes=census.notes() if census is not None else [],
+        account=account, field_notes=census.notes() if census is not None else [], id_field=spec.id_field,
     )
 
 
@@ -310,10 +333,16 @@ def _count(spec: PipelineSpec, reader: OpenAIBatchReader | None, n_sample: int,
     account = InputAccount()
     report = ReshardReport()
 
+    id_field = spec.id_field
+
     def typed(numbered: Iterator[tuple[int, dict[str, Any]]]) -> Iterator[tuple[int, dict[str, Any]]]:
         for line, rec in numbered:
             if reader is not None:  # the sharding pass's checks, on the typed line (no record built)
                 reader.line(rec, line)
+            elif id_field != "id" and rec.get(id_field) is None:  # left out at sharding, named by file and line
+                file, at = locate(source, line)
+                malformed({"file": file, "line": at})
+                continue
             if census is not None:
                 census.add(line, rec)
             yield line, rec
@@ -323,7 +352,8 @@ def _count(spec: PipelineSpec, reader: OpenAIBatchReader | None, n_sample: int,
         report.count_malformed(entry)
 
     numbered = source.iter_numbered_sync(on_error="quarantine", quarantine=malformed)
-    sample = inputs.spread(account.counting(typed(numbered), id_of=record_id if reader is not None else None,
+    id_of = record_id if reader is not None else (lambda rec, line: rec.get(id_field)) if id_field != "id" else None
+    sample = inputs.spread(account.counting(typed(numbered), id_of=id_of,
                                              max_ids=None if reader is not None else ID_CHECK_LIMIT), n_sample)
     if reader is not None:
         report.duplicate_ids = account.repeats

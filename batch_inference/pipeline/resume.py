@@ -39,7 +39,7 @@ __all__ = ["Resume", "SHARD_INPUT_KEYS"]
 
 # The spec keys the resharded input (the ``shard-input`` entry and ``sharded/`` before the
 # layout pass) is made from: an entry made under other values is never reused.
-SHARD_INPUT_KEYS = ("input", "input_format", "openai_batch", "shard_records")
+SHARD_INPUT_KEYS = ("input", "input_format", "openai_batch", "shard_records", "id_field")
 # The layout keys that decide which records a laid-out shard holds (beside SHARD_INPUT_KEYS and
 # the model's tokenizer, which the spec check covers): round 0 started on its shards only under the same.
 LAYOUT_ORDER_KEYS = ("prefix", "signature", "block_size", "prefix_tokens", "min_gain")
@@ -187,11 +187,12 @@ class Resume:
             log.info("run %s: %s is %s input (detected: input_format auto); converting at sharding", self.spec.run, self.spec.input,
                      "OpenAI Batch" if fmt == "openai_batch" else "Parquet")
         reader = inputs.openai_reader(self.spec) if fmt == "openai_batch" else None
+        transform = inputs.record_transform(self.spec, fmt, reader)
         source = await asyncio.to_thread(inputs.open_input, self.spec.input, self.storage_options)
         report = await asyncio.to_thread(
             passes.shard_input, source, self.layout.sharded,
             records_per_shard=self.spec.shard_records, storage_options=self.storage_options,
-            quarantine_url=self.layout.input_quarantine, transform=reader.convert if reader else None,
+            quarantine_url=self.layout.input_quarantine, transform=transform,
         )
         inputs.check_records(self.spec, report.records, report.malformed)  # refused, not recorded: nothing to run
         if reader is not None:  # refused before any GPU time: the shard step is not recorded

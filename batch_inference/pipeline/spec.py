@@ -254,6 +254,9 @@ class PipelineSpec(_Strict):
     input_format: Annotated[Literal["auto", "jsonl", "openai_batch", "parquet"], DECIDES] = Field(
         "auto", description="auto: Parquet by its files; OpenAI Batch request lines from the first record (and logged)")
     openai_batch: Annotated[OpenAIBatchOptions, DECIDES] = Field(default_factory=OpenAIBatchOptions)
+    id_field: Annotated[str, DECIDES] = Field(
+        "id", min_length=1, description="the field (JSONL) or column (Parquet) holding each record's id; a record "
+        "without one is left out, named by file and line (default id: a record without one gets its line's number)")
     preflight_records: int = Field(8, ge=0, description="records rendered through the infer and judge paths before the run (0: off)")
     output: Annotated[str, PATH] = Field(min_length=1, description="base URL; the run writes under <output>/<run>/")
     export: list[Literal["parquet", "openai_batch"]] = Field(

@@ -5,7 +5,8 @@ Reading streams row group by row group, ``BATCH_ROWS`` rows at a time (memory: o
 group's column chunks and one batch, whatever the file's size). Each row is a record
 and each column a field; values become what JSON holds, losslessly for the types a
 record carries (``jsonable_type``): timestamps, dates and decimals as ISO / decimal
-strings, times and durations as integers of their unit, binary as base64; structs,
+strings, times and durations as integers of their unit, binary as base64, a float's NaN and
+infinities as ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` (JSON has none of them); structs,
 lists and nulls stay structs, lists and nulls. ``restore`` turns such records back
 into the original Arrow types, from the schema recorded when the input was read
 (``schema_to_text`` / ``schema_from_text``).
@@ -19,10 +20,12 @@ same error, or with ``on_error="quarantine"`` its unread rows go to the quaranti
 from __future__ import annotations
 
 import base64
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batch_inference.storage import urls
@@ -117,19 +120,80 @@ def restore(arr: pa.Array, t: pa.DataType) -> pa.Array:
     return pa.array(arr.to_pylist(), t)
 
 
+# JSON has no NaN or infinity (orjson writes them as null): a float column's non-finite values
+# travel as these strings, and the column's recorded Arrow type turns them back into floats.
+NON_FINITE: dict[str, float] = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _has_float(t: pa.DataType) -> bool:
+    """Whether values of ``t`` (a ``jsonable_type``) can hold a float, at any depth."""
+    if pa.types.is_floating(t):
+        return True
+    if pa.types.is_struct(t):
+        return any(_has_float(f.type) for f in t)
+    if _is_list(t):
+        return _has_float(t.value_type)
+    if pa.types.is_map(t):
+        return _has_float(t.key_type) or _has_float(t.item_type)
+    return False
+
+
+def _float_text(x: float) -> str | float:
+    if math.isfinite(x):
+        return x
+    return "NaN" if x != x else ("Infinity" if x > 0 else "-Infinity")
+
+
+def _floats(value: Any, t: pa.DataType, convert: Callable[[Any], Any]) -> Any:
+    """``value`` (of ``jsonable_type`` ``t``, as Python) with ``convert`` applied to its floats."""
+    if value is None:
+        return None
+    if pa.types.is_floating(t):
+        return convert(value)
+    if pa.types.is_struct(t):
+        return {**value, **{f.name: _floats(value.get(f.name), f.type, convert) for f in t if _has_float(f.type)}}
+    if _is_list(t):
+        return [_floats(v, t.value_type, convert) for v in value]
+    if pa.types.is_map(t):
+        return [(_floats(k, t.key_type, convert), _floats(v, t.item_type, convert)) for k, v in value]
+    return value
+
+
+def _decode_float(value: Any) -> Any:
+    return NON_FINITE[value] if isinstance(value, str) and value in NON_FINITE else value
+
+
+def _has_non_finite(arr: pa.Array) -> bool:
+    if pa.types.is_floating(arr.type) and not pa.types.is_float16(arr.type):
+        return bool(pc.any(pc.invert(pc.is_finite(arr))).as_py())
+    return True  # nested (or half) floats: looked at value by value
+
+
 def records_of(batch: pa.RecordBatch) -> list[dict[str, Any]]:
-    """A batch's rows as records (``to_jsonable`` per column)."""
+    """A batch's rows as records (``to_jsonable`` per column; non-finite floats as ``NON_FINITE`` text)."""
     if all(jsonable_type(f.type) == f.type for f in batch.schema):
-        return batch.to_pylist()
-    cols = [to_jsonable(c) for c in batch.columns]
-    return pa.RecordBatch.from_arrays(cols, names=batch.schema.names).to_pylist()
+        cols = list(batch.columns)
+        recs = batch.to_pylist()
+    else:
+        cols = [to_jsonable(c) for c in batch.columns]
+        recs = pa.RecordBatch.from_arrays(cols, names=batch.schema.names).to_pylist()
+    for name, col in zip(batch.schema.names, cols):
+        if _has_float(col.type) and _has_non_finite(col):
+            for rec in recs:
+                rec[name] = _floats(rec[name], col.type, _float_text)
+    return recs
 
 
 def table_of(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
-    """Records back as a table of ``schema`` (the fields a row lacks are null)."""
+    """Records back as a table of ``schema`` (the fields a row lacks are null; ``NON_FINITE``
+    text in a float column is the float again)."""
     cols = []
     for f in schema:
-        values = pa.array([r.get(f.name) for r in rows], jsonable_type(f.type))
+        t = jsonable_type(f.type)
+        if _has_float(t):
+            values = pa.array([_floats(r.get(f.name), t, _decode_float) for r in rows], t)
+        else:
+            values = pa.array([r.get(f.name) for r in rows], t)
         cols.append(restore(values, f.type))
     return pa.Table.from_arrays(cols, schema=schema)
 

@@ -90,6 +90,23 @@ class ReshardReport:
             self.malformed_lines.append({"file": entry["file"], "line": entry["line"]})
 
 
+class RefusedRecord(ValueError):
+    """Raised by a ``reshard`` transform for a record that cannot run (no id under the spec's
+    ``id_field``): the record is quarantined like a malformed line, named by file and line."""
+
+
+def locate(source: Source, pos: int) -> tuple[str, int]:
+    """``(file, 1-based line or row in it)`` of the record at ``pos`` (0-based across the source,
+    as ``iter_numbered_sync`` numbers it). A folder of JSONL shards numbers its lines across its
+    files: the folder and that number are named."""
+    if isinstance(source, ParquetSource):
+        for file, rows in zip(source.files, source.rows_by_file):
+            if pos < rows:
+                return file, pos + 1
+            pos -= rows
+    return source.url, pos + 1
+
+
 def assigned_id(pos: int) -> str:
     """The id of a record that has none: its 0-based position in the source, zero-padded."""
     return f"{pos:012d}"
@@ -127,7 +144,8 @@ def reshard(
     ``on_error="quarantine"`` malformed lines go to the (synchronous) ``quarantine`` sink
     and the rest is resharded. ``transform(record, line)`` rewrites each record (``line``:
     0-based, as ids are assigned) before ids are assigned (e.g. an input format converted
-    to native records).
+    to native records); one that raises ``RefusedRecord`` leaves that record out, quarantined
+    (``on_error="quarantine"``, named by file and line) or raised.
     """
     source = _source(src, storage_options)
     out = dst if isinstance(dst, JsonlDir) else JsonlDir(dst, storage_options=storage_options)
@@ -135,16 +153,26 @@ def reshard(
     seen = _SeenIds(bloom_bytes, exact_ids) if check_duplicates else None
     suspects: set[str] = set()
 
+    last_pos = -1  # the position of the last record read: a quarantined line's place in the input's order
+
     def counted(entry: dict) -> None:
         report.count_malformed(entry)
-        quarantine(entry)  # type: ignore[misc]
+        quarantine({**entry, "follows": last_pos})  # type: ignore[misc]
 
     with out.writer_sync(
         max_records_per_shard=records_per_shard, max_bytes_per_shard=max_bytes_per_shard, compression=compression
     ) as w:
         for pos, rec in source.iter_numbered_sync(on_error=on_error, quarantine=counted):
+            last_pos = pos
             if transform is not None:
-                rec = transform(rec, pos)
+                try:
+                    rec = transform(rec, pos)
+                except RefusedRecord as exc:
+                    file, line = locate(source, pos)
+                    if on_error != "quarantine":
+                        raise RefusedRecord(f"{file}:{line}: {exc}") from None
+                    counted({"file": file, "line": line, "reason": str(exc), "raw": ""})
+                    continue
             rid = rec.get("id")
             if rid is None and assign_ids:
                 rid = rec["id"] = assigned_id(pos)

@@ -87,9 +87,9 @@ def test_every_line_is_accounted_for_from_run_to_export(spec_path: Path) -> None
     assert "200 records" in parquet and "approved 197, failed 3" in parquet, parquet
     table = pq.read_table(run_dir / "export" / "parquet").to_pylist()
     assert len(table) == LINES
-    failed = [r for r in table if r["status"] == "failed"]
-    assert [r["error"].split(": ")[1] for r in failed] == named(src)
-    assert all(r["id"] is None and r["prompt"] is None and r["result"] is None for r in failed)
+    failed = [r for r in table if r["run"]["status"] == "failed"]
+    assert [r["run"]["error"].split(": ")[1] for r in failed] == named(src)
+    assert all(r["id"] is None and r["prompt"] is None and r["run"]["result"] is None for r in failed)
 
 
 def test_validate_holds_a_bounded_number_of_ids_and_says_when_it_stopped(spec_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -102,7 +102,7 @@ async def test_detected_without_input_format(tmp_path: Path, caplog: pytest.LogC
     assert "OpenAI Batch input (detected" in caplog.text
     rows = sorted(JsonlDir(PipelineRun(spec).layout.sharded).iter_records_sync(), key=lambda r: r["id"])
     assert rows[0] == {"id": "a", "messages": [{"role": "user", "content": "x"}],
-                       "openai": {"url": "/v1/chat/completions", "model": "tiny"}}
+                       "openai": {"url": "/v1/chat/completions", "model": "tiny"}, "_input": {"row": 0}}  # its line
 
 
 async def test_file_level_problems_are_one_error_before_the_run(tmp_path: Path) -> None:

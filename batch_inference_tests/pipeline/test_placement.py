@@ -23,6 +23,7 @@ from batch_inference.pipeline import placement as placement_mod
 from batch_inference.pipeline.runner import open_runner
 from batch_inference.prompting import RequestBuilder
 from batch_inference.prompting.prefix import PrefixSigner, shared_blocks
+from batch_inference.rows import INPUT
 from batch_inference.storage import JsonlDir, JsonlFile, reshard
 from batch_inference_tests.pipeline.helpers import CountingRunner
 
@@ -130,8 +131,9 @@ async def test_off_is_todays_layout_and_submission_order(tmp_path: Path) -> None
     reshard(str(src), str(plain), records_per_shard=spec.shard_records)
     ours = JsonlDir(RunLayout(spec.output, spec.run).sharded)
     assert [f.name for f in ours.shards()] == [f.name for f in JsonlDir(str(plain)).shards()]
-    for a, b in zip(ours.shards(), JsonlDir(str(plain)).shards()):
-        assert list(a.iter_records_sync()) == list(b.iter_records_sync())
+    for a, b in zip(ours.shards(), JsonlDir(str(plain)).shards()):  # the same records, each with its input position
+        assert [{k: v for k, v in r.items() if k != INPUT} for r in a.iter_records_sync()] == list(b.iter_records_sync())
+        assert [r[INPUT]["row"] for r in a.iter_records_sync()] == [int(r["id"]) for r in b.iter_records_sync()]
     assert set(seen) == {"input"}
     assert PipelineRun(spec).ledger.view().shard.layout is None
 
@@ -338,7 +340,7 @@ async def test_auto_signature_tokenises_only_chat_records(tmp_path: Path, tiny_m
         assert p.signature.startswith("text for plain prompts") is (name != "text")
     assert laid["template"] == laid["text"]  # the text layout's shards, byte for byte
     def bodies(lines: list[bytes]) -> list[bytes]:
-        return [orjson.dumps({k: v for k, v in orjson.loads(line).items() if k != "id"}) for line in lines]
+        return [orjson.dumps({k: v for k, v in orjson.loads(line).items() if k not in ("id", INPUT)}) for line in lines]
 
     assert sorted(bodies(laid["mixed"])) == sorted(orjson.dumps(r) for r in plain + chat)  # nothing lost, nothing added
     mixed_plain = [line for line in bodies(laid["mixed"]) if b'"prompt"' in line]

@@ -215,8 +215,8 @@ def build_run_assets(k: PipelineKeys, spec_source: SpecSource, *, deps: list[dg.
         op_tags=CPU_OP_TAGS,
         output_required=False,
         description=(
-            "The run as Parquet: every input record once, its input columns in their own Arrow types, plus "
-            "status, result, error and attempts. Written for runs whose spec says `export: [parquet]` "
+            "The run as Parquet: every input record once, in the input's order, its input columns as they went in, plus "
+            "the struct column `run` (status, result, error, attempts, finish_reason, tokens, cached). Written for runs whose spec says `export: [parquet]` "
             "(`batch-inference export --format parquet` writes it for any run)."
         ),
     )
