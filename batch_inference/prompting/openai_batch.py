@@ -6,14 +6,18 @@ shared by the sharding pass and the preflight) and becomes a native record at sh
 (``OpenAIBatchReader.convert``): ``id`` = ``custom_id``, ``messages`` (chat) or ``prompt``
 (completions), the body's sampling fields under ``sampling`` (bounded per record by the
 spec's ``infer.limits`` when the request is built), ``response_format``, and
-``openai: {url, model}``. Problems that make the *file* wrong for this run (unsupported
-body fields, another endpoint or method, another model, constrained output on an engine
-that cannot constrain) are collected over the whole pass and raised as one error listing
-each with the ``custom_id`` s that have it; a request's own bad values (no messages, wrong
-roles, ``n`` > 1, ``max_tokens`` over the cap) become that request's error instead.
+``openai: {url, model}``. Metadata fields (``IGNORED_FIELDS``: ``user``, ``metadata``...)
+and a falsy ``logprobs`` / ``top_logprobs`` are accepted and ignored. Problems that make the
+*file* wrong for this run (unsupported body fields, ``logprobs: true``, another endpoint or
+method, another model, constrained output on an engine that cannot constrain) are collected
+over the whole pass and raised as one error listing each with the ``custom_id`` s that have
+it; a request's own bad values (no messages, wrong roles, ``n`` > 1, ``max_tokens`` over the
+cap) become that request's error instead. The API server refuses a line whose body it cannot
+honour alone, before the pipeline reads the file (``body_refusal``, ``request_error_line``).
 
 Out: one output line per answered request and one error line per failed one
-(``output_line`` / ``error_line``), in OpenAI's batch output format.
+(``output_line`` / ``error_line``), in OpenAI's batch output format, each serialised by
+``jsonl_line`` (raw U+0085 / U+2028 / U+2029 escaped).
 """
 
 from __future__ import annotations
