@@ -106,11 +106,11 @@ PERMANENT: frozenset[ErrorKind] = frozenset({
 })
 
 
-# Fields a task writes (infer: result, error, finish_reason, usage; judge: verdict,
+# Fields a task writes (infer: result, error, finish_reason, stop_sequence, usage; judge: verdict,
 # rejection, status, round; retry: status, result, error, verdict; human review: review).
 # ``id`` and ``attempts`` travel with the record across rounds and are never stripped.
 RESULT_FIELDS: tuple[str, ...] = ("result", "error", "finish_reason", "usage", "verdict", "rejection", "status", "round", "review",
-                                   "cached")
+                                   "cached", "stop_sequence")
 
 
 # The input's own view of a record, kept by the shard step under one key the run never writes

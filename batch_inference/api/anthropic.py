@@ -2,7 +2,9 @@
 
 A Message Batch's requests (``{custom_id, params}``) become OpenAI chat request lines
 (``to_openai_line``) and run as any batch does; its results are the batch's output and error
-lines read back as Anthropic's (``result_line``): ``succeeded`` with a ``message``,
+lines read back as Anthropic's (``result_line``): ``succeeded`` with a ``message`` (its
+``stop_reason`` ``stop_sequence`` and the string when one of the request's stop sequences
+ended it: the output line's ``stop_reason``, as vLLM's server writes it),
 ``errored`` with the reason, ``canceled`` / ``expired`` for the requests a cancel or the
 window stopped. ``batch_object`` is the ``message_batch`` object of a batch's state.
 """
@@ -42,6 +44,9 @@ def to_openai_line(request: dict[str, Any]) -> tuple[dict[str, Any], str | None]
         return line, "params: must be an object"
     if unknown := sorted(set(params) - set(PARAMS)):
         return line, f"params {unknown} not supported by this server (supported: {', '.join(PARAMS)})"
+    if not isinstance(params.get("model"), str):
+        got = type(params["model"]).__name__ if "model" in params else "nothing"
+        return line, f"params.model: required, a string (got {got})"
     if not isinstance(params.get("max_tokens"), int) or isinstance(params.get("max_tokens"), bool):
         return line, "params.max_tokens: required, an integer"
     messages: list[dict[str, Any]] = []
@@ -73,14 +78,20 @@ def result_line(line: dict[str, Any]) -> dict[str, Any]:
     """One results line (``{custom_id, result}``) from an OpenAI output or error line."""
     cid = line["custom_id"]
     response = line.get("response")
+    if response and response.get("status_code") != 200:  # a request refused alone (request_error_line)
+        error = (response.get("body") or {}).get("error") or {}
+        return {"custom_id": cid, "result": {"type": "errored", "error": {
+            "type": "error", "error": {"type": "invalid_request_error", "message": str(error.get("message"))}}}}
     if response:
         body = response["body"]
         choice = body["choices"][0]
         usage = body.get("usage") or {}
+        stop_sequence = choice.get("stop_reason") if isinstance(choice.get("stop_reason"), str) else None
+        reason = "max_tokens" if choice.get("finish_reason") == "length" else "stop_sequence" if stop_sequence is not None else "end_turn"
         message = {
             "id": "msg_" + str(body["id"]).split("-", 1)[-1], "type": "message", "role": "assistant", "model": body["model"],
             "content": [{"type": "text", "text": choice["message"]["content"] or ""}],
-            "stop_reason": "max_tokens" if choice.get("finish_reason") == "length" else "end_turn", "stop_sequence": None,
+            "stop_reason": reason, "stop_sequence": stop_sequence,
             "usage": {"input_tokens": int(usage.get("prompt_tokens") or 0), "output_tokens": int(usage.get("completion_tokens") or 0)},
         }
         out = {"custom_id": cid, "result": {"type": "succeeded", "message": message}}

@@ -33,7 +33,8 @@ from batch_inference.api.fair import FairShare
 from batch_inference.api.store import Store, new_id
 from batch_inference.pipeline.layout import RunLayout
 from batch_inference.pipeline.spec import PipelineSpec, SpecError
-from batch_inference.prompting.openai_batch import ENDPOINTS, error_line
+from batch_inference.prompting.openai_batch import ENDPOINTS, body_refusal, error_line, escape_line_breaks, jsonl_line, request_error_line
+from batch_inference.storage.urls import fs_for
 
 if TYPE_CHECKING:
     from batch_inference.api.dagster_runs import DagsterBatches
@@ -170,11 +171,34 @@ class BatchManager:
             raise
         except SpecError as exc:  # the pipeline refused the requests as a file (unsupported fields...): OpenAI's validation failure
             log.warning("batch %s failed: %s", batch_id, exc)
-            await self.update(batch_id, status="failed", failed_at=now(), errors=_errors(str(exc)))
+            await self.update(batch_id, status="failed", failed_at=now(), errors=_errors(self.public(str(exc))))
         except Exception as exc:
             log.exception("batch %s failed", batch_id)
             await self.update(batch_id, status="failed", failed_at=now(),
-                              errors=_errors(f"the batch could not run: {type(exc).__name__}: {exc}", code="server_error"))
+                              errors=_errors(self.public(f"the batch could not run: {type(exc).__name__}: {exc}"), code="server_error"))
+
+    def _storage_forms(self) -> list[str]:
+        """How the storage root can appear in a message: as configured, as its filesystem path,
+        as a ``file://`` URL; longest first, so a longer form is replaced before its part."""
+        root = self.store.root
+        path = fs_for(root, self.store.storage_options)[1].rstrip("/")
+        return sorted({root, path, f"file://{path}"} - {""}, key=len, reverse=True)
+
+    def public(self, message: str) -> str:
+        """``message`` without the server's storage location: what a client reads never names
+        where the server keeps its files (a path inside storage stays, relative to it)."""
+        for form in self._storage_forms():
+            message = message.replace(form + "/", "").replace(form, "<storage>")
+        return message
+
+    def _public_line(self, raw: bytes) -> bytes:
+        """An error line (JSON bytes) without the storage location (``public``): its strings
+        name the location JSON-escaped, so the escaped forms are replaced."""
+        for form in self._storage_forms():
+            escaped = orjson.dumps(form)[1:-1]
+            if escaped in raw:
+                raw = raw.replace(escaped + b"/", b"").replace(escaped, b"<storage>")
+        return raw
 
     async def _validate(self, state: dict[str, Any]) -> dict[str, Any]:
         """Read the requests once: the batch's model, its pipeline input, the lines refused alone."""
@@ -188,13 +212,16 @@ class BatchManager:
     def _split_requests(self, state: dict[str, Any]) -> Checked:
         """Write ``input.jsonl`` (the requests of the batch's model) and ``rejected.jsonl`` (error
         lines of the requests refused alone: a model not configured, another model than the
-        batch's); file-level problems (a line that is no JSON object, too many lines, another
-        endpoint) fail the batch with the lines named. Blocking."""
+        batch's, a body field the pipeline cannot honour or a ``model`` that is no string,
+        each as OpenAI's HTTP 400 of that request); file-level problems (a line that is no
+        JSON object, too many lines, another endpoint, a repeated custom_id) fail the batch
+        with the lines named, as OpenAI's validation does. Blocking."""
         from batch_inference.api.anthropic import to_openai_line
 
         batch_dir = self.store.batch_dir(state["id"])
         configured = sorted(self.config.models)
         out = Checked()
+        first_line: dict[str, int] = {}  # custom_id -> the line it was first seen on
         max_lines = self.config.limits.max_lines
         inp, rej = self.store.open_writer(f"{batch_dir}/input.jsonl"), self.store.open_writer(f"{batch_dir}/rejected.jsonl")
         try:
@@ -213,18 +240,30 @@ class BatchManager:
                 if not isinstance(line, dict):
                     out.problem("invalid_request", f"line {n} is not a JSON object", n)
                     continue
+                cid = line.get("custom_id")
+                if isinstance(cid, str) and cid:
+                    if cid in first_line:
+                        out.problem("duplicate_custom_id", f"line {n}: custom_id {cid!r} is a duplicate of line {first_line[cid]}'s: "
+                                    "each request's custom_id must be unique in a batch", n)
+                        continue
+                    first_line[cid] = n
                 if state["api"] == "anthropic":
                     line, refused = to_openai_line(line)
                     if refused is not None:
-                        rej.write(orjson.dumps(error_line(line["custom_id"], run=state["id"], code="invalid_request", message=refused)) + b"\n")
+                        rej.write(jsonl_line(error_line(line["custom_id"], run=state["id"], code="invalid_request", message=refused)))
                         out.rejected += 1
                         continue
                 if line.get("url") != state["endpoint"]:
                     out.problem("invalid_url", f"line {n}: url {line.get('url')!r} is not the batch's endpoint {state['endpoint']!r}", n)
                     continue
                 body = line.get("body")
+                refusal = body_refusal(body, state["endpoint"])
+                if refusal is not None and isinstance(cid, str) and cid:
+                    param, why = refusal
+                    rej.write(jsonl_line(request_error_line(cid, run=state["id"], message=why, param=param)))
+                    out.rejected += 1
+                    continue
                 model = body.get("model") if isinstance(body, dict) else None
-                cid = line.get("custom_id")
                 if isinstance(model, str) and model not in self.config.models:
                     message = f"model {model!r} is not configured on this server (configured: {', '.join(configured)})"
                 elif out.model is not None and isinstance(model, str) and model != out.model:
@@ -238,7 +277,7 @@ class BatchManager:
                 if not isinstance(cid, str) or not cid:
                     out.problem("missing_custom_id", f"line {n} has no custom_id", n)
                     continue
-                rej.write(orjson.dumps(error_line(cid, run=state["id"], code="model_not_found", message=message)) + b"\n")
+                rej.write(jsonl_line(error_line(cid, run=state["id"], code="model_not_found", message=message)))
                 out.rejected += 1
             if out.total == 0:
                 out.problem("empty_file", "the input file has no requests", None)
@@ -370,7 +409,7 @@ class BatchManager:
                     if raw.strip():
                         if url != errors_url:
                             got["failed"] += 1
-                        w.write(raw + b"\n")
+                        w.write(escape_line_breaks(self._public_line(raw)) + b"\n")
             w.commit()
         except BaseException:
             w.discard()
@@ -394,7 +433,7 @@ class BatchManager:
         try:
             for raw in self.store.lines(f"{self.store.batch_dir(state['id'])}/input.jsonl"):
                 if raw.strip():
-                    w.write(orjson.dumps(error_line(str(orjson.loads(raw)["custom_id"]), run=state["id"], code=code, message=message)) + b"\n")
+                    w.write(jsonl_line(error_line(str(orjson.loads(raw)["custom_id"]), run=state["id"], code=code, message=message)))
                     n += 1
             w.commit()
         except BaseException:

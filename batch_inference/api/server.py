@@ -30,6 +30,7 @@ from batch_inference.api import anthropic
 from batch_inference.api.batches import BatchError, BatchManager, delete_file, new_id, now
 from batch_inference.api.config import ApiConfig
 from batch_inference.api.store import Store, check_id
+from batch_inference.prompting.openai_batch import jsonl_line
 
 log = logging.getLogger(__name__)
 
@@ -376,7 +377,7 @@ def create_app(config: ApiConfig, *, tokens: list[str] | None = None) -> web.App
             lines = store.lines(url)
             while (raw := await asyncio.to_thread(next, lines, None)) is not None:
                 if raw.strip():
-                    await response.write(orjson.dumps(anthropic.result_line(orjson.loads(raw))) + b"\n")
+                    await response.write(jsonl_line(anthropic.result_line(orjson.loads(raw))))
         await response.write_eof()
         return response
 

@@ -87,6 +87,10 @@ class SamplingParams:
     min_tokens: int = 0
     response_format: ResponseFormat | None = None
     adapter: str | None = None  # a LoRA adapter the engine serves (EngineConfig.lora); None: the base model
+    # OpenAI's penalties on tokens already generated (vLLM's own); engines that cannot apply
+    # them fail the item alone (``penalties_error``) rather than answer unpenalised
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if self.stop is not None and not isinstance(self.stop, tuple):
@@ -101,6 +105,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,9 @@ class Completion:
     cached_tokens: int | None = None
     # answered from the cross-run result cache (pool.result_cache): no engine computed it
     from_cache: bool = False
+    # the request's stop string that ended the text (finish_reason "stop"); None: EOS, the
+    # length limit, or no stop string matched. Anthropic's ``stop_sequence`` is this one.
+    stop_sequence: str | None = None
 
     @classmethod
     def failed(cls, error: str, prompt_tokens: int = 0) -> Completion:
@@ -298,10 +308,28 @@ def combine_seeds(seeds: Sequence[int | None]) -> int | None:
 
 def truncate_at_stop(text: str, stop: Sequence[str] | None) -> tuple[str, bool]:
     """Cut ``text`` before the earliest stop string; returns (text, stopped)."""
+    text, matched = cut_at_stop(text, stop)
+    return text, matched is not None
+
+
+def cut_at_stop(text: str, stop: Sequence[str] | None) -> tuple[str, str | None]:
+    """Cut ``text`` before the earliest stop string; returns (text, the stop string that
+    matched there, the first listed on a tie), so a caller can say which one ended it."""
     if not stop:
-        return text, False
-    cut = min((i for s in stop if s and (i := text.find(s)) >= 0), default=-1)
-    return (text[:cut], True) if cut >= 0 else (text, False)
+        return text, None
+    found = min(((i, k) for k, s in enumerate(stop) if s and (i := text.find(s)) >= 0), default=None)
+    if found is None:
+        return text, None
+    return text[: found[0]], stop[found[1]]
+
+
+def penalties_error(p: SamplingParams, engine: str) -> str | None:
+    """The per-item ``bad_sampling`` error of a request with presence/frequency penalties on an
+    engine that cannot apply them (answering it unpenalised would ignore what it asked)."""
+    asked = [f"{name} {getattr(p, name):g}" for name in ("presence_penalty", "frequency_penalty") if getattr(p, name)]
+    if not asked:
+        return None
+    return ErrorKind.BAD_SAMPLING.tag(f"{' and '.join(asked)}: the {engine} engine cannot apply penalties (the vLLM engine does)")
 
 
 def adapter_error(adapter: str | None, served: Sequence[str]) -> str | None:

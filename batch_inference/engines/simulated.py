@@ -56,7 +56,7 @@ from batch_inference.engines.base import (
     expand_params,
     token_counts,
     too_long_error,
-    truncate_at_stop,
+    cut_at_stop,
 )
 from batch_inference.engines.chat import prompt_text
 from batch_inference.engines.config import EngineConfig, SimulatedOptions
@@ -120,10 +120,11 @@ def simulated_completion(prompt: Prompt | Tokens, p: SamplingParams, options: Si
         max_tokens=p.max_tokens, min_tokens=p.min_tokens, pareto_alpha=options.pareto_alpha,
     )
     text = " ".join([verdict, *(rng.choice(_WORDS) for _ in range(n_words - 1))])
-    text, stopped = truncate_at_stop(text, p.stop)
+    text, matched = cut_at_stop(text, p.stop)
     # one word = one output token; "length" when max_tokens capped the output
-    reason = "stop" if stopped or n_words < p.max_tokens else "length"
-    return Completion(text=text, prompt_tokens=n_prompt, completion_tokens=len(text.split()), finish_reason=reason)
+    reason = "stop" if matched is not None or n_words < p.max_tokens else "length"
+    return Completion(text=text, prompt_tokens=n_prompt, completion_tokens=len(text.split()), finish_reason=reason,
+                      stop_sequence=matched)
 
 
 def decode_profile(options: SimulatedOptions, *, max_model_len: int | None = None) -> DecodeProfile:

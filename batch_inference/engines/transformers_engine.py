@@ -37,8 +37,9 @@ from batch_inference.engines.base import (
     expand_params,
     group_by_params,
     token_counts,
+    cut_at_stop,
+    penalties_error,
     too_long_error,
-    truncate_at_stop,
 )
 from batch_inference.engines.chat import TokenizerCopy, encode_each, encode_prompts
 from batch_inference.engines.config import EngineConfig, LoraOptions, TransformersOptions
@@ -123,6 +124,8 @@ class TransformersEngine:
             elif not tokens.ids:
                 out[i] = Completion.failed(ErrorKind.EMPTY_PROMPT.tag("the prompt has no tokens"))
             elif err := adapter_error(per_item[i].adapter, self.adapters):  # never run an unknown adapter's request on the base
+                out[i] = Completion.failed(err, prompt_tokens=len(tokens.ids))
+            elif err := penalties_error(per_item[i], "transformers"):
                 out[i] = Completion.failed(err, prompt_tokens=len(tokens.ids))
             else:
                 encoded[i] = list(tokens.ids)
@@ -295,10 +298,12 @@ class TransformersEngine:
         hit_eos = n is not None
         tokens = new_ids[: n if hit_eos else len(new_ids)]
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        text, stopped = truncate_at_stop(text, p.stop)
+        text, matched = cut_at_stop(text, p.stop)
+        stopped = matched is not None
         completion_tokens = len(self.tokenizer([text], add_special_tokens=True)["input_ids"][0]) if stopped else len(tokens)
         reason = "stop" if hit_eos or stopped else "length"
-        return Completion(text=text, prompt_tokens=len(prompt), completion_tokens=completion_tokens, finish_reason=reason)
+        return Completion(text=text, prompt_tokens=len(prompt), completion_tokens=completion_tokens, finish_reason=reason,
+                          stop_sequence=matched)
 
     def close(self) -> None:
         """Drop the model; frees GPU memory when on CUDA."""

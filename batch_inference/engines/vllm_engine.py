@@ -68,6 +68,10 @@ def vllm_sampling_kwargs(p: SamplingParams) -> dict[str, Any]:
     }
     if p.stop:
         kwargs["stop"] = list(p.stop)
+    if p.presence_penalty:
+        kwargs["presence_penalty"] = float(p.presence_penalty)
+    if p.frequency_penalty:
+        kwargs["frequency_penalty"] = float(p.frequency_penalty)
     if p.response_format is not None:  # constrained: never dropped on the way to vLLM
         from vllm.sampling_params import StructuredOutputsParams
 
@@ -153,8 +157,11 @@ def completion_from_output(output: Any) -> Completion:
     n_prompt = len(output.prompt_token_ids or [])
     if first.finish_reason in ("stop", "length"):
         cached = getattr(output, "num_cached_tokens", None)  # the prefix-cache hits of its prefill
+        # vLLM's stop_reason: the stop string that matched (a token id or None for EOS / stop tokens)
+        stop_reason = getattr(first, "stop_reason", None)
+        matched = stop_reason if first.finish_reason == "stop" and isinstance(stop_reason, str) else None
         return Completion(first.text, n_prompt, len(first.token_ids), first.finish_reason,
-                          cached_tokens=int(cached) if cached is not None else None)
+                          cached_tokens=int(cached) if cached is not None else None, stop_sequence=matched)
     return Completion.failed(ErrorKind.ENGINE_ERROR.tag(f"finish_reason={first.finish_reason}"), prompt_tokens=n_prompt)
 
 

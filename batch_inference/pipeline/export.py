@@ -11,7 +11,9 @@ too, ``malformed_line``, whose message names its ``file:line`` and whose ``custo
 null (no id could be read from it): the two files hold one line per input line
 (``pipeline.accounting``). A duplicate input id is answered once per occurrence, so it
 appears that many times; the summary's ``notes`` say so.
-Blocking and streaming (constant memory); call it off the event loop.
+Lines are written with ``jsonl_line``: a raw U+0085 / U+2028 / U+2029 in an answer is
+escaped, so a reader splitting on every line break (Python's ``str.splitlines()``) still
+reads one object a line. Blocking and streaming (constant memory); call it off the event loop.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 from batch_inference.pipeline.accounting import InputAccount, line_name, malformed_message, quarantined_lines
 from batch_inference.pipeline.run import PipelineRun, StepOrderError
 from batch_inference.pipeline.summaries import ShardSummary, _Summary
-from batch_inference.prompting.openai_batch import error_code, error_line, output_line
+from batch_inference.prompting.openai_batch import error_code, error_line, jsonl_line, output_line
 from batch_inference.rows import Status
 from batch_inference.storage import JsonlDir, JsonlFile
 from batch_inference.storage.urls import join
@@ -114,21 +116,21 @@ def export_openai_batch(run: PipelineRun, out: str | None = None, *, unfinished:
             counts["completion_tokens"] += usage["completion_tokens"]
             if seen is not None:
                 seen.add(line["custom_id"])
-            ok.write(line)
+            ok.write_lines([jsonl_line(line)])
         for source in run.terminal_sources():
             if source.state in ("input", Status.APPROVED) or not source.is_dir:
                 continue
             for row in _rows(source.urls, so):
-                bad.write(error(str(row["id"]), *_failure(source.state, row, spec.max_rounds)))
+                bad.write_lines([jsonl_line(error(str(row["id"]), *_failure(source.state, row, spec.max_rounds)))])
         for q in run.quarantined():
             for row in _rows((q.shard,), so, is_dir=False):
-                bad.write(error(str(row["id"]), "shard_quarantined", f"shard_quarantined: {q.error}"))
+                bad.write_lines([jsonl_line(error(str(row["id"]), "shard_quarantined", f"shard_quarantined: {q.error}"))])
         for entry in quarantined_lines(layout.input_quarantine, so):  # no record was read from these lines
-            bad.write({**error(line_name(entry), MALFORMED_LINE, malformed_message(entry)), "custom_id": None})
+            bad.write_lines([jsonl_line({**error(line_name(entry), MALFORMED_LINE, malformed_message(entry)), "custom_id": None})])
         if seen is not None and unfinished is not None:
             for row in _rows((layout.sharded,), so):
                 if str(row["id"]) not in seen:
-                    bad.write(error(str(row["id"]), *unfinished))
+                    bad.write_lines([jsonl_line(error(str(row["id"]), *unfinished))])
     total = counts["output"] + counts["errors"]
     account = InputAccount.of_shard(shard, layout.input_quarantine)
     if total != account.lines or codes.get(MALFORMED_LINE, 0) != account.malformed:

@@ -123,6 +123,7 @@ class Sample:
     row: dict[str, Any] | None = None  # set once the sample is finished
     usage: dict[str, int] | None = None  # the inferred result's, carried to the approved row (as an infer row carries it)
     finish_reason: str | None = None
+    stop_sequence: str | None = None  # the stop string that ended the inferred result, if one did
     cached: bool = False  # the inferred result came from the cross-run result cache (pool.result_cache)
 
     @property
@@ -143,12 +144,12 @@ class Sample:
         """This attempt is spent (rejected, or a retryable error): its result is cleared, so a
         resumed task re-infers it, never re-judges it."""
         self.result, self.last_error = None, last_error
-        self.usage = self.finish_reason = None
+        self.usage = self.finish_reason = self.stop_sequence = None
         self.cached = False
         self.attempt += 1
         # states merge field by field on load: the spent attempt's usage is cleared with its result
         ckpt.add({"id": self.rid, "attempt": self.attempt, "last_result": None, "usage": None, "finish_reason": None,
-                  "cached": False})
+                  "stop_sequence": None, "cached": False})
 
 
 class RetryTask:
@@ -182,7 +183,8 @@ class RetryTask:
         state = self.states.pop(rid, None) or {}
         sample = Sample(record, rid, strip_results(record), prior_attempts(record),
                         int(state.get("attempt", 0)), state.get("last_result"),
-                        usage=state.get("usage"), finish_reason=state.get("finish_reason"), cached=bool(state.get("cached")))
+                        usage=state.get("usage"), finish_reason=state.get("finish_reason"),
+                        stop_sequence=state.get("stop_sequence"), cached=bool(state.get("cached")))
         if state.get("final"):
             sample.row = {**sample.base, **state["final"]}
         return sample
@@ -213,9 +215,11 @@ class RetryTask:
                 s.result, s.last_error = res.text, None
                 s.usage = {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens}
                 s.finish_reason = res.finish_reason
+                s.stop_sequence = res.stop_sequence
                 s.cached = res.from_cache
                 self.ckpt.add({"id": s.rid, "attempt": s.attempt, "last_result": s.result,
-                               "usage": s.usage, "finish_reason": s.finish_reason, "cached": s.cached})
+                               "usage": s.usage, "finish_reason": s.finish_reason, "stop_sequence": s.stop_sequence,
+                               "cached": s.cached})
 
     async def judge(self, wave: list[Sample]) -> None:
         """One judging call for every inferred sample of the wave, one wave of the task at a time."""
@@ -232,6 +236,7 @@ class RetryTask:
                 s.final(self.ckpt, {"result": s.result, "status": Status.APPROVED, "error": None,
                                     "attempts": s.attempts + 1, "verdict": verdict.to_dict(),
                                     "usage": s.usage, "finish_reason": s.finish_reason,
+                                    **({"stop_sequence": s.stop_sequence} if s.stop_sequence is not None else {}),
                                     **({"cached": True} if s.cached else {})})
             else:
                 s.next_attempt(self.ckpt)

@@ -49,6 +49,8 @@ async def run_infer(ctx: TaskContext) -> dict[str, int]:
                                usage={"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens})
                     if res.from_cache:  # answered from an earlier run's identical request (pool.result_cache)
                         row["cached"] = True
+                    if res.stop_sequence is not None:  # which stop string ended it (Anthropic's stop_sequence)
+                        row["stop_sequence"] = res.stop_sequence
                     counts["ok"] += 1
                 else:
                     error = res.error if isinstance(res, Completion) else error_text(res)

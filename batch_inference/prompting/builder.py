@@ -24,7 +24,8 @@ from batch_inference.prompting.config import InferConfig, ResponseFormatConfig
 from batch_inference.rows import ErrorKind
 
 ROLES = ("system", "developer", "user", "assistant")
-SAMPLING_KEYS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "min_tokens", "n")
+SAMPLING_KEYS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "min_tokens", "n",
+                 "presence_penalty", "frequency_penalty")
 REQUEST_ERROR_KINDS = (ErrorKind.BAD_MESSAGES, ErrorKind.BAD_SAMPLING, ErrorKind.BAD_REQUEST)
 
 _SEED_MODULUS = 2**31 - 1  # fits every engine's seed type (torch, numpy, vLLM)
@@ -35,6 +36,11 @@ def derive_seed(base: int | None, record_id: str, attempt: int) -> int:
     key = f"{0 if base is None else base}\x1f{record_id}\x1f{attempt}".encode()
     digest = hashlib.blake2b(key, digest_size=8).digest()
     return int.from_bytes(digest, "big") % _SEED_MODULUS
+
+
+def _penalty(x: Any) -> bool:
+    """OpenAI's range for presence_penalty and frequency_penalty."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and -2 <= x <= 2
 
 
 class RequestError(ValueError):
@@ -185,11 +191,14 @@ class RequestBuilder:
             "top_p": lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x <= 1,
             "seed": lambda x: x is None or (isinstance(x, int) and not isinstance(x, bool)),
             "stop": lambda x: x is None or isinstance(x, str) or (isinstance(x, list) and all(isinstance(s, str) for s in x)),
+            "presence_penalty": _penalty,
+            "frequency_penalty": _penalty,
         }
         bounds = {"max_tokens": f"an integer in [1, limits.max_tokens {limits.max_tokens}]",
                   "min_tokens": "an integer >= 0",
                   "temperature": f"a number in [0, limits.temperature {limits.temperature:g}]",
-                  "top_p": "a number in (0, 1]", "seed": "an integer", "stop": "a string or a list of strings"}
+                  "top_p": "a number in (0, 1]", "seed": "an integer", "stop": "a string or a list of strings",
+                  "presence_penalty": "a number in [-2, 2]", "frequency_penalty": "a number in [-2, 2]"}
         for key, ok in checks.items():
             if key in v and not ok(v[key]):
                 raise RequestError(ErrorKind.BAD_SAMPLING, rid, f"{field}.{key} is {v[key]!r}: must be {bounds[key]}")

@@ -34,6 +34,8 @@ class SamplingConfig(_Wire):
     seed: int | None = None
     stop: tuple[str, ...] | None = None
     min_tokens: int = Field(0, ge=0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
 
     def to_params(self, *, seed: int | None = None) -> SamplingParams:
         """The engine's ``SamplingParams`` for one record (``seed`` overrides the base)."""

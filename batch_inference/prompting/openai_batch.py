@@ -6,14 +6,18 @@ shared by the sharding pass and the preflight) and becomes a native record at sh
 (``OpenAIBatchReader.convert``): ``id`` = ``custom_id``, ``messages`` (chat) or ``prompt``
 (completions), the body's sampling fields under ``sampling`` (bounded per record by the
 spec's ``infer.limits`` when the request is built), ``response_format``, and
-``openai: {url, model}``. Problems that make the *file* wrong for this run (unsupported
-body fields, another endpoint or method, another model, constrained output on an engine
-that cannot constrain) are collected over the whole pass and raised as one error listing
-each with the ``custom_id`` s that have it; a request's own bad values (no messages, wrong
-roles, ``n`` > 1, ``max_tokens`` over the cap) become that request's error instead.
+``openai: {url, model}``. Metadata fields (``IGNORED_FIELDS``: ``user``, ``metadata``...)
+and a falsy ``logprobs`` / ``top_logprobs`` are accepted and ignored. Problems that make the
+*file* wrong for this run (unsupported body fields, ``logprobs: true``, another endpoint or
+method, another model, constrained output on an engine that cannot constrain) are collected
+over the whole pass and raised as one error listing each with the ``custom_id`` s that have
+it; a request's own bad values (no messages, wrong roles, ``n`` > 1, ``max_tokens`` over the
+cap) become that request's error instead. The API server refuses a line whose body it cannot
+honour alone, before the pipeline reads the file (``body_refusal``, ``request_error_line``).
 
 Out: one output line per answered request and one error line per failed one
-(``output_line`` / ``error_line``), in OpenAI's batch output format.
+(``output_line`` / ``error_line``), in OpenAI's batch output format, each serialised by
+``jsonl_line`` (raw U+0085 / U+2028 / U+2029 escaped).
 """
 
 from __future__ import annotations
@@ -23,12 +27,19 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from batch_inference.rows import ErrorKind
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n")
+SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
+                   "presence_penalty", "frequency_penalty")
+# Body fields that say something about the request, not how to answer it: accepted, ignored.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
+# Body fields accepted when they ask for nothing the pipeline does not give (falsy): logprobs
+# are not carried from the engines to the output, so asking for them refuses the request.
+OFF_ONLY_FIELDS = frozenset({"logprobs", "top_logprobs"})
 EXAMPLES = 5  # custom_ids named per problem
 
 
@@ -47,6 +58,8 @@ class _Body(BaseModel):
     seed: Any = None
     stop: Any = None
     n: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
 
     def sampling(self) -> dict[str, Any]:
         """The sampling fields the request gives (an explicit null included)."""
@@ -111,6 +124,37 @@ def _finish(record: dict[str, Any], url: str, body: _Body) -> dict[str, Any]:
 # One request line of an OpenAI Batch input file: ``{custom_id, method, url, body}``, read by its url.
 BatchLine = ChatLine | CompletionsLine
 LINES: dict[str, type[ChatLine] | type[CompletionsLine]] = {"/v1/chat/completions": ChatLine, "/v1/completions": CompletionsLine}
+BODIES: dict[str, type[ChatBody] | type[CompletionsBody]] = {"/v1/chat/completions": ChatBody, "/v1/completions": CompletionsBody}
+
+
+def refused_fields(extra: dict[str, Any], url: str) -> list[tuple[str, str]]:
+    """``(param, why)`` for each body field beyond the ones this pipeline reads that it cannot
+    honour: any it does not know, and ``logprobs`` / ``top_logprobs`` asking for log
+    probabilities. ``IGNORED_FIELDS`` and a falsy ``logprobs``/``top_logprobs`` pass."""
+    refused = []
+    for name in sorted(extra):
+        value = extra[name]
+        if name in IGNORED_FIELDS or (name in OFF_ONLY_FIELDS and value in (None, False, 0)):
+            continue
+        if name in OFF_ONLY_FIELDS:
+            refused.append((name, f"{name}: {orjson.dumps(value).decode()}: log probabilities are not returned by this server "
+                                  f"(send {name}: {'false' if name == 'logprobs' else 0} or leave it out)"))
+        else:
+            refused.append((name, f"unsupported body field {name!r} for {url}"))
+    return refused
+
+
+def body_refusal(body: Any, url: str) -> tuple[str, str] | None:
+    """``(param, why)`` when a request body asks for something this pipeline cannot honour
+    (``refused_fields``, or a ``model`` that is not a string), else None: the API server
+    refuses such a request alone, as OpenAI answers it with a 400 (``request_error_line``)."""
+    if not isinstance(body, dict):
+        return "body", "body must be an object"
+    if "model" in body and not isinstance(body["model"], str):
+        return "model", f"body.model must be a string, got {type(body['model']).__name__}"
+    known = set(BODIES[url].model_fields) if url in BODIES else set()
+    refused = refused_fields({k: v for k, v in body.items() if k not in known}, url)
+    return refused[0] if refused else None
 
 
 def looks_like_openai_batch(record: Any) -> bool:
@@ -200,8 +244,8 @@ class OpenAIBatchReader:
         if line.model_extra:
             self._problem(f"unsupported line keys {sorted(line.model_extra)}", cid)
         body = line.body
-        for name in sorted(body.model_extra) if body.model_extra else ():
-            self._problem(f"unsupported body field {name!r} for {line.url}", cid)
+        for _, why in refused_fields(body.model_extra or {}, line.url):
+            self._problem(why, cid)
         if self.models is not None and body.model is not None and body.model not in self.models:
             self._problem(f"body.model {body.model!r} is not served by this run (accepted: {', '.join(sorted(self.models))}); "
                           f"to answer it, list it in the spec's openai_batch.model_aliases, or set "
@@ -254,11 +298,13 @@ def output_line(row: dict[str, Any], *, run: str, model: str, created: int, judg
     text = row.get("result") or ""
     if url == "/v1/completions":
         body_id, obj = f"cmpl-{_hex(run, cid)}", "text_completion"
-        choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+        choices: list[dict[str, Any]] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
     else:
         body_id, obj = f"chatcmpl-{_hex(run, cid)}", "chat.completion"
         choices = [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
                     "logprobs": None, "finish_reason": finish}]
+    if finish == "stop" and isinstance(row.get("stop_sequence"), str):
+        choices[0]["stop_reason"] = row["stop_sequence"]  # which stop string ended it, as vLLM's server says
     body = {
         "id": body_id, "object": obj, "created": created, "model": openai.get("model") or model,
         "choices": choices,
@@ -271,6 +317,36 @@ def output_line(row: dict[str, Any], *, run: str, model: str, created: int, judg
     if judged:
         line["judge"] = {"attempt": int(row.get("attempts") or 1), "round": row.get("round"), "verdict": row.get("verdict")}
     return line
+
+
+def request_error_line(custom_id: str, *, run: str, message: str, param: str | None = None) -> dict[str, Any]:
+    """A request refused alone as OpenAI refuses it: ``response`` the HTTP 400 its endpoint
+    would answer (``body.error``: ``{message, type: invalid_request_error, param, code}``), ``error`` null."""
+    return {"id": f"batch_req_{_hex(run, 'req', custom_id)}", "custom_id": custom_id,
+            "response": {"status_code": 400, "request_id": f"req_{_hex(run, 'id', custom_id)}",
+                         "body": {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}},
+            "error": None}
+
+
+# Line separators that JSON allows raw in strings but Python's str.splitlines() (and
+# JavaScript before ES2019) split on: NEL, LINE SEPARATOR, PARAGRAPH SEPARATOR as UTF-8.
+_SPLITTERS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
+def jsonl_line(obj: Any) -> bytes:
+    """One JSONL line of a file this project serves in OpenAI's or Anthropic's format: orjson's
+    bytes with U+0085, U+2028 and U+2029 escaped as ``\\uXXXX`` (as OpenAI's JSON writes them),
+    so a reader splitting on every line break still gets one object a line. The escapes are
+    valid JSON and parse to the same string; they can only occur inside strings."""
+    return escape_line_breaks(orjson.dumps(obj)) + b"\n"
+
+
+def escape_line_breaks(data: bytes) -> bytes:
+    """``data`` (UTF-8 JSON) with its raw U+0085 / U+2028 / U+2029 escaped (``jsonl_line``)."""
+    for raw, escaped in _SPLITTERS:
+        if raw in data:
+            data = data.replace(raw, escaped)
+    return data
 
 
 def error_line(custom_id: str, *, run: str, code: str, message: str) -> dict[str, Any]:

@@ -62,6 +62,22 @@ def test_stop_strings_cut_the_text(tiny_engine) -> None:
     assert cut.text == full.text[: full.text.find(stop)] and cut.finish_reason == "stop"
 
 
+def test_the_stop_string_that_ended_the_text_is_reported(tiny_engine) -> None:
+    full = tiny_engine.generate(["stop test"], SamplingParams(max_tokens=12, min_tokens=12))[0]
+    stop = full.text[len(full.text) // 2 :][:2]
+    absent = "\x00never\x00"
+    cut = tiny_engine.generate(["stop test"], SamplingParams(max_tokens=12, min_tokens=12, stop=[absent, stop]))[0]
+    assert cut.finish_reason == "stop" and cut.stop_sequence == stop, (full.text, cut)
+    assert full.stop_sequence is None
+
+
+def test_penalties_fail_their_item_alone(tiny_engine) -> None:
+    out = tiny_engine.generate(["hello", "hello"], [GREEDY, SamplingParams(max_tokens=8, presence_penalty=0.5)])
+    assert out[0].error is None and out[0].completion_tokens == 8
+    assert out[1].finish_reason == "error" and out[1].error.startswith("bad_sampling")
+    assert "presence_penalty 0.5" in out[1].error and "vLLM" in out[1].error
+
+
 def fail_batches_holding(engine, marker: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every ``generate`` batch that holds the prompt ``marker`` raises, as a whole."""
     real = engine._generate_batch

@@ -19,6 +19,20 @@ def test_sampling_kwargs_are_explicit() -> None:
     assert "stop" not in vllm_sampling_kwargs(SamplingParams())
 
 
+def test_penalties_reach_vllm_and_the_matched_stop_string_comes_back() -> None:
+    kw = vllm_sampling_kwargs(SamplingParams(presence_penalty=0.5, frequency_penalty=-1.0))
+    assert kw["presence_penalty"] == 0.5 and kw["frequency_penalty"] == -1.0
+    assert "presence_penalty" not in vllm_sampling_kwargs(SamplingParams())
+
+    def out(reason: str, stop_reason: object) -> SimpleNamespace:
+        return SimpleNamespace(prompt_token_ids=[1], outputs=[SimpleNamespace(text="a", token_ids=[7], finish_reason=reason,
+                                                                               stop_reason=stop_reason)])
+
+    assert completion_from_output(out("stop", "###")).stop_sequence == "###"
+    assert completion_from_output(out("stop", None)).stop_sequence is None  # EOS
+    assert completion_from_output(out("stop", 2)).stop_sequence is None  # a stop token id, not a string
+
+
 def test_split_runnable_filters_overlong_and_empty() -> None:
     params = [SamplingParams(max_tokens=4)] * 3
     runnable, errors = split_runnable([[1, 2], [1] * 10, []], params, max_model_len=10)

@@ -117,7 +117,7 @@ async def test_file_level_problems_are_one_error_before_the_run(tmp_path: Path) 
     with pytest.raises(InputError) as info:
         await PipelineRun(spec).shard()
     text = str(info.value)
-    for needle in ("unsupported body field 'logprobs'", "unsupported body field 'tools'", "custom_id 'tools'",
+    for needle in ("logprobs: true: log probabilities are not returned", "unsupported body field 'tools'", "custom_id 'tools'",
                    "body.model 'gpt-4o' is not served by this run (accepted: tiny)", "openai_batch.model_aliases",
                    "openai_batch.check_model: false", "url '/v1/embeddings'",
                    "duplicate custom_id", f"'dup' (2x: {spec.input}:1, {spec.input}:2)", "response_format: this run's engine cannot constrain", "custom_id 'schema'"):

@@ -55,3 +55,6 @@ async def test_stop_strings_end_requests_exactly_where_llm_generate_ends_them(ti
     reasons = [r[2] for r in raw]
     assert "stop" in reasons and "length" in reasons, reasons  # the stop strings ended some requests, not all
     assert all(not any(s in text for s in STOP) for text, _, _ in raw)  # cut before the stop string
+    # which stop string ended each request: vLLM's stop_reason, carried as Completion.stop_sequence
+    matched = [o.outputs[0].stop_reason if isinstance(o.outputs[0].stop_reason, str) else None for o in outs]
+    assert [c.stop_sequence for c in streamed] == matched and set(matched) - {None} <= set(STOP) and any(matched)
