@@ -509,31 +509,15 @@ class BatchManager:
         await asyncio.to_thread(self._expire_files, t)
 
     def _live_counts(self, state: dict[str, Any]) -> dict[str, int]:
-        """request_counts of a running batch from its run's ledger: each finished shard's approved
-        and failed records (blocking; the final counts come from the export)."""
+        """request_counts of a running batch (blocking): what its run's ledger says has settled
+        (``LedgerView.settled``: finished shards, and the records running tasks have committed,
+        chunk by chunk) plus the lines refused at validation. A cancel now would deliver as many
+        (the final counts come from the export)."""
         from batch_inference.pipeline.ledger import Ledger
 
-        layout = RunLayout(self.store.runs, state["id"])
-        ledger = Ledger(layout, self.config.storage_options)
-        shard = ledger.read(RunLayout.SHARD)
-        counts = dict(state["request_counts"])
-        if shard is None:
-            return counts
-        indices = list(range(2 * int(shard.get("shards") or 0) + 8))
-        done = failed = 0
-        for rec in ledger.progress(RunLayout.TAIL, indices).values():
-            c = rec.get("counts") or {}
-            done += int(c.get("approved", 0))
-            failed += int(c.get("error", 0)) + int(c.get("max_attempts", 0))
-        r = 0
-        while ledger.read(layout.step_name(r, "infer")) is not None or r == 0:
-            for rec in ledger.progress(layout.step_name(r, "judge"), indices).values():
-                done += int((rec.get("counts") or {}).get("approved", 0))
-            r += 1
-            if r > 99:
-                break
-        rejected = self._rejected_count(state)
-        return {"total": counts["total"], "completed": done, "failed": failed + rejected}
+        settled = Ledger(RunLayout(self.store.runs, state["id"]), self.config.storage_options).view().settled()
+        return {"total": int(state["request_counts"]["total"]), "completed": settled["approved"],
+                "failed": settled["failed"] + self._rejected_count(state)}
 
     def _rejected_count(self, state: dict[str, Any]) -> int:
         url = f"{self.store.batch_dir(state['id'])}/rejected.jsonl"

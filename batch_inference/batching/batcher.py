@@ -442,6 +442,13 @@ class DynamicBatcher(Generic[T, R]):
                 continue
             batch, cost = ready.popleft()
             _wake(self._slot_waiter)
+            live = [item for item in batch if not item[2].done()]
+            if len(live) < len(batch):  # cancelled by their producers while assembled: no model work for them
+                self._cancelled += len(batch) - len(live)
+                cost = len(live) * max(item[1] for item in live) if self._padded and live else sum(item[1] for item in live)
+                batch = live
+                if not batch:
+                    continue
             n = len(batch)
             failed = 0
             start = clock()

@@ -16,11 +16,17 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
+    import dagster as dg
+
     from batch_inference.defs.pool.resources import PoolResource
     from batch_inference.pipeline import PipelineRun, PipelineSpec
+    from batch_inference.pipeline.summaries import LedgerView
     from batch_inference.pool.protocol import TaskRunner
 
 T = TypeVar("T")
+Report = Callable[["LedgerView"], None]
+PROGRESS_EVERY_S = 10.0  # how often a running GPU step reports its tasks' progress (log event, run tag)
+PROGRESS_TAG = "batch_inference/progress"
 
 _HOSTED: dict[str, TaskRunner] = {}
 _HOSTED_LOCK = threading.Lock()
@@ -63,23 +69,69 @@ def run_cpu_step(spec: PipelineSpec, step: Callable[[PipelineRun], Awaitable[T]]
     return _spec_errors_fail_the_step(spec, step(PipelineRun(spec, eta=eta_after_round)))
 
 
+def progress_reporter(context: dg.AssetExecutionContext) -> Report:
+    """What a running GPU step shows in Dagster while its tasks run (``run_gpu_step``'s ``report``):
+    a log event each time its progress moves, and the run tag ``batch_inference/progress`` with the
+    latest (the runs list shows it), from the tasks' per-chunk progress records (``LedgerView.steps``)."""
+    last: list[str] = []
+
+    def report(view: LedgerView) -> None:
+        from batch_inference.pipeline.report import step_lines
+
+        lines = step_lines(view)
+        if not lines or lines == last:
+            return
+        last[:] = lines
+        context.log.info("; ".join(lines))
+        try:
+            context.instance.add_run_tags(context.run_id, {PROGRESS_TAG: lines[-1]})
+        except Exception as exc:  # noqa: BLE001 - a figure on the run list, never the step's failure
+            context.log.warning(f"progress tag not set: {type(exc).__name__}: {exc}")
+
+    return report
+
+
+async def _reported(run: PipelineRun, body: Awaitable[T], report: Report | None) -> T:
+    """``body``, with ``report`` given the run's ledger view every ``PROGRESS_EVERY_S`` while it runs."""
+    if report is None:
+        return await body
+
+    async def watch() -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY_S)
+            try:
+                report(await asyncio.to_thread(run.ledger.view))
+            except Exception:  # noqa: BLE001 - progress is a figure: a failed read waits for the next
+                continue
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await body
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+
+
 def run_gpu_step(spec: PipelineSpec, pool: PoolResource, step: Callable[[PipelineRun], Awaitable[T]],
-                 judge_pool: PoolResource | None = None) -> T:
+                 judge_pool: PoolResource | None = None, *, report: Report | None = None) -> T:
     """A step whose shard tasks go to the pools (infer, judge, tail): ``pool`` runs the infer
-    model, ``judge_pool`` a judge's own model (when the spec gives it one)."""
+    model, ``judge_pool`` a judge's own model (when the spec gives it one). ``report`` gets
+    the run's ledger view every ``PROGRESS_EVERY_S`` while the step runs (``progress_reporter``)."""
     from batch_inference.pipeline import PipelineRun, open_runner
     from batch_inference.planning.progress import eta_after_round
 
     with _HOSTED_LOCK:
         hosted = _HOSTED.get(spec.run)
     if hosted is not None:
-        return _spec_errors_fail_the_step(spec, step(PipelineRun(spec, runner=hosted, eta=eta_after_round)))
+        run = PipelineRun(spec, runner=hosted, eta=eta_after_round)
+        return _spec_errors_fail_the_step(spec, _reported(run, step(run), report))
     placed = pool.apply(spec)
     if judge_pool is not None:
         placed = judge_pool.apply(placed)
 
     async def go() -> T:
         async with open_runner(placed) as runner:
-            return await step(PipelineRun(placed, runner=runner, eta=eta_after_round))
+            run = PipelineRun(placed, runner=runner, eta=eta_after_round)
+            return await _reported(run, step(run), report)
 
     return _spec_errors_fail_the_step(spec, go())

@@ -27,9 +27,9 @@ from batch_inference.pipeline.accounting import InputAccount, line_name, malform
 from batch_inference.pipeline.run import PipelineRun, StepOrderError
 from batch_inference.pipeline.summaries import ShardSummary, _Summary
 from batch_inference.prompting.openai_batch import error_code, error_line, jsonl_line, output_line
-from batch_inference.rows import Status
-from batch_inference.storage import JsonlDir, JsonlFile
-from batch_inference.storage.urls import join
+from batch_inference.rows import Status, strip_results
+from batch_inference.storage import CheckpointStore, JsonlDir, JsonlFile
+from batch_inference.storage.urls import fs_for, join
 
 
 MALFORMED_LINE = "malformed_line"  # the error code of an input line that was no record
@@ -78,12 +78,36 @@ def _failure(state: str, row: dict[str, Any], max_rounds: int) -> tuple[str, str
     return error_code(reason), reason
 
 
+def _committed_in_running_tail(run: PipelineRun) -> dict[str, dict[str, Any]]:
+    """id -> the final state (approved, max_attempts, error) of each record a tail task had
+    checkpointed when the run was stopped, over the tail shards that never finished (no
+    progress record): what a cancel delivers of a shard cut short. Blocking."""
+    layout, so = run.layout, run.storage_options
+    if run.ledger.read(layout.TAIL) is not None:
+        return {}
+    finished = run.ledger.progress(layout.TAIL, None)
+    folder = JsonlDir(join(layout.tail, "checkpoints"), storage_options=so)
+    if not folder.exists_sync():
+        return {}
+    fs, path = fs_for(folder.url, so)
+    fs.invalidate_cache(path)
+    finals: dict[str, dict[str, Any]] = {}
+    for name in sorted(n.rstrip("/").rsplit("/", 1)[-1] for n in fs.ls(path, detail=False)):
+        if not name.startswith("part-") or not name[5:].isdigit() or int(name[5:]) in finished:
+            continue
+        for rid, state in CheckpointStore(layout.tail_checkpoint(int(name[5:])), storage_options=so).load_sync().items():
+            if state.get("final"):
+                finals[rid] = state["final"]
+    return finals
+
+
 def export_openai_batch(run: PipelineRun, out: str | None = None, *, unfinished: tuple[str, str] | None = None,
                         judged: bool = False) -> ExportSummary:
     """Write ``<out>/output.jsonl`` and ``<out>/errors.jsonl`` (default ``RunLayout.openai_export``).
 
     ``unfinished`` (``(code, message)``) exports a run that was stopped before its end (a
-    cancelled or expired batch): what reached a terminal state is written as usual, and every
+    cancelled or expired batch): what reached a terminal state is written as usual (a tail
+    shard cut short by the stop included: the records its task had checkpointed), and every
     other sharded request becomes an error line with that code, so each is still in exactly one
     file. The run's driver must be stopped first (nothing may reach a terminal state meanwhile).
     ``judged``: each output line also says which attempt was approved (``output_line``).
@@ -128,9 +152,25 @@ def export_openai_batch(run: PipelineRun, out: str | None = None, *, unfinished:
         for entry in quarantined_lines(layout.input_quarantine, so):  # no record was read from these lines
             bad.write_lines([jsonl_line({**error(line_name(entry), MALFORMED_LINE, malformed_message(entry)), "custom_id": None})])
         if seen is not None and unfinished is not None:
+            committed = _committed_in_running_tail(run)
             for row in _rows((layout.sharded,), so):
-                if str(row["id"]) not in seen:
-                    bad.write_lines([jsonl_line(error(str(row["id"]), *unfinished))])
+                rid = str(row["id"])
+                if rid in seen:
+                    continue
+                if (final := committed.pop(rid, None)) is None:
+                    bad.write_lines([jsonl_line(error(rid, *unfinished))])
+                    continue
+                done = {**strip_results(row), **final}  # finished by a tail task the stop cut short
+                if done.get("status") == Status.APPROVED:
+                    line = output_line(done, run=spec.run, model=spec.model_name, created=created, judged=judged)
+                    usage = line["response"]["body"]["usage"]
+                    counts["output"] += 1
+                    counts["prompt_tokens"] += usage["prompt_tokens"]
+                    counts["completion_tokens"] += usage["completion_tokens"]
+                    seen.add(rid)
+                    ok.write_lines([jsonl_line(line)])
+                else:
+                    bad.write_lines([jsonl_line(error(rid, *_failure("unfinished", done, spec.max_rounds)))])
     total = counts["output"] + counts["errors"]
     account = InputAccount.of_shard(shard, layout.input_quarantine)
     if total != account.lines or codes.get(MALFORMED_LINE, 0) != account.malformed:

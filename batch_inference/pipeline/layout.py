@@ -222,8 +222,12 @@ class RunLayout:
         a worker computes identical requests once (``TaskSpec.dedup_scope``)."""
         return f"{self.run}/{instance}/r{r:02d}/{kind}" if instance else f"{self.run}/r{r:02d}/{kind}"
 
+    @property
+    def progress_root(self) -> str:
+        return join(self.ledger, "progress")
+
     def progress_dir(self, step: str) -> str:
-        return join(self.ledger, "progress", step)
+        return join(self.progress_root, step)
 
     @staticmethod
     def progress_name(index: int) -> str:
@@ -232,3 +236,15 @@ class RunLayout:
     def progress_file(self, step: str, index: int) -> str:
         """One small record per finished shard task: the resume marker of that shard."""
         return join(self.progress_dir(step), self.progress_name(index))
+
+    @property
+    def live_root(self) -> str:
+        return join(self.ledger, "live")
+
+    def live_dir(self, step: str) -> str:
+        return join(self.live_root, step)
+
+    def live_progress_file(self, step: str, index: int) -> str:
+        """What shard task ``index`` of ``step`` reports while it runs (``TaskSpec.progress_url``):
+        records done so far, replaced after each chunk; its progress record supersedes it."""
+        return join(self.live_dir(step), f"part-{index:05d}.jsonl")

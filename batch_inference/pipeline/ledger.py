@@ -42,6 +42,8 @@ from batch_inference.pipeline.summaries import (
     RoundView,
     RunSummary,
     ShardSummary,
+    StepProgress,
+    add_counts,
 )
 from batch_inference.rows import ErrorKind, Status
 from batch_inference.storage import CorruptShardError, JsonlDir, JsonlFile, MalformedRecordError
@@ -51,6 +53,7 @@ log = logging.getLogger(__name__)
 
 S = TypeVar("S")
 PROGRESS_NAME = re.compile(r"part-(\d{5,})\.json")  # RunLayout.progress_name's
+LIVE_NAME = re.compile(r"part-(\d{5,})\.jsonl")  # RunLayout.live_progress_file's
 BUCKET_IDS = 250_000  # input ids per bucket held in memory at once during the check
 PROGRESS_READS_IN_FLIGHT = 64  # progress records read at once from an object store (Ledger.progress)
 # ``awaiting_review`` is a terminal-state-to-be: records of an open review queue.
@@ -178,7 +181,47 @@ class Ledger:
         return LedgerView(
             spec=self.read(names.SPEC), shard=self.read_as(names.SHARD, ShardSummary), rounds=rounds,
             tail=self.read_as(names.TAIL, PhaseSummary), run=self.read_as(names.RUN, RunSummary),
+            steps=self.steps_under_way(),
         )
+
+    def _listed(self, url: str) -> list[str]:
+        path = self._path(url)
+        try:
+            self.fs.invalidate_cache(path)
+            return sorted(n.rstrip("/").rsplit("/", 1)[-1] for n in self.fs.ls(path, detail=False))
+        except FileNotFoundError:
+            return []
+
+    def steps_under_way(self) -> dict[str, StepProgress]:
+        """Each step with shard tasks done or running but no ledger entry yet: its finished
+        tasks' progress records plus its running tasks' live records (``RunLayout.live_progress_file``;
+        a shard with a progress record is counted from that alone)."""
+        names = set(self._listed(self.layout.progress_root)) | set(self._listed(self.layout.live_root))
+        out: dict[str, StepProgress] = {}
+        for step in sorted(names):
+            if self.read(step) is not None:  # the step is recorded whole
+                continue
+            done = self.progress(step, None)
+            running_shards = [int(m.group(1)) for n in self._listed(self.layout.live_dir(step))
+                              if (m := LIVE_NAME.fullmatch(n)) and int(m.group(1)) not in done]
+            paths = [self.fs._strip_protocol(self._path(self.layout.live_progress_file(step, i))) for i in running_shards]
+            live: list[dict[str, Any]] = []
+            for data in self._cat_many(paths).values():
+                if isinstance(data, BaseException):  # gone since the listing (its task finished) or being replaced
+                    continue
+                try:
+                    live.append(orjson.loads(data.splitlines()[0]))
+                except (orjson.JSONDecodeError, IndexError):
+                    continue
+            running = add_counts(rec.get("counts") or {} for rec in live)
+            committed = add_counts(rec.get("counts") or {} for rec in live if rec.get("committed"))
+            out[step] = StepProgress(
+                step=step, shards_done=len(done), shards_running=len(live),
+                records_done=sum(int(rec.get("records_in", 0)) for rec in done.values()),
+                records_running=sum(int(rec.get("records", 0)) for rec in live),
+                done=add_counts(rec.get("counts") or {} for rec in done.values()), running=running, committed=committed)
+        return out
+
 
 
 # ------------------------------------------------------------------ conservation

@@ -26,7 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from batch_inference.pipeline.accounting import InputAccount
-from batch_inference.pipeline.summaries import LedgerView, PhaseSummary, RunSummary, rate
+from batch_inference.pipeline.summaries import LedgerView, PhaseSummary, RunSummary, add_counts, rate
 
 
 OFF_TTY_WIDTH = 160  # the ledger table's columns fit without wrapping
@@ -345,12 +345,26 @@ def failed_reason_lines(r: RunSummary) -> list[str]:
     return [f"records_failed: {r.failed:,} — {', '.join(named)} (each failed row's error: `batch-inference export`)"]
 
 
+def step_lines(view: LedgerView) -> list[str]:
+    """The steps under way, as their tasks report them chunk by chunk, and what has settled."""
+    lines = []
+    for name, step in view.steps.items():
+        counts = add_counts((step.done, step.running))
+        detail = ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items()) if v)
+        lines.append(f"{name} under way: {step.shards_done:,} shard(s) done, {step.shards_running:,} running; "
+                     f"{step.records:,} record(s) through" + (f" ({detail})" if detail else ""))
+    if view.steps:
+        settled = view.settled()
+        lines.append(f"settled so far: approved {settled['approved']:,}, failed {settled['failed']:,}")
+    return lines
+
+
 def _verdict_lines(view: LedgerView) -> list[str]:
     if not (r := view.run):
         waiting = [f"round {x.round}: {x.awaiting_review} record(s) sent to human review "
                    "(`batch-inference review SPEC` serves the page; the run goes on once they are decided)"
                    for x in view.rounds if x.awaiting_review]
-        return [*waiting, "run not finalized yet (re-run `batch-inference run SPEC` to resume)"]
+        return [*waiting, *step_lines(view), "run not finalized yet (re-run `batch-inference run SPEC` to resume)"]
     c = r.conservation
     lines = [f"round {d.round} -> {d.kind}: {d.reason}" for d in (x.decision for x in view.rounds) if d]
     lines += [

@@ -286,6 +286,7 @@ class PipelineRun:
                 outputs={"output": join(self.layout.inferred(r), part(index))}, infer=self.spec.request_infer,
                 chunk_size=self.spec.chunk_size, round=r, storage_options_ref=self.spec.pool.storage_options_ref, order=self._order,
                 result_cache=self.spec.result_cache_url, dedup_scope=self._dedup_scope(r, "infer", instance),
+                progress_url=self.layout.live_progress_file(name, index),
             )
 
         return Phase(
@@ -402,6 +403,7 @@ class PipelineRun:
                 outputs=outputs,
                 judge=self.spec.judge.task_config(), infer=self.spec.request_infer, chunk_size=self.spec.chunk_size, round=r,
                 storage_options_ref=self.spec.pool.storage_options_ref, order=self._order, result_cache=self.spec.result_cache_url, dedup_scope=self._dedup_scope(r, "judge", instance),
+                progress_url=self.layout.live_progress_file(name, index),
             )
 
         fan = self._fanout(Phase(
@@ -595,6 +597,7 @@ class PipelineRun:
                 chunk_size=self.spec.chunk_size,
                 round=from_round, storage_options_ref=self.spec.pool.storage_options_ref, order=self._order,
                 result_cache=self.spec.result_cache_url, dedup_scope=self._dedup_scope(from_round, "retry", instance),
+                progress_url=self.layout.live_progress_file(RunLayout.TAIL, index),
             )
 
         def split(index: int, result: TaskResult) -> dict[str, Any]:

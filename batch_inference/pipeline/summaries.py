@@ -8,10 +8,11 @@ records, its approval rate) is computed here once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar, Literal
 
+from batch_inference.pipeline.layout import RunLayout
 from batch_inference.pool.protocol import PERMANENT_ERRORS, REVIEW_OUTPUT
 
 DecisionKind = Literal["next_round", "tail", "done", "exhausted"]
@@ -458,6 +459,34 @@ class RoundView:
         return prefill_vs_ideal(self.phases)
 
 
+@dataclass(frozen=True)
+class StepProgress(_Summary):
+    """A step whose shard tasks still run (no ledger entry yet): its finished tasks' progress
+    records, and what its running tasks reported after their last chunk (``TaskSpec.progress_url``)."""
+
+    step: str
+    shards_done: int
+    shards_running: int
+    records_done: int  # records the finished tasks read
+    records_running: int  # records the running tasks are through
+    done: dict[str, int]  # the finished tasks' counts (approved, rejected, ok, error, ...)
+    running: dict[str, int]  # the running tasks' counts so far
+    committed: dict[str, int]  # of ``running``, those on storage already (a retry task's checkpoints): a cancel keeps them
+
+    @property
+    def records(self) -> int:
+        return self.records_done + self.records_running
+
+
+def add_counts(counts: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """Counts by outcome summed over tasks."""
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + int(v)
+    return out
+
+
 @dataclass
 class LedgerView:
     """Everything a run's ledger holds, typed (``Ledger.view()``)."""
@@ -467,6 +496,27 @@ class LedgerView:
     rounds: list[RoundView] = field(default_factory=list)
     tail: PhaseSummary | None = None  # its ``round`` is the round it took over from
     run: RunSummary | None = None
+    steps: dict[str, StepProgress] = field(default_factory=dict)  # the steps under way, by ledger name
+
+    def settled(self) -> dict[str, int]:
+        """Records that reached a terminal state so far, and keep it whatever follows (a cancel
+        delivers them): ``approved`` (the judges' committed shards, the tail's finished shards and
+        its running tasks' checkpointed records) and ``failed`` (errors, max_attempts, quarantined
+        shards). Moves per committed chunk of the tail, per finished shard of a round's judge."""
+        approved = failed = 0
+        for r in self.rounds:
+            approved += r.approved
+            failed += r.failed
+            if r.judge is None and (judging := self.steps.get(RunLayout.step_name(r.round, "judge"))) is not None:
+                approved += int(judging.done.get("approved", 0))
+        if self.tail is not None:
+            approved += self.tail.approved
+            failed += self.tail.records_failed + self.tail.max_attempts
+        elif (tail := self.steps.get(RunLayout.TAIL)) is not None:
+            counts = add_counts((tail.done, tail.committed))
+            approved += counts.get("approved", 0)
+            failed += counts.get("error", 0) + counts.get("max_attempts", 0)
+        return {"approved": approved, "failed": failed}
 
     @property
     def quarantined(self) -> list[QuarantineEntry]:
@@ -478,6 +528,7 @@ class LedgerView:
             return x.as_dict() if x is not None else None
 
         return {"spec": self.spec, "shard": d(self.shard), "tail": d(self.tail), "run": d(self.run),
+                "steps": {name: d(p) for name, p in self.steps.items()},
                 "rounds": [{"round": r.round, "infer": d(r.infer), "judge": d(r.judge), "decision": d(r.decision),
                             "recompact": d(r.recompact), "review": d(r.review)} for r in self.rounds]}
 

@@ -18,7 +18,9 @@ times; "busy"/"shutting down" refusals (429/503) wait and go elsewhere without u
 retry. A deterministic refusal (400/401/403/409/413/422) or exhausted retries raise
 ``TaskFailed`` for the caller to quarantine; 409 (the task id is held with another spec)
 raises ``TaskConflict`` and 507 (the worker's storage is full) ``OSError(ENOSPC)``, so that
-the run stops instead.
+the run stops instead. A ``run_task`` that is cancelled (its run stopped, a batch cancelled)
+cancels the task on its worker (``POST /tasks/cancel``) and returns once the worker says
+it has ended: no engine work goes on for a caller that left.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ log = logging.getLogger(__name__)
 
 RefreshFn = Callable[[], Awaitable[list[str]]]
 MAX_HOMES = 65_536  # families remembered (oldest forgotten first): a long-lived client stays small
+CANCEL_TIMEOUT_S = 30.0  # how long a cancelled run_task waits for its worker to end the task
 
 
 class PoolClient:
@@ -292,6 +295,9 @@ class PoolClient:
                 status, payload = 0, b""
                 errors.append(f"{endpoint}: {type(exc).__name__}: {exc}".rstrip(": "))
                 self._mark_down(endpoint)
+            except asyncio.CancelledError:
+                await self._cancel_on(endpoint, spec.task_id)
+                raise
             finally:
                 self.in_flight[endpoint] -= 1
             if status == -1:
@@ -330,6 +336,28 @@ class PoolClient:
             log.warning("task %s failed on %s (%s); retry %d/%d", spec.task_id, endpoint, errors[-1], failures, self.retries)
             await asyncio.sleep(self._backoff(failures))
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _cancel_on(self, endpoint: str, task_id: str) -> None:
+        """Tell ``endpoint`` to cancel ``task_id`` and wait until it has ended there (bounded),
+        whatever cancels this caller meanwhile; a worker that cannot be told is logged, not
+        raised: it stops the task itself once the closed connection reaches it."""
+        async def tell() -> None:
+            body = orjson.dumps({"task_id": task_id})
+            try:
+                async with self._ensure_session().post(f"{endpoint}/tasks/cancel", data=body,
+                                                       headers={"Content-Type": "application/json"},
+                                                       timeout=aiohttp.ClientTimeout(total=CANCEL_TIMEOUT_S)) as resp:
+                    if resp.status != 200:
+                        log.warning("cancelling task %s on %s: HTTP %d %s", task_id, endpoint, resp.status, _message(await resp.read()))
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+                log.warning("cancelling task %s on %s failed: %s: %s", task_id, endpoint, type(exc).__name__, exc)
+
+        telling = asyncio.ensure_future(tell())
+        while not telling.done():
+            try:
+                await asyncio.shield(telling)
+            except asyncio.CancelledError:
+                continue
 
     # -- observability --------------------------------------------------------------
 

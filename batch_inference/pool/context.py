@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,6 +125,7 @@ class TaskContext:
     warnings: list[str] = field(default_factory=list)  # reported in TaskResult.warnings
     schema_invalid: int = 0  # constrained completions that failed their format (counted in the task's counts)
     _cache: ResultCache | None = field(default=None, init=False, repr=False)
+    _progress_failed: bool = field(default=False, init=False, repr=False)
 
     @property
     def result_cache(self) -> ResultCache | None:
@@ -136,6 +138,25 @@ class TaskContext:
 
     def file(self, url: str) -> JsonlFile:
         return JsonlFile(url, storage_options=self.storage_options)
+
+    async def report_progress(self, records: int, counts: dict[str, int], *, committed: bool) -> None:
+        """Replace the task's progress record (``spec.progress_url``) with how far it got:
+        ``records`` of its input done, ``counts`` by outcome. ``committed``: they are on
+        storage already (a retry task's checkpoints), so a cancelled task still delivers
+        them; else they count only once the task ends. Written atomically, after each
+        chunk; a failed write costs the figure, never the task (said once in its warnings)."""
+        url = self.spec.progress_url
+        if url is None:
+            return
+        record = {"task_id": self.spec.task_id, "records": records, "counts": dict(counts), "committed": committed,
+                  "at": time.time()}
+        try:
+            async with self.file(url).writer() as w:
+                await w.write(record)
+        except Exception as exc:
+            if not self._progress_failed:
+                self._progress_failed = True
+                self.warnings.append(f"progress record {url} not written ({rows.error_text(exc)}): progress shows per shard")
 
     async def chunks(self) -> AsyncIterator[list[dict[str, Any]]]:
         """The input shard in ``chunk_size`` chunks; checks every record has an id."""

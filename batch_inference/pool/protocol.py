@@ -69,6 +69,9 @@ class TaskSpec(_Wire):
     # engine's prefix cache holds the family (pool.client). None: any worker.
     affinity: str | None = Field(None, min_length=1, max_length=128)
     order: SubmitOrder = "input"
+    # Where the task reports how far it got while it runs (``pool.context.TaskContext.report_progress``):
+    # one small JSON record, replaced after each committed chunk. None: no progress reported.
+    progress_url: str | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _check_kind(self) -> TaskSpec:
@@ -89,7 +92,8 @@ class TaskSpec(_Wire):
 
     def urls(self) -> list[str]:
         """Every URL the task reads or writes (for the worker's storage-root check)."""
-        return [self.input_url, *self.outputs.values(), *([self.result_cache] if self.result_cache else [])]
+        return [self.input_url, *self.outputs.values(), *([self.result_cache] if self.result_cache else []),
+                *([self.progress_url] if self.progress_url else [])]
 
     def output_files(self) -> list[str]:
         """The output shards a finished task has committed (not the retry task's checkpoint store,

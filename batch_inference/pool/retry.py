@@ -52,6 +52,9 @@ class CheckpointBuffer:
         self.store = store
         self.interval_s = interval_s
         self.pending: list[dict[str, Any]] = []
+        # finished records on storage, by status: the task's committed progress (its
+        # progress record, what a cancel of the task still delivers)
+        self.settled: dict[str, int] = {}
         self.segments = 0
         self.failures = 0
         self.last_error: str | None = None
@@ -60,6 +63,13 @@ class CheckpointBuffer:
 
     def add(self, state: dict[str, Any]) -> None:
         self.pending.append(state)
+
+    def count_settled(self, states: Any) -> None:
+        """Adds the finished ones among ``states`` (flushed, or loaded when the task resumes)."""
+        for state in states:
+            if (final := state.get("final")) is not None:
+                status = str(final.get("status"))
+                self.settled[status] = self.settled.get(status, 0) + 1
 
     async def flush(self) -> None:
         async with self._lock:
@@ -72,6 +82,7 @@ class CheckpointBuffer:
                 self.pending = states + self.pending  # nothing lost: the next flush retries them
                 raise
             self.segments += 1
+            self.count_settled(states)
 
     async def __aenter__(self) -> CheckpointBuffer:
         self._ticker = asyncio.create_task(self._tick())
@@ -135,10 +146,10 @@ class Sample:
         ckpt.add({"id": self.rid, "attempt": self.attempt, "last_result": self.result, "final": final})
         self.row = {**self.base, **final}
 
-    def failed(self, error: str) -> None:
-        """Its own permanent failure (its prompt, its engine item), not checkpointed: a resumed
-        task takes the record up at its last checkpoint and fails it the same way."""
-        self.row = {**self.base, "result": None, "status": Status.ERROR, "error": error, "attempts": self.attempts + 1}
+    def failed(self, ckpt: CheckpointBuffer, error: str) -> None:
+        """Its own permanent failure (its prompt, its engine item), checkpointed as final like an
+        approval: a task cancelled before its shard is written still delivers it as the error it is."""
+        self.final(ckpt, {"result": None, "status": Status.ERROR, "error": error, "attempts": self.attempts + 1})
 
     def next_attempt(self, ckpt: CheckpointBuffer, last_error: str | None = None) -> None:
         """This attempt is spent (rejected, or a retryable error): its result is cleared, so a
@@ -202,7 +213,7 @@ class RetryTask:
         done = await self.ctx.generate(prompts, [s.attempts for s in wave])
         for s, prompt, res in zip(wave, prompts, done):
             if isinstance(prompt, BaseException):
-                s.failed(error_text(prompt))
+                s.failed(self.ckpt, error_text(prompt))
             elif isinstance(res, BaseException) or (res.error is not None and permanent_error({"error": res.error}) is None):
                 # The engine raised for this record's batch, or its error is retryable
                 # (engine_error, truncated_output; rows.permanent_error, the rule recompaction
@@ -210,7 +221,7 @@ class RetryTask:
                 # never the record.
                 s.next_attempt(self.ckpt, error_text(res) if isinstance(res, BaseException) else res.error)
             elif res.error is not None:  # permanent: every attempt would fail the same way
-                s.failed(res.error)
+                s.failed(self.ckpt, res.error)
             else:
                 s.result, s.last_error = res.text, None
                 s.usage = {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens}
@@ -293,7 +304,9 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
     spec = ctx.spec
     store = CheckpointStore(spec.outputs["checkpoint"], storage_options=ctx.storage_options)
     ckpt = CheckpointBuffer(store, ctx.checkpoint_interval_s)
-    task = RetryTask(ctx, await store.load(), ckpt)
+    states = await store.load()
+    ckpt.count_settled(states.values())  # finished before a resume: committed already
+    task = RetryTask(ctx, states, ckpt)
     counts = {"approved": 0, "max_attempts": 0, "error": 0}
 
     async def write(chunk: asyncio.Task[list[dict[str, Any]]], out: JsonlWriter) -> None:
@@ -302,6 +315,7 @@ async def run_retry(ctx: TaskContext) -> dict[str, int]:
         for row in rows:
             counts[row["status"]] += 1
         await out.write_many(rows)
+        await ctx.report_progress(sum(ckpt.settled.values()), ckpt.settled, committed=True)
 
     inflight: collections.deque[tuple[RetryChunk, asyncio.Task[list[dict[str, Any]]]]] = collections.deque()
     try:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -51,6 +52,11 @@ class Abandoned(Refused):
     """The task was cancelled by a shutdown before it finished; its output was discarded."""
 
 
+class Cancelled(Refused):
+    """The task was cancelled by its client (``WorkerRuntime.cancel``) before it finished:
+    its output shards were discarded, what it committed (checkpoints, progress) kept."""
+
+
 class SpecConflict(Refused):
     """The same task_id was sent with a different spec."""
 
@@ -87,6 +93,10 @@ class WorkerRuntime:
         self.result_cache = result_cache
         self.judge_runner = judge_runner  # the judge's own pool, for retry tasks that judge there
         self.running: dict[str, tuple[TaskSpec, asyncio.Task[TaskResult]]] = {}
+        # callers waiting on each running task: the last one to leave cancels it (nobody
+        # wants its result any more, so its engine work stops; docs/pool.md "Cancel")
+        self._callers: dict[str, int] = {}
+        self._cancelled: weakref.WeakSet[asyncio.Task[TaskResult]] = weakref.WeakSet()  # by a client, not a shutdown
         self._slot_freed = asyncio.Event()  # set as each task ends: callers that wait for a slot look again
         self.finished: OrderedDict[str, tuple[TaskSpec, TaskResult]] = OrderedDict()
         self.draining = False
@@ -96,7 +106,7 @@ class WorkerRuntime:
         self.on_engine_dead: Callable[[str], None] | None = None
         self.started_at = time.monotonic()
         self.last_activity = time.monotonic()
-        self.counters = {"completed": 0, "failed": 0, "cached": 0, "refused": 0, "abandoned": 0,
+        self.counters = {"completed": 0, "failed": 0, "cached": 0, "refused": 0, "abandoned": 0, "cancelled": 0,
                          "records": 0, "tokens_in": 0, "tokens_out": 0, "duplicates": 0, "result_cache_lookups": 0, "result_cache_hits": 0,
                          "prefix_queried": 0, "prefix_hits": 0}
 
@@ -126,7 +136,7 @@ class WorkerRuntime:
                     raise
             self._slot_freed.clear()  # no await since the slots were counted: a slot freed later sets it
             await self._slot_freed.wait()
-        return claimed if isinstance(claimed, TaskResult) else await self._join(claimed)
+        return claimed if isinstance(claimed, TaskResult) else await self._join(spec.task_id, claimed)
 
     async def _claim(self, spec: TaskSpec) -> TaskResult | asyncio.Task[TaskResult]:
         """A finished task's cached result, or the running task to join (started here, in a free slot)."""
@@ -159,23 +169,63 @@ class WorkerRuntime:
         # A caller that went away (run stopped) leaves the shielded task to finish alone:
         # its error is already logged by _execute, so mark it retrieved (no asyncio noise).
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        task.add_done_callback(lambda t: self._ended(spec.task_id, t))
         self.running[spec.task_id] = (spec, task)
         self.last_activity = time.monotonic()
         return task
+
+    def _ended(self, task_id: str, task: asyncio.Task[TaskResult]) -> None:
+        """Frees the slot of a task however it ended (one cancelled before its first step never
+        reaches ``_execute``'s own cleanup)."""
+        if (entry := self.running.get(task_id)) is not None and entry[1] is task:
+            self.running.pop(task_id, None)
+            self._slot_freed.set()
 
     async def _outputs_exist(self, spec: TaskSpec) -> bool:
         options = self.storage_options(spec)
         files = [JsonlFile(url, storage_options=options) for url in spec.output_files()]
         return all(await asyncio.gather(*(f.exists() for f in files)))
 
-    async def _join(self, task: asyncio.Task[TaskResult]) -> TaskResult:
+    async def _join(self, task_id: str, task: asyncio.Task[TaskResult]) -> TaskResult:
+        """The task's result. Shielded: one caller that goes away leaves it to the others; the
+        last one gone cancels it (its queued requests leave the batcher, a streaming engine
+        aborts its own) and waits for it to end, so what it committed is on storage when
+        the caller's cancellation goes on."""
+        self._callers[task_id] = self._callers.get(task_id, 0) + 1
         try:
-            # shielded: a caller that goes away (client timeout) does not kill the task
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             if task.cancelled():
+                if task in self._cancelled:
+                    raise Cancelled(f"task {task_id} cancelled by its client") from None
                 raise Abandoned(f"task {task.get_name()} abandoned by shutdown") from None
+            if self._callers.get(task_id, 0) <= 1 and not task.done():
+                self._cancel(task_id, task, "its caller went away")
+                await asyncio.wait([task])
             raise
+        finally:
+            left = self._callers.get(task_id, 1) - 1
+            if left > 0:
+                self._callers[task_id] = left
+            else:
+                self._callers.pop(task_id, None)
+
+    def _cancel(self, task_id: str, task: asyncio.Task[TaskResult], why: str) -> None:
+        if task not in self._cancelled:
+            log.info("task %s cancelled: %s", task_id, why)
+        self._cancelled.add(task)
+        task.cancel()
+
+    async def cancel(self, task_id: str) -> bool:
+        """Cancel a running task and wait for it to end (its output discarded, its checkpoints
+        and progress flushed). False: no task of that id runs here (finished, or never came)."""
+        entry = self.running.get(task_id)
+        if entry is None or entry[1].done():
+            return False
+        task = entry[1]
+        self._cancel(task_id, task, "on its client's request")
+        await asyncio.wait([task])
+        return True
 
     async def _execute(self, spec: TaskSpec, storage_options: dict[str, Any] | None) -> TaskResult:
         t0 = time.perf_counter()
@@ -188,8 +238,13 @@ class WorkerRuntime:
             self.mark_engine_dead(exc)
             raise
         except asyncio.CancelledError:
-            self.counters["abandoned"] += 1
-            log.warning("task %s abandoned (shutdown); no output was committed", spec.task_id)
+            if asyncio.current_task() in self._cancelled:
+                self.counters["cancelled"] += 1
+                log.info("task %s cancelled after %d record(s) read; its output shards were not committed",
+                         spec.task_id, ctx.meter.records_in)
+            else:
+                self.counters["abandoned"] += 1
+                log.warning("task %s abandoned (shutdown); no output was committed", spec.task_id)
             raise
         except Exception:
             self.counters["failed"] += 1
@@ -299,6 +354,7 @@ class WorkerRuntime:
             "tasks_cached": self.counters["cached"],
             "tasks_refused": self.counters["refused"],
             "tasks_abandoned": self.counters["abandoned"],
+            "tasks_cancelled": self.counters["cancelled"],
             "records_done": self.counters["records"],
             "tokens_in": self.counters["tokens_in"],
             "tokens_out": self.counters["tokens_out"],

@@ -59,6 +59,7 @@ async def run_infer(ctx: TaskContext) -> dict[str, int]:
                     counts["error"] += 1
                 rows.append(row)
             await out.write_many(rows)
+            await ctx.report_progress(counts["ok"] + counts["error"], counts, committed=False)
     return counts
 
 
@@ -108,6 +109,7 @@ async def run_judge(ctx: TaskContext) -> dict[str, int]:
             if review is not None:
                 await review.write_many(ask)
                 counts["review"] += len(ask)
+            await ctx.report_progress(ctx.meter.records_in, counts, committed=False)
     return counts
 
 

@@ -3,7 +3,9 @@
 Routes: ``POST /tasks`` (a TaskSpec; 200 TaskResult | 400 bad spec | 401 no/wrong token |
 403 URL outside the storage roots | 409 task_id reused with another spec | 413 body too
 large | 422 unusable input | 429 busy | 500 task error | 503 shutting down | 507 storage full),
-``GET /health``, ``GET /stats`` (JSON), ``GET /metrics`` (Prometheus text).
+``POST /tasks/cancel`` (``{"task_id"}``: cancels that running task and answers once it has
+ended; a ``POST /tasks`` whose connection closes cancels its task too, when no other
+request waits on it), ``GET /health``, ``GET /stats`` (JSON), ``GET /metrics`` (Prometheus text).
 
 Security: binds 127.0.0.1 unless told otherwise; off loopback it refuses to start without
 a bearer token (env ``BATCH_INFERENCE_TOKEN`` or a file such as a mounted Kubernetes
@@ -173,6 +175,18 @@ def create_app(runtime: WorkerRuntime, settings: WorkerSettings, *, config_id: s
             return _error(500, f"task {spec.task_id}: {type(exc).__name__}: {exc}", retryable=True)
         return web.Response(body=result.model_dump_json(), content_type="application/json")
 
+    async def cancel_task(request: web.Request) -> web.Response:
+        try:
+            body = orjson.loads(await request.read())
+            task_id = body["task_id"] if isinstance(body, dict) else None
+        except (orjson.JSONDecodeError, KeyError):
+            task_id = None
+        if not isinstance(task_id, str) or not task_id:
+            return _error(400, 'expected {"task_id": "..."}', retryable=False)
+        # shielded: the client going away must not leave the cancel half done
+        cancelled = await asyncio.shield(runtime.cancel(task_id))
+        return web.json_response({"task_id": task_id, "cancelled": cancelled})
+
     async def health(request: web.Request) -> web.Response:
         status = "unhealthy" if runtime.engine_dead else "draining" if runtime.draining else "ok"
         body = {"status": status, "worker": runtime.name, "pid": os.getpid(), "config_hash": config_id,
@@ -188,7 +202,7 @@ def create_app(runtime: WorkerRuntime, settings: WorkerSettings, *, config_id: s
                             headers={"X-Prometheus-Format": "0.0.4"})
 
     app = web.Application(middlewares=[auth], client_max_size=settings.max_body_bytes)
-    app.add_routes([web.post("/tasks", post_task), web.get("/health", health), web.get("/stats", stats), web.get("/metrics", metrics)])
+    app.add_routes([web.post("/tasks", post_task), web.post("/tasks/cancel", cancel_task), web.get("/health", health), web.get("/stats", stats), web.get("/metrics", metrics)])
     return app
 
 
@@ -228,8 +242,10 @@ async def serve(
     judge_pool = judge_pool_client(settings) if settings.judge_endpoints else None
     runtime = WorkerRuntime(host, concurrency=settings.concurrency, storage_profiles=storage_profiles,
                             checkpoint_interval_s=settings.checkpoint_interval_s, judge_runner=judge_pool)
+    # handler_cancellation: a client that closes its connection (its run was cancelled) cancels
+    # the handler, and with it the task when no other request waits on it (WorkerRuntime._join)
     runner = web.AppRunner(create_app(runtime, settings, config_id=config_id), access_log=None,
-                           shutdown_timeout=settings.grace_s + 5)
+                           shutdown_timeout=settings.grace_s + 5, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()

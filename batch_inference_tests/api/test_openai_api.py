@@ -19,6 +19,12 @@ from batch_inference_tests.api.helpers import (SIMULATED, SLOW, TOKEN, Server, c
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]  # a server in a child process, its pipeline runs inside
 
+def checkpoint_segments(server: Server, batch_id: str) -> int:
+    """The in-place retry tasks' committed chunks so far (one checkpoint segment each)."""
+    folder = server.config.parent / "api-data" / "runs" / batch_id / "tail" / "checkpoints"
+    return sum(1 for _ in folder.rglob("seg-*")) if folder.exists() else 0
+
+
 def progress_files(server: Server, batch_id: str) -> dict[str, bytes]:
     folder = server.config.parent / "api-data" / "runs" / batch_id / "ledger" / "progress"
     return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*.json")} if folder.exists() else {}
@@ -148,6 +154,45 @@ def test_counts_move_then_cancel_delivers_the_finished_part(tmp_path: Path) -> N
         assert progress_files(server, batch.id) == before
         with pytest.raises(openai.ConflictError):
             c.batches.cancel(submit_and_finish(c).id)
+
+
+def test_counts_move_within_a_shard_and_a_cancel_stops_the_compute_and_keeps_what_finished(tmp_path: Path) -> None:
+    """Shards of 300 requests that take seconds each (a batch of two chunks of 5 a 0.1 s call):
+    request_counts move chunk by chunk before any shard ends (before, they moved only when a
+    shard ended: 0, then 600 at once); a cancel mid-shard delivers every request its tasks had
+    committed (before: none, every line ``batch_cancelled``) and stops their engine work, so
+    the next batch runs at idle speed (before, it waited for the cancelled shards to end)."""
+    slow = {"kind": "simulated", "simulated": {"latency_a_s": 0.1, "latency_b_s": 0.0, "output_tokens": 4}}
+    model = {"tiny": {"engine": slow, "pool": {"concurrency": 2}, "shard_records": 300, "chunk_size": 5}}
+    with serving(write_config(tmp_path, model)) as server:
+        c = client(server)
+
+        def timed(n: int, prefix: str) -> float:
+            t0 = time.monotonic()
+            b = submit(c, [chat_line(f"{prefix}{i}", f"question {i}") for i in range(n)])
+            assert wait_status(c, b.id, ("completed",)).request_counts.completed == n
+            return time.monotonic() - t0
+
+        idle = timed(10, "idle")
+        lines = [chat_line(f"r{i}", f"question {i}") for i in range(600)]
+        batch = submit(c, lines)
+        moving = wait_for(lambda: 0 < (b := c.batches.retrieve(batch.id)).request_counts.completed < 300 and b,
+                          every_s=0.05, timeout_s=30, what="counts to move before a shard ends")
+        assert moving.status == "in_progress" and moving.request_counts.failed == 0
+        later = wait_for(lambda: (b := c.batches.retrieve(batch.id)).request_counts.completed > moving.request_counts.completed and b,
+                         every_s=0.05, timeout_s=30, what="counts to move on")
+        assert later.request_counts.completed < 300 and not progress_files(server, batch.id)  # no shard has ended yet
+        c.batches.cancel(batch.id)
+        done = wait_status(c, batch.id, ("cancelled",), timeout_s=30)
+        out, err = delivered(c, done)
+        assert later.request_counts.completed <= len(out) < 600  # every request counted before the cancel is delivered
+        assert {x["error"]["code"] for x in err} == {"batch_cancelled"}
+        assert all(x["response"]["status_code"] == 200 and x["response"]["body"]["choices"][0]["message"]["content"] for x in out)
+        written = checkpoint_segments(server, batch.id)
+        time.sleep(1.0)  # ten engine calls' time: a task still running would checkpoint a chunk or more
+        assert checkpoint_segments(server, batch.id) == written
+        after = timed(10, "after")
+        assert after < idle + 2.0, f"the batch after the cancel took {after:.1f}s against {idle:.1f}s on an idle server"
 
 
 def submit_and_finish(c: OpenAI) -> Any:

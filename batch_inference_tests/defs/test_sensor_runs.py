@@ -227,3 +227,23 @@ def test_the_sharded_asset_accounts_for_every_input_line(defs, instance, write_s
     meta = latest(instance, SHARDED, "acct")
     assert meta["input_lines"] == 33 and meta["malformed"] == 2 and meta["records"] == 31, meta
     assert f"{src}:31, {src}:32" in meta["input_warnings"] and "'acct-0003'" in meta["input_warnings"], meta
+
+
+def test_a_running_tail_step_shows_its_progress_in_dagster(defs, instance, write_spec, monkeypatch):
+    """While the tail's one shard runs (chunks of 5, a 0.05 s call each), its Dagster run logs its
+    tasks' per-chunk progress and tags the run with the latest (``batch_inference/progress``):
+    before, nothing showed until the step's materialisation at its end."""
+    from batch_inference.defs import steps
+
+    monkeypatch.setattr(steps, "PROGRESS_EVERY_S", 0.2)
+    slow = {"kind": "simulated", "simulated": {"latency_a_s": 0.05, "latency_b_s": 0.0, "approval_rate": 1.0}}
+    path = write_spec("live", records=100, strategy="in_place", max_attempts=1, engine=slow, shard_records=100, chunk_size=5,
+                      pool={"launcher": "inprocess", "concurrency": 1})
+    start_run(defs, instance, start_run_config(str(path)))
+    result = drive(defs, instance)
+    tail_run = next(r for r in result.launched if r.job_name == "tail_job")
+    logged = [e.message for e in instance.all_logs(tail_run.run_id) if e.message and "tail under way" in e.message]
+    assert logged, "no progress was logged while the tail ran"
+    through = [int(m.split(" record(s) through")[0].rsplit(" ", 1)[-1].replace(",", "")) for m in logged]
+    assert any(0 < n < 100 for n in through) and through == sorted(through)  # moved within the one shard
+    assert "settled so far: approved" in instance.get_run_by_id(tail_run.run_id).tags["batch_inference/progress"]

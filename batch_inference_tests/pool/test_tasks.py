@@ -210,21 +210,52 @@ async def test_storage_profiles_are_the_workers_own(tmp_path: Path, inprocess_po
             await pool.run_task(spec.model_copy(update={"task_id": "q", "storage_options_ref": "other"}))
 
 
-async def test_exit_after_a_cancelled_caller_abandons_its_task_before_closing(tmp_path: Path, inprocess_pool, caplog) -> None:
-    # Ctrl-C cancels the run, not the shielded task: leaving the pool must abandon it
-    # before the batcher stops, or it fails submitting to a stopped batcher (a traceback).
+async def test_a_cancelled_caller_cancels_its_task_and_the_engine_work_stops(tmp_path: Path, inprocess_pool, caplog) -> None:
+    """The last caller of a task going away (a run stopped, a batch cancelled) cancels the task:
+    its queued requests leave the batcher, so the engine's batches stop within one batch, its
+    slot is free for the next task at once, and nothing is committed. Before, the shielded task
+    ran its whole shard on (here ~5 s of batches) and held its slot meanwhile."""
     write_shard(tmp_path / "a.jsonl", 400)
+    write_shard(tmp_path / "b.jsonl", 4, prefix="b")
     slow = {**SIM_ENGINE, "simulated": {"latency_a_s": 0.05, "latency_b_s": 0.0}}
     async with inprocess_pool(slow, concurrency=1, batcher={"max_batch_size": 4}) as pool:
         caller = asyncio.create_task(pool.run_task(infer_spec("long", tmp_path / "a.jsonl", tmp_path / "a-out.jsonl", chunk_size=8)))
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.3)
         caller.cancel()
         await asyncio.gather(caller, return_exceptions=True)
-        runtime = pool.runtime
-        (_, task), = runtime.running.values()
-    assert task.cancelled() and runtime.counters["abandoned"] == 1 and runtime.counters["failed"] == 0
+        stats = await pool.stats()
+        assert stats["tasks_running"] == 0 and stats["tasks_cancelled"] == 1 and stats["tasks_failed"] == 0
+        batches = stats["batcher"]["total_batches"]
+        await asyncio.sleep(0.5)  # ten batches' time
+        assert (await pool.stats())["batcher"]["total_batches"] <= batches + 1  # at most the one the engine was in
+        t0 = asyncio.get_running_loop().time()
+        short = await pool.run_task(infer_spec("short", tmp_path / "b.jsonl", tmp_path / "b-out.jsonl"))
+        assert short.counts["ok"] == 4 and asyncio.get_running_loop().time() - t0 < 1.5  # the slot was free
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
     assert not (tmp_path / "a-out.jsonl").exists()
+
+
+async def test_a_cancelled_retry_task_keeps_its_checkpointed_records_and_reports_them(tmp_path: Path, inprocess_pool) -> None:
+    """A retry task reports after each committed chunk how many records it finished (its
+    ``progress_url``), and cancelled mid-shard it flushes its checkpoints before it ends: every
+    finished record, errors included, is on storage for the delivery of a cancelled batch."""
+    write_shard(tmp_path / "in.jsonl", 200)
+    ckpt, progress = str(tmp_path / "ckpt"), tmp_path / "live" / "part-00000.jsonl"
+    slow = {**SIM_ENGINE, "simulated": {"latency_a_s": 0.05, "latency_b_s": 0.0}}
+    spec = TaskSpec(task_id="cut", kind="retry", input_url=str(tmp_path / "in.jsonl"), max_attempts=1, chunk_size=4,
+                    judge=JudgeConfig(kind="rule", callable="min_length", kwargs={"min_chars": 0}),
+                    infer=InferConfig(template="{q}", sampling=SamplingConfig(temperature=1.0)),
+                    outputs={"output": str(tmp_path / "out.jsonl"), "checkpoint": ckpt}, progress_url=str(progress))
+    async with inprocess_pool(slow, batcher={"max_batch_size": 4}, checkpoint_interval_s=3600) as pool:
+        caller = asyncio.create_task(pool.run_task(spec))
+        await asyncio.sleep(0.6)
+        reported = read_rows(progress)[0]
+        assert reported["committed"] and 0 < reported["records"] < 200 and reported["counts"] == {"approved": reported["records"]}
+        caller.cancel()
+        await asyncio.gather(caller, return_exceptions=True)
+    finals = [s["final"] for s in (await CheckpointStore(ckpt).load()).values() if s.get("final")]
+    assert reported["records"] <= len(finals) < 200 and {f["status"] for f in finals} == {"approved"}
+    assert not (tmp_path / "out.jsonl").exists()  # the shard itself is never committed half
 
 
 async def test_retried_tasks_are_counted_as_pool_client_counts_them(tmp_path: Path, inprocess_pool) -> None:

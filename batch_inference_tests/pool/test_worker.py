@@ -281,3 +281,46 @@ async def test_storage_profiles_come_from_the_worker_config(tmp_path: Path, work
     assert status == 200 and body["counts"]["ok"] == 5
     status, body = await _post(endpoint, spec.model_copy(update={"task_id": "q", "storage_options_ref": "nope"}).model_dump_json())
     assert status == 400 and "unknown storage profile 'nope'" in body["error"] and body["retryable"] is False
+
+
+async def test_a_cancelled_client_call_cancels_the_task_on_its_worker(tmp_path: Path, worker_process) -> None:
+    """Over HTTP, cancelling ``PoolClient.run_task`` (a stopped run, a cancelled batch) cancels
+    the task on the worker and returns once it has ended there: the worker's engine stops
+    within a batch and its slot is free. Before, the worker ran the abandoned shard to its end
+    (here 400 records, two a batch: ~6 s of batches) and refused the next task meanwhile."""
+    _, endpoint, _ = worker_process("--concurrency", "1", "--max-batch-size", "2", engine=SLOW_ENGINE)
+    write_shard(tmp_path / "in.jsonl", 400)
+    write_shard(tmp_path / "b.jsonl", 4, prefix="b")
+    async with PoolClient([endpoint], max_refusals=None) as pool:
+        caller = asyncio.create_task(pool.run_task(infer_spec("long", tmp_path / "in.jsonl", tmp_path / "out.jsonl")))
+        await wait_until(lambda: _running(endpoint), timeout_s=30)
+        caller.cancel()
+        await asyncio.gather(caller, return_exceptions=True)
+        _, stats = await _get(endpoint, "/stats")
+        assert stats["tasks_running"] == 0 and stats["tasks_cancelled"] == 1 and stats["tasks_failed"] == 0
+        batches = stats["batcher"]["total_batches"]
+        await asyncio.sleep(0.6)  # twenty batches' time
+        _, stats = await _get(endpoint, "/stats")
+        assert stats["batcher"]["total_batches"] <= batches + 1
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        short = await pool.run_task(infer_spec("short", tmp_path / "b.jsonl", tmp_path / "b-out.jsonl"))
+        assert short.counts["ok"] == 4 and loop.time() - t0 < 2.0 and stats["tasks_refused"] == 0
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+async def test_a_closed_connection_cancels_the_task_it_asked_for(tmp_path: Path, worker_process) -> None:
+    """A client that goes away without a word (its process killed, a raw HTTP caller) closes its
+    connection: the worker cancels the task nobody waits on any more."""
+    _, endpoint, _ = worker_process("--concurrency", "1", "--max-batch-size", "2", engine=SLOW_ENGINE)
+    write_shard(tmp_path / "in.jsonl", 400)
+    caller = asyncio.create_task(_post(endpoint, infer_spec("long", tmp_path / "in.jsonl", tmp_path / "out.jsonl").model_dump_json()))
+    await wait_until(lambda: _running(endpoint), timeout_s=30)
+    caller.cancel()  # the session closes: the connection drops
+    await asyncio.gather(caller, return_exceptions=True)
+
+    async def cancelled() -> bool:
+        _, stats = await _get(endpoint, "/stats")
+        return stats["tasks_running"] == 0 and stats["tasks_cancelled"] == 1
+
+    await wait_until(cancelled, timeout_s=3)

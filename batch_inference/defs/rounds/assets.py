@@ -18,7 +18,7 @@ from batch_inference.defs.pool.resources import PoolResource
 from batch_inference.defs.recovery import record_worker
 from batch_inference.defs.review.metadata import progress_metadata
 from batch_inference.defs.specs import load_spec
-from batch_inference.defs.steps import run_cpu_step, run_gpu_step
+from batch_inference.defs.steps import progress_reporter, run_cpu_step, run_gpu_step
 from batch_inference.defs.storage.resources import StorageResource
 from batch_inference.pipeline.layout import RunLayout
 
@@ -77,7 +77,7 @@ def build_round_assets(k: PipelineKeys) -> list:
         key = parse_round_key(context.partition_key)
         record_worker(context)  # lets the round sensor tell a dead run from a live one
         spec = load_spec(context.instance, key.run, storage, k.source)
-        outcome = run_gpu_step(spec, pool, lambda run: run.inferred_round(key.round), judge_pool)
+        outcome = run_gpu_step(spec, pool, lambda run: run.inferred_round(key.round), judge_pool, report=progress_reporter(context))
         meta = {k: v for k, v in phase_metadata(outcome.summary).items() if k not in ("approved", "rejected", "approval_rate")}
         meta["shard_urls"] = shard_list(outcome.shards)
         meta.update(pool.describe(spec))
@@ -103,7 +103,7 @@ def build_round_assets(k: PipelineKeys) -> list:
         key = parse_round_key(context.partition_key)
         record_worker(context)  # lets the round sensor tell a dead run from a live one
         spec = load_spec(context.instance, key.run, storage, k.source)
-        judged = run_gpu_step(spec, pool, lambda run: run.judged_round(key.round), judge_pool)
+        judged = run_gpu_step(spec, pool, lambda run: run.judged_round(key.round), judge_pool, report=progress_reporter(context))
         rnd = judged.round
         review_meta: dict[str, Any] = {}
         if judged.review is not None:  # people decide the rest: the round sensor waits on the queue

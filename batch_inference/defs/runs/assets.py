@@ -19,7 +19,7 @@ from batch_inference.defs.pool.resources import PoolResource
 from batch_inference.defs.recovery import record_worker
 from batch_inference.defs.runs.start import SourceConfig, SpecSource, start_source
 from batch_inference.defs.specs import load_spec
-from batch_inference.defs.steps import run_cpu_step, run_gpu_step
+from batch_inference.defs.steps import progress_reporter, run_cpu_step, run_gpu_step
 from batch_inference.defs.storage.resources import StorageResource
 from batch_inference.pipeline.accounting import InputAccount
 from batch_inference.pipeline.layout import RunLayout
@@ -108,7 +108,7 @@ def build_run_assets(k: PipelineKeys, spec_source: SpecSource, *, deps: list[dg.
         record_worker(context)  # lets the round sensor tell a dead run from a live one
         spec = load_spec(context.instance, context.partition_key, storage, k.source)
         r = config.from_round
-        outcome = run_gpu_step(spec, pool, lambda run: run.tail_from(r), judge_pool)  # one step: repack round r-1, then the tail
+        outcome = run_gpu_step(spec, pool, lambda run: run.tail_from(r), judge_pool, report=progress_reporter(context))  # one step: repack round r-1, then the tail
         summary = outcome.summary
         meta = phase_metadata(summary)
         meta.update({
