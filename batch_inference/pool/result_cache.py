@@ -20,8 +20,9 @@ fsspec store) runs concurrently, and writes a chunk's new entries with one ``fs.
 
 Bounded: ``trim`` (the driver, once per run) deletes the oldest entries (by modification
 time: on local disk a hit refreshes it, so least recently used; on an object store the write
-time) until the store is under ``max_bytes``. docs/cache.md says what it costs and where
-the layout stops scaling.
+time) until the store is under ``max_bytes``, and the temporary files of writers that died
+between their write and their rename (older than ``TEMP_GRACE_S``: a live writer's file is
+seconds old at most). docs/cache.md says what it costs and where the layout stops scaling.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ from batch_inference.storage.urls import fs_for, is_local
 log = logging.getLogger(__name__)
 
 FORMAT = "v1"  # in every key: a change of what an entry means starts a fresh keyspace
+TEMP_SUFFIX = ".tmp"  # a local writer's file before its rename: ``.<key>.json.<pid>.<ns>.tmp``
+# A temporary file older than this is a dead writer's: a live one renames its file (a few
+# hundred bytes) within milliseconds of opening it, so an hour leaves a stalled disk room.
+TEMP_GRACE_S = 3600.0
 
 
 def engine_identity(config: EngineConfig) -> str:
@@ -73,15 +78,18 @@ def cache_key(identity: str, prompt: Prompt, params: SamplingParams, attempt: in
 
 @dataclass
 class TrimReport:
-    """What one ``trim`` found and removed."""
+    """What one ``trim`` found and removed: entries, and the temporary files dead writers left."""
 
     entries: int
     bytes: int
     evicted: int
     evicted_bytes: int
+    leaked_temporaries: int = 0
+    leaked_temporary_bytes: int = 0
 
     def as_dict(self) -> dict[str, int]:
-        return {"entries": self.entries, "bytes": self.bytes, "evicted": self.evicted, "evicted_bytes": self.evicted_bytes}
+        return {"entries": self.entries, "bytes": self.bytes, "evicted": self.evicted, "evicted_bytes": self.evicted_bytes,
+                "leaked_temporaries": self.leaked_temporaries, "leaked_temporary_bytes": self.leaked_temporary_bytes}
 
 
 class ResultCache:
@@ -135,22 +143,26 @@ class ResultCache:
             for path, blob in blobs.items():
                 parent = path.rsplit("/", 1)[0]
                 os.makedirs(parent, exist_ok=True)
-                tmp = f"{parent}/.{os.path.basename(path)}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+                tmp = f"{parent}/.{os.path.basename(path)}.{os.getpid()}.{time.monotonic_ns()}{TEMP_SUFFIX}"
                 with open(tmp, "wb") as f:
                     f.write(blob)
                 os.replace(tmp, path)  # atomic: a reader sees the whole entry or none
         else:
             self.fs.pipe(blobs)  # one PUT per entry, run concurrently; an object store PUT is atomic
 
-    def trim(self, max_bytes: int) -> TrimReport:
-        """Delete the oldest entries until the store holds at most ``max_bytes`` (blocking)."""
+    def trim(self, max_bytes: int, *, temp_grace_s: float = TEMP_GRACE_S) -> TrimReport:
+        """Delete the oldest entries until the store holds at most ``max_bytes``, and every
+        temporary file older than ``temp_grace_s`` (a writer killed before its rename left it;
+        a younger one may be a live writer's, so it stays) (blocking)."""
         try:
             self.fs.invalidate_cache(self.root)
             listing = self.fs.find(self.root, detail=True)
         except FileNotFoundError:
             return TrimReport(0, 0, 0, 0)
-        entries = [(info.get("size") or 0, _mtime(info), path) for path, info in listing.items()
-                   if path.endswith(".json") and info.get("type", "file") == "file"]
+        files = [(info.get("size") or 0, _mtime(info), path) for path, info in listing.items() if info.get("type", "file") == "file"]
+        entries = [f for f in files if f[2].endswith(".json")]
+        cutoff = time.time() - temp_grace_s
+        leaked = [f for f in files if _is_temporary(f[2]) and f[1] < cutoff]
         total = sum(size for size, _, _ in entries)
         evicted: list[str] = []
         evicted_bytes = 0
@@ -160,12 +172,14 @@ class ResultCache:
                     break
                 evicted.append(path)
                 evicted_bytes += size
-            for i in range(0, len(evicted), 1000):
-                try:
-                    self.fs.rm(evicted[i:i + 1000])
-                except FileNotFoundError:  # another run trimmed it first
-                    pass
-        return TrimReport(len(entries) - len(evicted), total - evicted_bytes, len(evicted), evicted_bytes)
+        doomed = evicted + [path for _, _, path in leaked]
+        for i in range(0, len(doomed), 1000):
+            try:
+                self.fs.rm(doomed[i:i + 1000])
+            except FileNotFoundError:  # another run trimmed it first (or its writer renamed it after all)
+                pass
+        return TrimReport(len(entries) - len(evicted), total - evicted_bytes, len(evicted), evicted_bytes,
+                          len(leaked), sum(size for size, _, _ in leaked))
 
     # -- async ---------------------------------------------------------------------------
 
@@ -174,6 +188,12 @@ class ResultCache:
 
     async def put_many(self, entries: Mapping[str, Completion]) -> None:
         await asyncio.to_thread(self.put_many_sync, entries)
+
+
+def _is_temporary(path: str) -> bool:
+    """Whether ``path`` is a local writer's file before its rename (``put_many_sync``)."""
+    name = path.rsplit("/", 1)[-1]
+    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
 
 
 def _mtime(info: Mapping[str, Any]) -> float:
@@ -204,4 +224,4 @@ def _decode(key: str, blob: bytes) -> Completion | None:
         return None
 
 
-__all__ = ["FORMAT", "ResultCache", "TrimReport", "cache_key", "engine_identity"]
+__all__ = ["FORMAT", "TEMP_GRACE_S", "ResultCache", "TrimReport", "cache_key", "engine_identity"]

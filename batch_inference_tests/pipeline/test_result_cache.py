@@ -152,6 +152,37 @@ async def test_the_store_is_bounded(tmp_path: Path) -> None:
     assert len(list((tmp_path / "out" / "_result_cache").rglob("*.json"))) == report.entries
 
 
+async def test_the_trim_removes_dead_writers_temporary_files_but_not_a_live_ones(tmp_path: Path) -> None:
+    """A writer killed between its write and its rename leaves ``.<key>.json.<pid>.<ns>.tmp``
+    beside the entries; nothing renames or reads it again, so only the trim can remove it."""
+    import os
+    import time
+
+    src = _corpus(tmp_path / "in.jsonl", 30)
+    first = await run_pipeline(_spec(tmp_path, "a", src))
+    store = tmp_path / "out" / "_result_cache"
+    entries = sorted(store.rglob("*.json"))
+    assert first.result_cache["entries"] == len(entries) == 60
+    dead = []
+    for i, entry in enumerate(entries[:5]):  # as a writer killed before os.replace leaves them
+        tmp = entry.parent / f".{entry.name}.{40000 + i}.{123456789 + i}.tmp"
+        tmp.write_bytes(entry.read_bytes()[:17])
+        os.utime(tmp, (time.time() - 2 * 3600, time.time() - 2 * 3600))
+        dead.append(tmp)
+    live = entries[5].parent / f".{entries[5].name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+    live.write_bytes(b'{"key": "')  # a writer still writing: seconds old
+    again = await run_pipeline(_spec(tmp_path, "b", src))  # its end trims the store
+    assert again.result_cache["leaked_temporaries"] == 5 and again.result_cache["leaked_temporary_bytes"] == 5 * 17
+    assert not any(t.exists() for t in dead) and live.exists()
+    assert again.result_cache["entries"] == 60 and again.result_cache["evicted"] == 0
+    assert sorted(store.rglob("*.json")) == entries
+    assert "5 leaked temporary file(s) removed" in "\n".join(run_lines(PipelineRun(_spec(tmp_path, "b", src)).ledger.view()))
+    from batch_inference.pool.result_cache import ResultCache
+
+    report = ResultCache(str(store)).trim(1 << 30, temp_grace_s=0.0)  # past its grace, the last one goes too
+    assert (report.leaked_temporaries, report.entries) == (1, 60) and not live.exists()
+
+
 async def test_on_s3_a_rerun_hits_and_the_store_is_trimmed(tmp_path: Path, s3_store: Any, s3_store_bucket: str) -> None:
     """The same store on an object store: one bulk lookup per chunk, entries as objects, the trim by listing."""
     from batch_inference.pool.result_cache import ResultCache
