@@ -6,9 +6,11 @@ once per worker; this is its persistent sibling, with the same rule of what may 
 (``dedup.request_identity``: temperature 0, or an explicit seed) and the same request
 identity (the prompt as rendered by the builder: text, or the chat messages the engine
 renders with its one template; the sampling, adapter included; the attempt), plus the
-model's identity (``engine_identity``: the engine config's result-deciding keys and a
-content fingerprint of the model's and every adapter's files, ``speckeys.folder_digest``).
-A changed weight or adapter file changes every key: it never hits.
+model's identity (``engine_identity``: every engine config key that decides results, a
+content fingerprint of the model's and every adapter's files hashed whole,
+``speckeys.folder_digest``, the engine libraries' versions and the resolved device).
+A changed weight or adapter file changes every key: it never hits. A model known by a hub
+id alone (no pinned commit) has no identity: its requests are never cached.
 
 Layout, under the run's output root (``<output>/_result_cache`` unless the spec says):
 one small JSON object per key, ``<k[:2]>/<k[2:4]>/<k>.json``, written once and never
@@ -29,9 +31,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -51,19 +55,62 @@ TEMP_SUFFIX = ".tmp"  # a local writer's file before its rename: ``.<key>.json.<
 TEMP_GRACE_S = 3600.0
 
 
-def engine_identity(config: EngineConfig) -> str:
-    """The model's identity for cache keys: the engine's result-deciding keys (kind, model
-    path, dtype, seed, max_model_len, adapter folders) and the content fingerprint of the
-    model folder and of every adapter folder (blocking: reads a few MiB per file)."""
+PINNED_COMMIT = re.compile(r"[0-9a-f]{40}")  # a hub revision that names one commit (a branch or tag moves)
+# The libraries whose code computes an engine kind's answers: an upgrade may change them
+RUNTIME_PACKAGES = {"transformers": ("torch", "transformers", "peft"), "vllm": ("vllm", "torch", "transformers")}
+
+
+class NotCacheable(ValueError):
+    """The engine's answers cannot be keyed by what decides them (a model named by a hub id
+    with no pinned commit): its requests are computed, never looked up nor kept."""
+
+
+def engine_identity(config: EngineConfig, *, device: str | None = None) -> str:
+    """The model's identity for cache keys: every engine config key marked as deciding results
+    (``speckeys.Decides``: kind, model, dtype, seed, max_model_len, adapters, vLLM's ``extra``
+    and structured outputs backend, the simulated engine's answers), the content of every
+    file they name (``speckeys.folder_digest``: the model folder, each adapter's, vLLM's
+    ``extra.tokenizer``), the versions of the libraries that compute the answers, and the
+    ``device`` the engine resolved (``auto`` means float32 on a CPU, bfloat16 on a GPU).
+
+    A model, adapter or tokenizer that is no local file or folder here is identified by its
+    pinned commit (``vllm.extra.revision`` / ``tokenizer_revision``, 40 hex digits) or not at
+    all: raises ``NotCacheable``. Blocking: the first call after a file changed hashes it whole."""
     data = config.model_dump(mode="json")
-    decided = {key: value for key, (_, value) in speckeys.decided(EngineConfig, data).items()}
-    folders: dict[str, str | None] = {}
-    for key, (mark, value) in speckeys.decided(EngineConfig, data).items():
+    marked = speckeys.decided(EngineConfig, data)
+    decided = {key: value for key, (_, value) in marked.items()}
+    files: dict[str, str | None] = {}
+    for key, (mark, value) in marked.items():
         if mark.folders and isinstance(value, str):
-            folders[key] = speckeys.folder_digest(value)
-    blob = json.dumps({"engine": decided, "files": folders, "simulated": data.get("simulated") if config.kind == "simulated" else None},
+            files[key] = _content(config, key, value, config.vllm.extra.get("revision") if key == "model" and config.kind == "vllm" else None)
+    if config.kind == "vllm" and isinstance(tokenizer := config.vllm.extra.get("tokenizer"), str):
+        files["vllm.extra.tokenizer"] = _content(config, "vllm.extra.tokenizer", tokenizer, config.vllm.extra.get("tokenizer_revision"))
+    runtime = {name: _version(name) for name in RUNTIME_PACKAGES.get(config.kind, ())}
+    blob = json.dumps({"engine": decided, "files": files, "runtime": runtime, "device": device,
+                       "simulated": data.get("simulated") if config.kind == "simulated" else None},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _content(config: EngineConfig, key: str, value: str, revision: Any) -> str | None:
+    """What identifies the files ``value`` names: their content, else a pinned commit; the
+    simulated engine reads no file, so a name absent here is its own identity."""
+    if (digest := speckeys.folder_digest(value)) is not None:
+        return digest
+    if isinstance(revision, str) and PINNED_COMMIT.fullmatch(revision):
+        return f"revision:{revision}"
+    if config.kind == "simulated":
+        return None
+    pin = "vllm.extra.tokenizer_revision" if key == "vllm.extra.tokenizer" else "vllm.extra.revision" if key == "model" else None
+    raise NotCacheable(f"engine.{key} {value!r} is no local file or folder here, so its content cannot be fingerprinted"
+                       + (f", and {pin} pins no commit (40 hex digits)" if pin and config.kind == "vllm" else ""))
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def cache_key(identity: str, prompt: Prompt, params: SamplingParams, attempt: int, *, greedy_ignores_seed: bool) -> str | None:
@@ -224,4 +271,4 @@ def _decode(key: str, blob: bytes) -> Completion | None:
         return None
 
 
-__all__ = ["FORMAT", "TEMP_GRACE_S", "ResultCache", "TrimReport", "cache_key", "engine_identity"]
+__all__ = ["FORMAT", "TEMP_GRACE_S", "NotCacheable", "ResultCache", "TrimReport", "cache_key", "engine_identity"]
