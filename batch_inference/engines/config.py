@@ -1,7 +1,11 @@
 """Engine configuration: one pydantic model for every engine kind.
 
 The keys that decide results (kind, model and its files, dtype, seed, max_model_len, each
-adapter's folder) are marked ``speckeys.DECIDES``; the rest only say how the engine runs.
+adapter's folder, vLLM's ``extra`` and structured outputs backend, the simulated engine's
+answers) are marked ``speckeys.DECIDES``; the rest, marked ``speckeys.INERT``, only say how
+the engine runs. Every field carries one or the other (``speckeys.undecided``, tested): the
+result cache keys an engine's answers by the first kind, so a new field nobody decided
+would let a changed engine answer with an old one's results.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from batch_inference.speckeys import DECIDES, FOLDER, NAMED_FOLDERS, PATH
+from batch_inference.speckeys import DECIDES, FOLDER, INERT, NAMED_FOLDERS, PATH
 
 
 class DecodeOverrides(BaseModel):
@@ -45,8 +49,8 @@ class LoraOptions(BaseModel):
 
     adapters: Annotated[dict[Annotated[str, StringConstraints(pattern=ADAPTER_NAME)], str], NAMED_FOLDERS, PATH] = Field(
         min_length=1, description="adapter name -> adapter folder")
-    max_loras: int = Field(1, ge=1, description="adapters one engine step (vLLM max_loras) or one generate call (transformers) may mix")
-    max_lora_rank: int | None = Field(None, ge=1, description="largest adapter rank (default: read from the adapters)")
+    max_loras: Annotated[int, INERT] = Field(1, ge=1, description="adapters one engine step (vLLM max_loras) or one generate call (transformers) may mix")
+    max_lora_rank: Annotated[int | None, INERT] = Field(None, ge=1, description="largest adapter rank (default: read from the adapters)")
 
 
 class SimulatedOptions(BaseModel):
@@ -63,30 +67,32 @@ class SimulatedOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    cost_model: Literal["linear", "decode"] = Field("linear", description="linear: a + b x tokens per call; decode: step model")
-    scheduling: Literal["blocking", "continuous"] = Field("continuous", description="decode model: one call per batch, or streaming")
-    profile: str = Field("vllm-cpu-tiny", description="decode model preset (engines.profiles.PROFILES)")
-    decode: DecodeOverrides = Field(default_factory=DecodeOverrides)
-    latency_a_s: float = Field(0.002, ge=0, description="linear model: fixed cost per generate() call, seconds")
-    latency_b_s: float = Field(1e-5, ge=0, description="linear model: cost per batch token, seconds")
-    padded: bool = Field(False, description="linear model: cost n x max(prompt+output tokens) instead of the sum")
-    output_tokens: int = Field(16, ge=1, description="mean output tokens (words) per completion, capped by max_tokens")
-    output_lengths: Literal["fixed", "geometric", "pareto"] = Field(
+    # What it answers (simulated_completion): the approval rate, output lengths and greedy rule
+    # decide; its costs, its fault injection (errors are never kept as results) do not.
+    cost_model: Annotated[Literal["linear", "decode"], INERT] = Field("linear", description="linear: a + b x tokens per call; decode: step model")
+    scheduling: Annotated[Literal["blocking", "continuous"], INERT] = Field("continuous", description="decode model: one call per batch, or streaming")
+    profile: Annotated[str, INERT] = Field("vllm-cpu-tiny", description="decode model preset (engines.profiles.PROFILES)")
+    decode: Annotated[DecodeOverrides, INERT] = Field(default_factory=DecodeOverrides)
+    latency_a_s: Annotated[float, INERT] = Field(0.002, ge=0, description="linear model: fixed cost per generate() call, seconds")
+    latency_b_s: Annotated[float, INERT] = Field(1e-5, ge=0, description="linear model: cost per batch token, seconds")
+    padded: Annotated[bool, INERT] = Field(False, description="linear model: cost n x max(prompt+output tokens) instead of the sum")
+    output_tokens: Annotated[int, DECIDES] = Field(16, ge=1, description="mean output tokens (words) per completion, capped by max_tokens")
+    output_lengths: Annotated[Literal["fixed", "geometric", "pareto"], DECIDES] = Field(
         "fixed", description="distribution of output lengths, drawn per record from (engine seed, request seed, prompt)"
     )
-    pareto_alpha: float = Field(1.5, gt=1, description="shape of the pareto (heavy-tailed) lengths")
-    approval_rate: float = Field(0.5, ge=0, le=1, description="P(output starts with APPROVED)")
-    greedy: Literal["seeded", "prompt"] = Field(
+    pareto_alpha: Annotated[float, DECIDES] = Field(1.5, gt=1, description="shape of the pareto (heavy-tailed) lengths")
+    approval_rate: Annotated[float, DECIDES] = Field(0.5, ge=0, le=1, description="P(output starts with APPROVED)")
+    greedy: Annotated[Literal["seeded", "prompt"], DECIDES] = Field(
         "seeded", description="temperature 0: seeded (the request seed still varies the output, so a retry "
                               "draws anew) or prompt (the output depends on the prompt alone, as a real "
                               "engine's greedy decoding; identical requests then merge, pool.dedup)"
     )
-    fail_on: str | None = Field(None, description="prompts containing this substring come back as errors")
-    fail_batch_every: int | None = Field(None, ge=1, description="every Nth generate() call raises")
-    die_after_requests: int | None = Field(
+    fail_on: Annotated[str | None, INERT] = Field(None, description="prompts containing this substring come back as errors")
+    fail_batch_every: Annotated[int | None, INERT] = Field(None, ge=1, description="every Nth generate() call raises")
+    die_after_requests: Annotated[int | None, INERT] = Field(
         None, ge=0, description="continuous: the engine dies (EngineDeadError) once this many requests have completed"
     )
-    prefix_cache: bool = Field(
+    prefix_cache: Annotated[bool, INERT] = Field(
         False, description="decode model: vLLM's automatic prefix cache (block-level LRU in the KV the running "
                            "sequences leave free; a prompt's cached leading blocks are not prefilled)"
     )
@@ -108,17 +114,19 @@ class VllmOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    tensor_parallel_size: int = Field(1, ge=1)
-    enforce_eager: bool = False
-    streaming: bool = Field(True, description="continuous batching through AsyncLLM (false: one blocking LLM.generate per batch)")
-    max_in_flight: int | None = Field(None, ge=1, description="streaming: requests kept in the engine (default 2 x max_num_seqs)")
+    gpu_memory_utilization: Annotated[float, INERT] = Field(0.9, gt=0, le=1)
+    tensor_parallel_size: Annotated[int, INERT] = Field(1, ge=1)
+    enforce_eager: Annotated[bool, INERT] = False
+    streaming: Annotated[bool, INERT] = Field(True, description="continuous batching through AsyncLLM (false: one blocking LLM.generate per batch)")
+    max_in_flight: Annotated[int | None, INERT] = Field(None, ge=1, description="streaming: requests kept in the engine (default 2 x max_num_seqs)")
     # guidance (llguidance) keeps raw control characters out of JSON strings; xgrammar 0.2.8
     # admits them in length-bounded strings ("maxLength"), which strict parsers refuse.
-    structured_outputs_backend: Literal["guidance", "auto", "xgrammar", "outlines", "lm-format-enforcer"] = Field(
+    structured_outputs_backend: Annotated[Literal["guidance", "auto", "xgrammar", "outlines", "lm-format-enforcer"], DECIDES] = Field(
         "guidance", description="vLLM's structured outputs backend (extra.structured_outputs_config overrides it)")
     lora: LoraOptions | None = Field(None, description="LoRA adapters on the base model (vLLM LoRARequest per request)")
-    extra: dict[str, Any] = Field(default_factory=dict)
+    # Anything vLLM takes (quantization, revision, tokenizer, hf_overrides, ...): all of it
+    # decides, as nothing here can tell vLLM's result-deciding arguments from its tuning.
+    extra: Annotated[dict[str, Any], DECIDES] = Field(default_factory=dict)
 
 
 class TransformersOptions(BaseModel):
@@ -135,9 +143,9 @@ class TransformersOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    batching: Literal["static", "bucketed", "continuous"] = Field("bucketed", description="see the class docstring")
-    bucket_padding: float = Field(1.25, ge=1, description="bucketed: a bucket closes before padded tokens exceed this x real tokens")
-    max_batch_tokens: int = Field(1024, ge=16, description="continuous: tokens per forward step (transformers' max_batch_tokens)")
+    batching: Annotated[Literal["static", "bucketed", "continuous"], INERT] = Field("bucketed", description="see the class docstring")
+    bucket_padding: Annotated[float, INERT] = Field(1.25, ge=1, description="bucketed: a bucket closes before padded tokens exceed this x real tokens")
+    max_batch_tokens: Annotated[int, INERT] = Field(1024, ge=16, description="continuous: tokens per forward step (transformers' max_batch_tokens)")
     lora: LoraOptions | None = Field(None, description="LoRA adapters on the base model (peft; adapters per row of a generate call)")
 
 
@@ -153,8 +161,10 @@ class EngineConfig(BaseModel):
     kind: Annotated[Literal["transformers", "vllm", "simulated"], DECIDES]
     model: Annotated[str | None, FOLDER, PATH] = Field(None, description="model directory (transformers, vllm)")
     dtype: Annotated[Literal["auto", "float32", "float16", "bfloat16"], DECIDES] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    num_threads: int | None = Field(1, ge=1, description="torch.set_num_threads on CPU; None leaves torch's default")
+    # the device the engine runs on decides (auto dtype: float32 on CPU, bfloat16 on GPU), but
+    # as resolved, not as written: the result cache keys by the engine's own (engine_identity)
+    device: Annotated[Literal["auto", "cpu", "cuda"], INERT] = "auto"
+    num_threads: Annotated[int | None, INERT] = Field(1, ge=1, description="torch.set_num_threads on CPU; None leaves torch's default")
     max_model_len: Annotated[int | None, DECIDES] = Field(None, ge=1, description="default: the model's max_position_embeddings (4096 simulated)")
     seed: Annotated[int, DECIDES] = Field(0, description="engine-level seed (vLLM; simulated output salt)")
     simulated: SimulatedOptions = Field(default_factory=SimulatedOptions)

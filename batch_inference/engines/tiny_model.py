@@ -61,8 +61,9 @@ def _train_tokenizer():  # -> PreTrainedTokenizerFast
     )
 
 
-def make_tiny_model(out_dir: str | Path, *, seed: int = 0) -> Path:
-    """Write the tiny model to ``out_dir`` and return it. Same seed => same weights."""
+def make_tiny_model(out_dir: str | Path, *, seed: int = 0, layers: int = 2) -> Path:
+    """Write the tiny model to ``out_dir`` and return it. Same seed => same weights. More
+    ``layers`` make a larger weights file (~0.6 MB a layer; 2: ~1.7 MB)."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
@@ -74,7 +75,7 @@ def make_tiny_model(out_dir: str | Path, *, seed: int = 0) -> Path:
         vocab_size=VOCAB_SIZE,
         hidden_size=128,
         intermediate_size=256,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=64,

@@ -384,5 +384,7 @@ def _verdict_lines(view: LedgerView) -> list[str]:
                 else f"result cache: nothing looked up; engines ran {r.engine_requests:,} request(s)")
         if "entries" in store:
             line += f"; store {store['entries']:,} entries, {_k(store['bytes'])}B" + (f", {store['evicted']:,} evicted" if store["evicted"] else "")
+            if store.get("leaked_temporaries"):  # files of writers killed before their rename
+                line += f", {store['leaked_temporaries']:,} leaked temporary file(s) removed"
         lines.append(line)
     return lines

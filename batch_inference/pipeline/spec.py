@@ -46,8 +46,9 @@ def result_changes(recorded: dict[str, Any], current: dict[str, Any], *,
     (pools, strategy, limits, review policy, storage, an engine's tuning) only say how the
     run is carried out, and a resumed run may change them. ``folders`` (the recorded and the
     current ``PipelineSpec.folder_digests``) adds the folders whose files changed under the
-    same path (``engine.model (its files)``); a folder without a digest on either side is
-    compared by its path alone.
+    same path (``engine.model (its files)``); a folder without a digest on either side (or
+    with one made another way: a ledger from before whole-file fingerprints) is compared by
+    its path alone.
     """
     a, b = speckeys.decided(PipelineSpec, recorded), speckeys.decided(PipelineSpec, current)
     then, now = folders or ({}, {})
@@ -61,7 +62,8 @@ def result_changes(recorded: dict[str, Any], current: dict[str, Any], *,
             continue  # an adapter the engine serves now: nothing named it when the run started
         if before != value:
             changed.append(key)
-        elif mark.folders and isinstance(value, str) and value in then and value in now and then[value] != now[value]:
+        elif (mark.folders and isinstance(value, str) and value in then and value in now and then[value] != now[value]
+              and speckeys.comparable_digests(then[value], now[value])):
             changed.append(f"{key} (its files)")
     return changed
 

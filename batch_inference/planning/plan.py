@@ -424,6 +424,10 @@ def make_plan(
                          f"rest least recently used first out) supplies {rates.prefix_hit_rate:.1%} of inferred prompt "
                          f"tokens: {rates.infer_s * 1000:.3f} ms per inferred record against {uncached.infer_s * 1000:.3f} "
                          "without it")
+    if spec.cache.enabled:  # the result cache (docs/cache.md): what earlier runs computed is not predictable from the input
+        notes.append("result cache: no hit priced: every request is priced as the engine computing it (a profile measures "
+                     "engine work only, its runs never read the cache); a rerun of records an earlier run under this output "
+                     "computed with the same model and sampling takes less than planned")
     if prefix is not None and uncached is None:
         notes.append("prefix cache: not priced (the engine's cost here is measured or linear, its cache already in it or "
                      "not modelled; plan on a decode-step profile, --engine-profile, for the saving)")

@@ -75,7 +75,10 @@ async def measure_profile(spec: PipelineSpec, *, records: int = 10_000, workdir:
 
     Two short runs in a scratch output: ``records`` records drawn across the input by
     rounds (two rounds: reshard, infer, judge, recompact, infer, judge), and half of them
-    in place (two attempts). Shards are sized so that round 0 occupies every slot of the
+    in place (two attempts). Every run computes every request: the result cache is off
+    (``cache.enabled: false``), so a profile neither reads an earlier run's answers (an
+    attempt answered from the cache costs a file read, not engine work: it would price the
+    engine at the cache's speed) nor fills the cache with its own. Shards are sized so that round 0 occupies every slot of the
     spec's pool (replicas x concurrency) in one wave of the largest shards the sample
     allows, as the run's own phases do: a profile run in fewer shards than slots
     under-fills the batcher and overprices every record. A short untimed run first pays
@@ -102,6 +105,7 @@ async def measure_profile(spec: PipelineSpec, *, records: int = 10_000, workdir:
     half = sample[::2]  # every other record: the sample is spread over the input, so is its half
     slots = max(1, spec.pool.replicas * spec.pool.concurrency)
     shard = max(1, min(spec.shard_records, len(sample) // slots))  # round 0: one wave over every slot
+    computed = spec.cache.model_copy(update={"enabled": False})  # engine work only: never read nor fill the result cache
     try:
         ledgers = {}
         walls = {}
@@ -110,14 +114,14 @@ async def measure_profile(spec: PipelineSpec, *, records: int = 10_000, workdir:
         warm = base / "profile-warm.jsonl"
         warm.write_text("".join(json.dumps(r) + "\n" for r in sample[:slots]))
         await run_pipeline(spec.model_copy(update={
-            "input": str(warm), "output": str(base / "warm"), "run": "profile-warm", "strategy": "rounds", "storage_options": {},
+            "input": str(warm), "output": str(base / "warm"), "run": "profile-warm", "strategy": "rounds", "storage_options": {}, "cache": computed,
             "shard_records": 1, "chunk_size": 1, "max_rounds": 1, "max_attempts": 1,
         }))
         for name, strategy, recs in (("profile-rounds", "rounds", sample), ("profile-in-place", "in_place", half)):
             src = base / f"{name}.jsonl"
             src.write_text("".join(json.dumps(r) + "\n" for r in recs))
             s = spec.model_copy(update={
-                "input": str(src), "output": str(base / "out"), "run": name, "strategy": strategy, "storage_options": {},
+                "input": str(src), "output": str(base / "out"), "run": name, "strategy": strategy, "storage_options": {}, "cache": computed,
                 "shard_records": shard, "chunk_size": min(spec.chunk_size, shard), "max_rounds": 2, "max_attempts": 2,
             })
             t0 = time.perf_counter()

@@ -282,6 +282,11 @@ class TaskContext:
         """Answer what the result cache holds (one bulk lookup for the chunk): the requests left
         to compute, and the cache keys of those that may be stored once computed."""
         identity = await self.host.identity()
+        if identity is None:  # a model with no content identity: computed, never looked up nor kept
+            if not self.host.uncacheable_reported:
+                self.host.uncacheable_reported = True
+                self.warnings.append(f"result cache not used: {self.host.uncacheable}")
+            return live, {}
         keys: dict[int, str] = {}
         for i in live:
             r = requests[i]

@@ -77,14 +77,28 @@ class EngineHost:
         self._engine_thread: ThreadPoolExecutor | None = None
         self._together = asyncio.Lock()  # one run of ``together`` requests admitted at a time (FIFO)
         self._identity: str | None = None
+        self._identity_known = False
+        self._identity_lock = asyncio.Lock()  # concurrent first tasks hash the model's files once
+        # why this engine's answers are not cached (its model has no content identity), or None
+        self.uncacheable: str | None = None
+        self.uncacheable_reported = False  # said once, on the first task that looked
 
-    async def identity(self) -> str:
+    async def identity(self) -> str | None:
         """The model's identity for the result cache (``pool.result_cache.engine_identity``):
-        its files fingerprinted once per worker, off the event loop."""
-        if self._identity is None:
-            from batch_inference.pool.result_cache import engine_identity
+        its files fingerprinted once per worker, off the event loop; None (and ``uncacheable``
+        says why) when nothing identifies them, so nothing of this engine is cached."""
+        async with self._identity_lock:
+            if not self._identity_known:
+                from batch_inference.pool.result_cache import NotCacheable, engine_identity
 
-            self._identity = await asyncio.to_thread(engine_identity, self.engine_config)
+                device = getattr(self.engine, "device", None)  # as the engine resolved "auto"
+                try:
+                    self._identity = await asyncio.to_thread(engine_identity, self.engine_config,
+                                                             device=device if isinstance(device, str) else None)
+                except NotCacheable as exc:
+                    self.uncacheable = str(exc)
+                    log.warning("result cache off for this engine: %s", exc)
+                self._identity_known = True
         return self._identity
 
     async def start(self) -> None:

@@ -6,9 +6,11 @@ once per worker; this is its persistent sibling, with the same rule of what may 
 (``dedup.request_identity``: temperature 0, or an explicit seed) and the same request
 identity (the prompt as rendered by the builder: text, or the chat messages the engine
 renders with its one template; the sampling, adapter included; the attempt), plus the
-model's identity (``engine_identity``: the engine config's result-deciding keys and a
-content fingerprint of the model's and every adapter's files, ``speckeys.folder_digest``).
-A changed weight or adapter file changes every key: it never hits.
+model's identity (``engine_identity``: every engine config key that decides results, a
+content fingerprint of the model's and every adapter's files hashed whole,
+``speckeys.folder_digest``, the engine libraries' versions and the resolved device).
+A changed weight or adapter file changes every key: it never hits. A model known by a hub
+id alone (no pinned commit) has no identity: its requests are never cached.
 
 Layout, under the run's output root (``<output>/_result_cache`` unless the spec says):
 one small JSON object per key, ``<k[:2]>/<k[2:4]>/<k>.json``, written once and never
@@ -20,17 +22,20 @@ fsspec store) runs concurrently, and writes a chunk's new entries with one ``fs.
 
 Bounded: ``trim`` (the driver, once per run) deletes the oldest entries (by modification
 time: on local disk a hit refreshes it, so least recently used; on an object store the write
-time) until the store is under ``max_bytes``. docs/cache.md says what it costs and where
-the layout stops scaling.
+time) until the store is under ``max_bytes``, and the temporary files of writers that died
+between their write and their rename (older than ``TEMP_GRACE_S``: a live writer's file is
+seconds old at most). docs/cache.md says what it costs and where the layout stops scaling.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -44,21 +49,68 @@ from batch_inference.storage.urls import fs_for, is_local
 log = logging.getLogger(__name__)
 
 FORMAT = "v1"  # in every key: a change of what an entry means starts a fresh keyspace
+TEMP_SUFFIX = ".tmp"  # a local writer's file before its rename: ``.<key>.json.<pid>.<ns>.tmp``
+# A temporary file older than this is a dead writer's: a live one renames its file (a few
+# hundred bytes) within milliseconds of opening it, so an hour leaves a stalled disk room.
+TEMP_GRACE_S = 3600.0
 
 
-def engine_identity(config: EngineConfig) -> str:
-    """The model's identity for cache keys: the engine's result-deciding keys (kind, model
-    path, dtype, seed, max_model_len, adapter folders) and the content fingerprint of the
-    model folder and of every adapter folder (blocking: reads a few MiB per file)."""
+PINNED_COMMIT = re.compile(r"[0-9a-f]{40}")  # a hub revision that names one commit (a branch or tag moves)
+# The libraries whose code computes an engine kind's answers: an upgrade may change them
+RUNTIME_PACKAGES = {"transformers": ("torch", "transformers", "peft"), "vllm": ("vllm", "torch", "transformers")}
+
+
+class NotCacheable(ValueError):
+    """The engine's answers cannot be keyed by what decides them (a model named by a hub id
+    with no pinned commit): its requests are computed, never looked up nor kept."""
+
+
+def engine_identity(config: EngineConfig, *, device: str | None = None) -> str:
+    """The model's identity for cache keys: every engine config key marked as deciding results
+    (``speckeys.Decides``: kind, model, dtype, seed, max_model_len, adapters, vLLM's ``extra``
+    and structured outputs backend, the simulated engine's answers), the content of every
+    file they name (``speckeys.folder_digest``: the model folder, each adapter's, vLLM's
+    ``extra.tokenizer``), the versions of the libraries that compute the answers, and the
+    ``device`` the engine resolved (``auto`` means float32 on a CPU, bfloat16 on a GPU).
+
+    A model, adapter or tokenizer that is no local file or folder here is identified by its
+    pinned commit (``vllm.extra.revision`` / ``tokenizer_revision``, 40 hex digits) or not at
+    all: raises ``NotCacheable``. Blocking: the first call after a file changed hashes it whole."""
     data = config.model_dump(mode="json")
-    decided = {key: value for key, (_, value) in speckeys.decided(EngineConfig, data).items()}
-    folders: dict[str, str | None] = {}
-    for key, (mark, value) in speckeys.decided(EngineConfig, data).items():
+    marked = speckeys.decided(EngineConfig, data)
+    decided = {key: value for key, (_, value) in marked.items()}
+    files: dict[str, str | None] = {}
+    for key, (mark, value) in marked.items():
         if mark.folders and isinstance(value, str):
-            folders[key] = speckeys.folder_digest(value)
-    blob = json.dumps({"engine": decided, "files": folders, "simulated": data.get("simulated") if config.kind == "simulated" else None},
+            files[key] = _content(config, key, value, config.vllm.extra.get("revision") if key == "model" and config.kind == "vllm" else None)
+    if config.kind == "vllm" and isinstance(tokenizer := config.vllm.extra.get("tokenizer"), str):
+        files["vllm.extra.tokenizer"] = _content(config, "vllm.extra.tokenizer", tokenizer, config.vllm.extra.get("tokenizer_revision"))
+    runtime = {name: _version(name) for name in RUNTIME_PACKAGES.get(config.kind, ())}
+    blob = json.dumps({"engine": decided, "files": files, "runtime": runtime, "device": device,
+                       "simulated": data.get("simulated") if config.kind == "simulated" else None},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _content(config: EngineConfig, key: str, value: str, revision: Any) -> str | None:
+    """What identifies the files ``value`` names: their content, else a pinned commit; the
+    simulated engine reads no file, so a name absent here is its own identity."""
+    if (digest := speckeys.folder_digest(value)) is not None:
+        return digest
+    if isinstance(revision, str) and PINNED_COMMIT.fullmatch(revision):
+        return f"revision:{revision}"
+    if config.kind == "simulated":
+        return None
+    pin = "vllm.extra.tokenizer_revision" if key == "vllm.extra.tokenizer" else "vllm.extra.revision" if key == "model" else None
+    raise NotCacheable(f"engine.{key} {value!r} is no local file or folder here, so its content cannot be fingerprinted"
+                       + (f", and {pin} pins no commit (40 hex digits)" if pin and config.kind == "vllm" else ""))
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def cache_key(identity: str, prompt: Prompt, params: SamplingParams, attempt: int, *, greedy_ignores_seed: bool) -> str | None:
@@ -73,15 +125,18 @@ def cache_key(identity: str, prompt: Prompt, params: SamplingParams, attempt: in
 
 @dataclass
 class TrimReport:
-    """What one ``trim`` found and removed."""
+    """What one ``trim`` found and removed: entries, and the temporary files dead writers left."""
 
     entries: int
     bytes: int
     evicted: int
     evicted_bytes: int
+    leaked_temporaries: int = 0
+    leaked_temporary_bytes: int = 0
 
     def as_dict(self) -> dict[str, int]:
-        return {"entries": self.entries, "bytes": self.bytes, "evicted": self.evicted, "evicted_bytes": self.evicted_bytes}
+        return {"entries": self.entries, "bytes": self.bytes, "evicted": self.evicted, "evicted_bytes": self.evicted_bytes,
+                "leaked_temporaries": self.leaked_temporaries, "leaked_temporary_bytes": self.leaked_temporary_bytes}
 
 
 class ResultCache:
@@ -135,22 +190,26 @@ class ResultCache:
             for path, blob in blobs.items():
                 parent = path.rsplit("/", 1)[0]
                 os.makedirs(parent, exist_ok=True)
-                tmp = f"{parent}/.{os.path.basename(path)}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+                tmp = f"{parent}/.{os.path.basename(path)}.{os.getpid()}.{time.monotonic_ns()}{TEMP_SUFFIX}"
                 with open(tmp, "wb") as f:
                     f.write(blob)
                 os.replace(tmp, path)  # atomic: a reader sees the whole entry or none
         else:
             self.fs.pipe(blobs)  # one PUT per entry, run concurrently; an object store PUT is atomic
 
-    def trim(self, max_bytes: int) -> TrimReport:
-        """Delete the oldest entries until the store holds at most ``max_bytes`` (blocking)."""
+    def trim(self, max_bytes: int, *, temp_grace_s: float = TEMP_GRACE_S) -> TrimReport:
+        """Delete the oldest entries until the store holds at most ``max_bytes``, and every
+        temporary file older than ``temp_grace_s`` (a writer killed before its rename left it;
+        a younger one may be a live writer's, so it stays) (blocking)."""
         try:
             self.fs.invalidate_cache(self.root)
             listing = self.fs.find(self.root, detail=True)
         except FileNotFoundError:
             return TrimReport(0, 0, 0, 0)
-        entries = [(info.get("size") or 0, _mtime(info), path) for path, info in listing.items()
-                   if path.endswith(".json") and info.get("type", "file") == "file"]
+        files = [(info.get("size") or 0, _mtime(info), path) for path, info in listing.items() if info.get("type", "file") == "file"]
+        entries = [f for f in files if f[2].endswith(".json")]
+        cutoff = time.time() - temp_grace_s
+        leaked = [f for f in files if _is_temporary(f[2]) and f[1] < cutoff]
         total = sum(size for size, _, _ in entries)
         evicted: list[str] = []
         evicted_bytes = 0
@@ -160,12 +219,14 @@ class ResultCache:
                     break
                 evicted.append(path)
                 evicted_bytes += size
-            for i in range(0, len(evicted), 1000):
-                try:
-                    self.fs.rm(evicted[i:i + 1000])
-                except FileNotFoundError:  # another run trimmed it first
-                    pass
-        return TrimReport(len(entries) - len(evicted), total - evicted_bytes, len(evicted), evicted_bytes)
+        doomed = evicted + [path for _, _, path in leaked]
+        for i in range(0, len(doomed), 1000):
+            try:
+                self.fs.rm(doomed[i:i + 1000])
+            except FileNotFoundError:  # another run trimmed it first (or its writer renamed it after all)
+                pass
+        return TrimReport(len(entries) - len(evicted), total - evicted_bytes, len(evicted), evicted_bytes,
+                          len(leaked), sum(size for size, _, _ in leaked))
 
     # -- async ---------------------------------------------------------------------------
 
@@ -174,6 +235,12 @@ class ResultCache:
 
     async def put_many(self, entries: Mapping[str, Completion]) -> None:
         await asyncio.to_thread(self.put_many_sync, entries)
+
+
+def _is_temporary(path: str) -> bool:
+    """Whether ``path`` is a local writer's file before its rename (``put_many_sync``)."""
+    name = path.rsplit("/", 1)[-1]
+    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
 
 
 def _mtime(info: Mapping[str, Any]) -> float:
@@ -206,4 +273,4 @@ def _decode(key: str, blob: bytes) -> Completion | None:
         return None
 
 
-__all__ = ["FORMAT", "ResultCache", "TrimReport", "cache_key", "engine_identity"]
+__all__ = ["FORMAT", "TEMP_GRACE_S", "NotCacheable", "ResultCache", "TrimReport", "cache_key", "engine_identity"]

@@ -93,6 +93,45 @@ async def test_no_hit_after_the_model_files_change(tmp_path: Path) -> None:
     assert changed.result_cache_hits == 0 and changed.engine_requests == 120
 
 
+@pytest.mark.slow
+async def test_a_same_size_edit_in_the_middle_of_the_weights_is_never_answered_from_the_cache(tmp_path: Path) -> None:
+    """A fine-tune that changes a middle layer keeps model.safetensors' size, and its first and
+    last MiB: the rerun must be the edited model's answers (as with the cache off), not the
+    old model's from the cache."""
+    import asyncio
+
+    from batch_inference.engines.tiny_model import make_tiny_model
+
+    model = await asyncio.to_thread(make_tiny_model, tmp_path / "model", seed=0, layers=6)
+    weights = model / "model.safetensors"
+    size = weights.stat().st_size
+    assert size > 3 << 20  # more than the first and the last MiB
+    src = _corpus(tmp_path / "in.jsonl", 8)
+
+    def spec(run: str, **cache: Any) -> PipelineSpec:
+        return _spec(tmp_path, run, src, engine={"kind": "transformers", "model": str(model), "device": "cpu", "num_threads": 1},
+                     infer={"template": "Q: {prompt}\nA:", "sampling": {"max_tokens": 6, "min_tokens": 6, "temperature": 0}},
+                     judge={"kind": "rule", "callable": "min_length", "kwargs": {"min_chars": 1}},
+                     shard_records=8, chunk_size=8, max_rounds=1, cache=cache)
+
+    def texts(run: str) -> dict[str, str]:
+        return {rid: row["result"] for rid, row in _results(spec(run)).items()}
+
+    first = await run_pipeline(spec("a"))
+    again = await run_pipeline(spec("b"))
+    assert first.approved == again.approved == 8 and (again.result_cache_hits, again.result_cache_lookups) == (8, 8)
+    data = bytearray(weights.read_bytes())
+    middle = len(data) // 2
+    data[middle - (128 << 10):middle + (128 << 10)] = b"\x3f" * (256 << 10)  # a middle layer's weights, retrained
+    weights.write_bytes(bytes(data))
+    assert weights.stat().st_size == size
+    edited = await run_pipeline(spec("c"))
+    assert (edited.result_cache_hits, edited.engine_requests, edited.approved) == (0, 8, 8)
+    off = await run_pipeline(spec("d", enabled=False))
+    assert off.result_cache_lookups == 0 and off.engine_requests == 8
+    assert texts("c") == texts("d") != texts("a")  # the edited model's answers, computed
+
+
 async def test_an_adapter_file_change_never_hits(tmp_path: Path) -> None:
     adapter = tmp_path / "adapter"
     adapter.mkdir()
@@ -150,6 +189,37 @@ async def test_the_store_is_bounded(tmp_path: Path) -> None:
     report = ResultCache(str(tmp_path / "out" / "_result_cache")).trim(size // 2)
     assert report.bytes <= size // 2 and report.evicted > 0 and report.entries + report.evicted == 200
     assert len(list((tmp_path / "out" / "_result_cache").rglob("*.json"))) == report.entries
+
+
+async def test_the_trim_removes_dead_writers_temporary_files_but_not_a_live_ones(tmp_path: Path) -> None:
+    """A writer killed between its write and its rename leaves ``.<key>.json.<pid>.<ns>.tmp``
+    beside the entries; nothing renames or reads it again, so only the trim can remove it."""
+    import os
+    import time
+
+    src = _corpus(tmp_path / "in.jsonl", 30)
+    first = await run_pipeline(_spec(tmp_path, "a", src))
+    store = tmp_path / "out" / "_result_cache"
+    entries = sorted(store.rglob("*.json"))
+    assert first.result_cache["entries"] == len(entries) == 60
+    dead = []
+    for i, entry in enumerate(entries[:5]):  # as a writer killed before os.replace leaves them
+        tmp = entry.parent / f".{entry.name}.{40000 + i}.{123456789 + i}.tmp"
+        tmp.write_bytes(entry.read_bytes()[:17])
+        os.utime(tmp, (time.time() - 2 * 3600, time.time() - 2 * 3600))
+        dead.append(tmp)
+    live = entries[5].parent / f".{entries[5].name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+    live.write_bytes(b'{"key": "')  # a writer still writing: seconds old
+    again = await run_pipeline(_spec(tmp_path, "b", src))  # its end trims the store
+    assert again.result_cache["leaked_temporaries"] == 5 and again.result_cache["leaked_temporary_bytes"] == 5 * 17
+    assert not any(t.exists() for t in dead) and live.exists()
+    assert again.result_cache["entries"] == 60 and again.result_cache["evicted"] == 0
+    assert sorted(store.rglob("*.json")) == entries
+    assert "5 leaked temporary file(s) removed" in "\n".join(run_lines(PipelineRun(_spec(tmp_path, "b", src)).ledger.view()))
+    from batch_inference.pool.result_cache import ResultCache
+
+    report = ResultCache(str(store)).trim(1 << 30, temp_grace_s=0.0)  # past its grace, the last one goes too
+    assert (report.leaked_temporaries, report.entries) == (1, 60) and not live.exists()
 
 
 async def test_on_s3_a_rerun_hits_and_the_store_is_trimmed(tmp_path: Path, s3_store: Any, s3_store_bucket: str) -> None:

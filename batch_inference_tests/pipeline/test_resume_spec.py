@@ -163,6 +163,9 @@ def test_the_judge_engines_adapters_and_model_folder_count_too(tmp_path: Path) -
     spec = {**before, "engine": {**before["engine"], "model": model}}
     assert result_changes(spec, spec, folders=({model: "a1"}, {model: "b2"})) == ["engine.model (its files)"]
     assert result_changes(spec, spec, folders=({}, {model: "b2"})) == []  # no fingerprint then: the path decides
+    # a ledger's fingerprint from before whole-file hashing is not comparable to today's: the path decides
+    assert result_changes(spec, spec, folders=({model: "a1"}, {model: "sha256:b2"})) == []
+    assert result_changes(spec, spec, folders=({model: "sha256:a1"}, {model: "sha256:b2"})) == ["engine.model (its files)"]
 
 
 async def test_an_unused_adapter_added_to_the_engine_resumes_and_the_recorded_spec_is_the_one_written(tmp_path: Path) -> None:
@@ -181,9 +184,9 @@ def test_a_folders_fingerprint_is_its_content_not_where_or_when_it_was_copied(tm
     import os
     import shutil
 
-    from batch_inference.speckeys import SAMPLE_BYTES, folder_digest
+    from batch_inference.speckeys import folder_digest
 
-    big = os.urandom(3 * SAMPLE_BYTES)  # sampled at both ends
+    big = os.urandom(3 << 20)
     weights = _adapter_folder(tmp_path / "a", big)
     (tmp_path / "a" / "adapter_config.json").write_text('{"r": 8}')
     copy = tmp_path / "pod" / "a"
@@ -191,5 +194,8 @@ def test_a_folders_fingerprint_is_its_content_not_where_or_when_it_was_copied(tm
     os.utime(copy / "adapter_config.json", (1, 1))
     assert folder_digest(weights) == folder_digest(str(copy)) is not None
     (copy / "adapter_model.safetensors").write_bytes(big[:-1] + bytes([big[-1] ^ 1]))  # retrained: same size
+    assert folder_digest(str(copy)) != folder_digest(weights)
+    middle = len(big) // 2  # a same-size edit in the middle (one layer fine-tuned): hashed whole, seen
+    (copy / "adapter_model.safetensors").write_bytes(big[:middle] + bytes([big[middle] ^ 1]) + big[middle + 1:])
     assert folder_digest(str(copy)) != folder_digest(weights)
     assert folder_digest(str(tmp_path / "absent")) is None and folder_digest("s3://bucket/a") is None

@@ -3,6 +3,7 @@ pool's slots, approval measured apart for first and later attempts, and a band."
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import orjson
@@ -84,3 +85,35 @@ def test_the_profile_fills_the_slots_and_measures_later_approval(tmp_path: Path)
     low, high = rounds.wall_band_s
     assert low <= rounds.wall_s <= high and any(a.startswith("band:") for a in plan.assumptions)
     assert plan.metadata()["plan.wall_s.low"] == round(low, 1)
+
+
+def test_a_profile_measures_engine_work_whatever_the_result_cache_holds(tmp_path: Path) -> None:
+    """An earlier run's answers in the result cache would answer the profile's attempts at the
+    cost of a file read: a profile never reads the cache (nor fills it), so a warm cache and a
+    cold one measure the same engine, and the plan says it prices no hit."""
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows(160)))
+    engine = {"kind": "simulated", "simulated": {"output_tokens": 8, "latency_a_s": 0.004, "latency_b_s": 2e-5}}
+
+    def spec(cache: Path, run: str = "calibrate") -> PipelineSpec:
+        return spec_for(tmp_path, str(src), engine=engine, run=run, cache={"url": str(cache)})
+
+    def entries(cache: Path) -> dict[str, float]:
+        return {str(p): p.stat().st_mtime for p in cache.rglob("*.json")}
+
+    warm_cache, cold_cache = tmp_path / "warm-cache", tmp_path / "cold-cache"
+    from batch_inference.pipeline import run_pipeline
+
+    earlier = asyncio.run(run_pipeline(spec(warm_cache, "earlier")))  # every record, every attempt the profile makes
+    assert earlier.result_cache["entries"] > 160
+    before = entries(warm_cache)
+    warm = run_measure_profile(spec(warm_cache), records=80, workdir=str(tmp_path / "work-warm"))
+    assert entries(warm_cache) == before  # nothing read (a hit refreshes its mtime) and nothing added
+    cold = run_measure_profile(spec(cold_cache), records=80, workdir=str(tmp_path / "work-cold"))
+    assert entries(cold_cache) == {}
+    for measured in ("infer_s", "judge_s", "tail_attempt_s"):  # the same engine, within a generous factor
+        assert getattr(cold, measured) / 3 <= getattr(warm, measured) <= getattr(cold, measured) * 3, measured
+    # an in-place attempt infers a record (and judges it): never priced at a cache read's cost
+    assert warm.tail_attempt_s >= 0.5 * warm.infer_s and cold.tail_attempt_s >= 0.5 * cold.infer_s
+    plan = make_plan(spec(warm_cache), profile=warm, strategies=("hybrid",))
+    assert any(a.startswith("result cache: no hit priced") for a in plan.assumptions)
