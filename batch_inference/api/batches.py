@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 from typing import Any
@@ -31,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from batch_inference.api.config import ApiConfig
 from batch_inference.api.fair import FairShare
-from batch_inference.api.store import DEFAULT_PROJECT, Store, new_id, owner
+from batch_inference.api.store import Store, new_id
 from batch_inference.pipeline.layout import RunLayout
 from batch_inference.pipeline.spec import PipelineSpec, SpecError
 from batch_inference.prompting.openai_batch import ENDPOINTS, body_refusal, error_line, escape_line_breaks, jsonl_line, request_error_line
@@ -114,13 +113,13 @@ class BatchManager:
 
     async def create(self, *, api: str, endpoint: str, source_url: str, input_file_id: str | None, window: str,
                      window_s: float, metadata: dict[str, Any] | None, output_expires_after: dict[str, Any] | None,
-                     batch_id: str | None = None, project: str = DEFAULT_PROJECT) -> dict[str, Any]:
-        """Save a new batch (``validating``) of ``project`` (the creating key's) and start driving it."""
+                     batch_id: str | None = None) -> dict[str, Any]:
+        """Save a new batch (``validating``) and start driving it."""
         if endpoint not in ENDPOINTS:
             raise BatchError(f"endpoint {endpoint!r} is not supported (supported: {', '.join(ENDPOINTS)})", param="endpoint")
         t = now()
         state: dict[str, Any] = {
-            "id": batch_id or new_id("batch"), "object": "batch", "api": api, "endpoint": endpoint, "project": project,
+            "id": batch_id or new_id("batch"), "object": "batch", "api": api, "endpoint": endpoint,
             "input_file_id": input_file_id, "source_url": source_url, "completion_window": window,
             "status": "validating", "created_at": t, "created_ns": time.time_ns(), "expires_at": t + int(window_s), "in_progress_at": None,
             "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None, "cancelling_at": None,
@@ -135,10 +134,6 @@ class BatchManager:
         return state
 
     def start(self, batch_id: str) -> None:
-        """Drive the batch, once: a second drive of the same batch would deliver its files twice,
-        rewriting a file a client may be reading."""
-        if (running := self._tasks.get(batch_id)) is not None and not running.done():
-            return
         task = asyncio.create_task(self._drive(batch_id), name=f"batch {batch_id}")
         self._tasks[batch_id] = task
         task.add_done_callback(lambda t: self._tasks.pop(batch_id, None) if self._tasks.get(batch_id) is t else None)
@@ -379,13 +374,6 @@ class BatchManager:
         files = await asyncio.to_thread(self._deliver, state, stopped)
         counts = {"total": state["request_counts"]["total"], "completed": files["completed"], "failed": files["failed"]}
         end = stopped or "completed"
-        if stopped and state.get("run"):  # `batch-inference status` on the run says so, instead of "re-run to resume"
-            from batch_inference.pipeline import PipelineRun
-
-            run_ledger = PipelineRun(self.spec_for(state)).ledger
-            await asyncio.to_thread(run_ledger.write, RunLayout.STOPPED, {
-                "why": f"batch {stopped}", "by": f"Batch API batch {batch_id}", "at": now(),
-                "completed": files["completed"], "failed": files["failed"]})
         await self.update(batch_id, status=end, **{f"{end}_at": now()}, request_counts=counts, stopped=files["stopped"],
                           output_file_id=files["output_file_id"], error_file_id=files["error_file_id"], usage=files["usage"])
 
@@ -426,14 +414,12 @@ class BatchManager:
         except BaseException:
             w.discard()
             raise
+        suffix = state["id"].split("_", 1)[1]
         expires = None
         if (after := state.get("output_expires_after")) is not None:
             expires = int(state["created_at"]) + int(after["seconds"])
-        project = owner(state)
-        output_id = self._register(delivered_id(state["id"], "output"), output_url, "batch_output.jsonl", expires, project) \
-            if got["completed"] else None
-        error_id = self._register(delivered_id(state["id"], "errors"), final_errors, "batch_errors.jsonl", expires, project) \
-            if got["failed"] else None
+        output_id = self._register(f"file_{suffix}output", output_url, "batch_output.jsonl", expires) if got["completed"] else None
+        error_id = self._register(f"file_{suffix}errors", final_errors, "batch_errors.jsonl", expires) if got["failed"] else None
         return {"completed": got["completed"], "failed": got["failed"], "stopped": got["stopped"],
                 "output_file_id": output_id, "error_file_id": error_id,
                 "usage": {"input_tokens": got["prompt"], "output_tokens": got["completion"],
@@ -455,12 +441,11 @@ class BatchManager:
             raise
         return n
 
-    def _register(self, file_id: str, url: str, filename: str, expires_at: int | None, project: str) -> str:
-        """A file object of ``project`` for bytes the server wrote (an output or error file); the same
-        id on a re-run. Written after the file is whole, and before the batch's state names it."""
+    def _register(self, file_id: str, url: str, filename: str, expires_at: int | None) -> str:
+        """A file object for bytes the server wrote (an output or error file); the same id on a re-run."""
         meta = {"id": file_id, "object": "file", "bytes": self.store.size(url) or 0, "created_at": now(),
                 "filename": filename, "purpose": "batch_output", "status": "processed", "expires_at": expires_at,
-                "status_details": None, "url": url, "project": project}
+                "status_details": None, "url": url}
         self.store.write_json(f"{self.store.file_dir(file_id)}/meta.json", meta)
         return file_id
 
@@ -561,13 +546,6 @@ class BatchManager:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._exit.aclose()
-
-
-def delivered_id(batch_id: str, kind: str) -> str:
-    """The id of a batch's output or error file: opaque, as OpenAI's are (nothing in it says what it
-    is or whose), and the same on every delivery of the batch, so a re-run after a restart
-    registers the file it had named."""
-    return "file_" + hashlib.sha256(f"{batch_id}:{kind}".encode()).hexdigest()[:24]
 
 
 def delete_file(store: Store, meta: dict[str, Any]) -> None:

@@ -9,16 +9,13 @@ server can be started from anywhere.
 
 from __future__ import annotations
 
-import difflib
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from batch_inference.api.store import DEFAULT_PROJECT
 from batch_inference.engines import EngineConfig
 from batch_inference.pipeline.spec import Duration, JudgeSpec, PoolSpec, parse_duration
 from batch_inference.prompting.config import SamplingConfig, SamplingLimits
@@ -89,14 +86,11 @@ class DagsterConfig(_Strict):
     home: str = Field(min_length=1, description="a DAGSTER_HOME (its dagster.yaml, else a sqlite instance in it): the one `dagster dev` uses")
 
 
-PROJECT_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
-
 class ApiConfig(_Strict):
     """``api.yaml``."""
 
     storage: str = Field(min_length=1, description="local folder or s3://...: uploaded files, batch state, runs, output files")
-    tokens_file: str = Field(min_length=1, description="accepted API keys, one a line: KEY, or PROJECT KEY (a key's project sees only its own files and batches)")
+    tokens_file: str = Field(min_length=1, description="accepted API keys, one a line")
     models: dict[str, ModelConfig] = Field(min_length=1)
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False, description="fsspec options for storage (s3 endpoint...)")
     limits: Limits = Field(default_factory=Limits)
@@ -144,53 +138,23 @@ class ApiConfig(_Strict):
             return cls.model_validate(data)
         except ValidationError as exc:
             lines = [f"  {'.'.join(str(x) for x in e['loc']) or '(top level)'}: "
-                     + (_unknown_key(e["loc"]) if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, "))
+                     + ("unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, "))
                      for e in exc.errors()]
             raise ApiConfigError(f"{p}: invalid config:\n" + "\n".join(lines)) from None
 
     def tokens(self) -> list[str]:
         """The accepted keys (blank lines and ``#`` comments skipped); at least one, each 16+ characters."""
-        return list(self.projects())
-
-    def projects(self) -> dict[str, str]:
-        """Each accepted key and the project (tenant) it belongs to.
-
-        A line is ``KEY`` (the key belongs to the project ``default``: a tokens file of one key a
-        line, as before projects, is one project) or ``PROJECT KEY``. A project sees only its own
-        files and batches, as OpenAI's project keys do; keys of one project share them.
-        """
         try:
             text = Path(self.tokens_file).read_text()
         except OSError as exc:
             raise ApiConfigError(f"tokens_file {self.tokens_file}: cannot read: {exc.strerror or exc}") from exc
-        keys: dict[str, str] = {}
-        for n, raw in enumerate(text.splitlines(), start=1):
-            words = raw.split()
-            if not words or words[0].startswith("#"):
-                continue
-            if len(words) > 2:
-                raise ApiConfigError(f"tokens_file {self.tokens_file}: line {n}: expected KEY or PROJECT KEY, got {len(words)} words")
-            project, key = (DEFAULT_PROJECT, words[0]) if len(words) == 1 else (words[0], words[1])
-            if not PROJECT_NAME.match(project):
-                raise ApiConfigError(f"tokens_file {self.tokens_file}: line {n}: project {project!r}: 1-64 letters, digits, '_' and '-'")
-            if len(key) < 16:
-                raise ApiConfigError(f"tokens_file {self.tokens_file}: line {n}: a key shorter than 16 characters")
-            if keys.get(key, project) != project:
-                raise ApiConfigError(f"tokens_file {self.tokens_file}: line {n}: the same key in projects {keys[key]!r} and {project!r}")
-            keys[key] = project
-        if not keys:
+        tokens = [t.strip() for t in text.splitlines() if t.strip() and not t.strip().startswith("#")]
+        if not tokens:
             raise ApiConfigError(f"tokens_file {self.tokens_file}: no keys (one a line): the server serves no one without a key")
-        return keys
+        if short := [i for i, t in enumerate(tokens) if len(t) < 16]:
+            raise ApiConfigError(f"tokens_file {self.tokens_file}: key(s) {short} shorter than 16 characters")
+        return tokens
 
     def window_s(self, window: str) -> float | None:
         """Seconds of an allowed ``completion_window``; None when it is not one of ``limits.completion_windows``."""
         return parse_duration(window) if window in self.limits.completion_windows else None
-
-
-def _unknown_key(loc: tuple[Any, ...]) -> str:
-    """"unknown key", with the closest key this config takes anywhere ("did you mean ...?")."""
-    known: set[str] = set()
-    for model in (ApiConfig, ModelConfig, Limits, DagsterConfig, SamplingConfig, SamplingLimits, EngineConfig, JudgeSpec, PoolSpec):
-        known.update(model.model_fields)
-    close = difflib.get_close_matches(str(loc[-1]) if loc else "", sorted(known), n=1, cutoff=0.7)
-    return f"unknown key (did you mean {close[0]!r}?)" if close else "unknown key"

@@ -18,27 +18,24 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-from aiohttp import ClientPayloadError, web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp import web
 
 from batch_inference.api import anthropic
 from batch_inference.api.batches import BatchError, BatchManager, delete_file, new_id, now
 from batch_inference.api.config import ApiConfig
-from batch_inference.api.store import DEFAULT_PROJECT, READ_SIZE, Store, check_id, owner
+from batch_inference.api.store import Store, check_id
 from batch_inference.prompting.openai_batch import jsonl_line
 
 log = logging.getLogger(__name__)
 
 MANAGER = web.AppKey("manager", BatchManager)
 CONFIG = web.AppKey("config", ApiConfig)
-PROJECT = "batch_inference.project"  # the request's project (its key's), set by the auth middleware
 CHUNK = 1 << 20
 HIDDEN = ("api", "source_url", "stopped", "run", "created_ns")  # the state's own keys, not OpenAI's batch fields
 
@@ -83,25 +80,6 @@ def _page(items: list[dict[str, Any]], limit: int, after: str | None, key: str =
     return items[:limit], len(items) > limit
 
 
-MIN_UPLOAD_EXPIRY_S, MAX_UPLOAD_EXPIRY_S = 3600, 30 * 86400  # OpenAI's bounds on a file's expires_after
-
-
-def _upload_expiry(fields: dict[str, str]) -> int:
-    """Seconds until an uploaded file expires, from ``expires_after[anchor]`` / ``[seconds]``: as
-    OpenAI takes them, anchored at ``created_at``, an hour to 30 days."""
-    anchor = fields.get("expires_after[anchor]", "created_at")
-    if anchor != "created_at":
-        raise BatchError(f"expires_after[anchor] {anchor!r}: only 'created_at'", param="expires_after")
-    try:
-        seconds = int(fields.get("expires_after[seconds]", ""))
-    except ValueError:
-        raise BatchError("expires_after[seconds] must be an integer", param="expires_after") from None
-    if not MIN_UPLOAD_EXPIRY_S <= seconds <= MAX_UPLOAD_EXPIRY_S:
-        raise BatchError(f"expires_after[seconds] {seconds}: between {MIN_UPLOAD_EXPIRY_S} (1 hour) and "
-                         f"{MAX_UPLOAD_EXPIRY_S} (30 days)", param="expires_after")
-    return seconds
-
-
 def _limit(request: web.Request, default: int = 20, most: int = 100) -> int:
     raw = request.query.get("limit", str(default))
     try:
@@ -126,42 +104,30 @@ async def _body(request: web.Request) -> dict[str, Any]:
 # -- the app ---------------------------------------------------------------------------
 
 
-def create_app(config: ApiConfig, *, tokens: list[str] | dict[str, str] | None = None) -> web.Application:
-    """The API over ``config``'s storage and models; ``tokens``: the accepted keys, or each key's
-    project (default: the tokens file's; a list is one project, ``default``)."""
-    if tokens is None:
-        tokens = config.projects()
-    by_key = dict.fromkeys(tokens, DEFAULT_PROJECT) if isinstance(tokens, list) else dict(tokens)
-    keys = [(k.encode(), project) for k, project in by_key.items()]
+def create_app(config: ApiConfig, *, tokens: list[str] | None = None) -> web.Application:
+    """The API over ``config``'s storage and models; ``tokens``: the accepted keys (default: the tokens file's)."""
+    keys = [t.encode() for t in (tokens if tokens is not None else config.tokens())]
     store = Store(config.storage, config.storage_options)
     manager = BatchManager(config, store)
     manager.check_models()
     started = now()
 
-    def project_of(request: web.Request) -> str | None:
-        """The project of the request's key, or None (no key, a wrong one, or bytes no key has)."""
+    def authorised(request: web.Request) -> bool:
         given = request.headers.get("x-api-key") or ""
         auth = request.headers.get("Authorization", "")
         if not given and auth[:7].lower() == "bearer ":
             given = auth[7:].strip()
-        try:
-            raw = given.encode()
-        except UnicodeEncodeError:  # aiohttp keeps undecodable header bytes as surrogates: no key is made of them
-            return None
-        found = None
-        for key, project in keys:  # every key compared, in constant time each: nothing leaks which one nearly matched
-            if hmac.compare_digest(raw, key):
-                found = project
-        return found if given else None
+        ok = False
+        for key in keys:  # every key compared, in constant time each: nothing leaks which one nearly matched
+            ok |= hmac.compare_digest(given.encode(), key)
+        return ok and bool(given)
 
     @web.middleware
     async def guard(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        if request.path.startswith("/v1/"):
-            if (project := project_of(request)) is None:
-                log.warning("refused %s %s from %s: missing or wrong API key", request.method, request.path, request.remote)
-                return error_response(request, 401, "invalid or missing API key (Authorization: Bearer <key>, or x-api-key)",
-                                      code="invalid_api_key")
-            request[PROJECT] = project
+        if request.path.startswith("/v1/") and not authorised(request):
+            log.warning("refused %s %s from %s: missing or wrong API key", request.method, request.path, request.remote)
+            return error_response(request, 401, "invalid or missing API key (Authorization: Bearer <key>, or x-api-key)",
+                                  code="invalid_api_key")
         try:
             return await handler(request)
         except BatchError as exc:
@@ -184,17 +150,15 @@ def create_app(config: ApiConfig, *, tokens: list[str] | dict[str, str] | None =
     def file_meta_url(file_id: str) -> str:
         return f"{store.file_dir(file_id)}/meta.json"
 
-    async def file_meta(request: web.Request, file_id: str) -> dict[str, Any]:
-        """The file's metadata, if the request's project owns it (404 otherwise: another project's
-        file is not said to exist)."""
+    async def file_meta(file_id: str) -> dict[str, Any]:
         meta = await asyncio.to_thread(store.read_json, file_meta_url(file_id)) if check_id(file_id, "file") else None
-        if meta is None or owner(meta) != request[PROJECT]:
+        if meta is None:
             raise BatchError(f"No such File object: {file_id}", status=404, param="file_id")
         return meta
 
-    async def batch_state(request: web.Request, batch_id: str, prefix: str) -> dict[str, Any]:
+    async def batch_state(batch_id: str, prefix: str) -> dict[str, Any]:
         state = await manager.get(batch_id) if check_id(batch_id, prefix) else None
-        if state is None or state["api"] != ("anthropic" if prefix == "msgbatch" else "openai") or owner(state) != request[PROJECT]:
+        if state is None or state["api"] != ("anthropic" if prefix == "msgbatch" else "openai"):
             raise BatchError(f"No such batch: {batch_id}", status=404)
         return state
 
@@ -229,8 +193,6 @@ def create_app(config: ApiConfig, *, tokens: list[str] | dict[str, str] | None =
         try:
             while (part := await reader.next()) is not None:
                 if part.name == "file":  # type: ignore[union-attr]
-                    if writer is not None:  # one file an upload: a second would orphan the first's bytes
-                        raise BatchError("more than one 'file' field in the upload", param="file")
                     filename = part.filename or "upload.jsonl"  # type: ignore[union-attr]
                     writer = store.open_writer(url)
                     while chunk := await part.read_chunk(CHUNK):  # type: ignore[union-attr]
@@ -248,22 +210,18 @@ def create_app(config: ApiConfig, *, tokens: list[str] | dict[str, str] | None =
             if fields.get("purpose") != "batch":
                 raise BatchError(f"purpose {fields.get('purpose')!r}: this server takes purpose 'batch' only", param="purpose")
             expires_at = None
-            if "expires_after[seconds]" in fields or "expires_after[anchor]" in fields:
-                expires_at = now() + _upload_expiry(fields)
+            if "expires_after[seconds]" in fields:
+                try:
+                    expires_at = now() + int(fields["expires_after[seconds]"])
+                except ValueError:
+                    raise BatchError("expires_after[seconds] must be an integer", param="expires_after") from None
             await asyncio.to_thread(writer.commit)
-        except (ValueError, EOFError, asyncio.IncompleteReadError, web.HTTPBadRequest, ClientPayloadError,
-                HttpProcessingError) as exc:  # a body cut short or not multipart: the client's fault
-            if writer is not None:
-                await asyncio.to_thread(writer.discard)
-            if isinstance(exc, BatchError):
-                raise
-            raise BatchError(f"the multipart body could not be read ({type(exc).__name__}): truncated or malformed") from None
         except BaseException:
             if writer is not None:
                 await asyncio.to_thread(writer.discard)
             raise
         meta = {"id": file_id, "object": "file", "bytes": size, "created_at": now(), "created_ns": time.time_ns(), "filename": filename, "purpose": "batch",
-                "status": "processed", "expires_at": expires_at, "status_details": None, "url": url, "project": request[PROJECT]}
+                "status": "processed", "expires_at": expires_at, "status_details": None, "url": url}
         await asyncio.to_thread(store.write_json, file_meta_url(file_id), meta)
         return _json(_file_object(meta))
 
@@ -271,7 +229,6 @@ def create_app(config: ApiConfig, *, tokens: list[str] | dict[str, str] | None =
         ids = await asyncio.to_thread(store.children, store.url("files"))
         metas = [m for m in await asyncio.gather(*(asyncio.to_thread(store.read_json, file_meta_url(i)) for i in ids if check_id(i, "file")))
                  if m is not None]
-        metas = [m for m in metas if owner(m) == request[PROJECT]]
         if purpose := request.query.get("purpose"):
             metas = [m for m in metas if m["purpose"] == purpose]
         metas.sort(key=lambda m: (m.get("created_ns", 0), m["id"]), reverse=request.query.get("order", "desc") != "asc")
@@ -280,24 +237,21 @@ def create_app(config: ApiConfig, *, tokens: list[str] | dict[str, str] | None =
                       "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None})
 
     async def get_file(request: web.Request) -> web.Response:
-        return _json(_file_object(await file_meta(request, request.match_info["file_id"])))
+        return _json(_file_object(await file_meta(request.match_info["file_id"])))
 
     async def file_content(request: web.Request) -> web.StreamResponse:
-        meta = await file_meta(request, request.match_info["file_id"])
+        meta = await file_meta(request.match_info["file_id"])
         response = web.StreamResponse(headers={"Content-Type": "application/octet-stream", "Cache-Control": "no-store"})
-        # One open file for the length and the bytes: a length taken from the name and bytes read
-        # from a file put there after would serve a line cut short or a length that lies.
-        with await asyncio.to_thread(store.open_read, meta["url"]) as f:
-            response.content_length = await asyncio.to_thread(lambda: int(f.size) if getattr(f, "size", None) is not None
-                                                               else os.fstat(f.fileno()).st_size)
-            await response.prepare(request)
-            while chunk := await asyncio.to_thread(f.read, READ_SIZE):
-                await response.write(chunk)
+        response.content_length = await asyncio.to_thread(store.size, meta["url"]) or 0
+        await response.prepare(request)
+        chunks = store.chunks(meta["url"])
+        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+            await response.write(chunk)
         await response.write_eof()
         return response
 
     async def remove_file(request: web.Request) -> web.Response:
-        meta = await file_meta(request, request.match_info["file_id"])
+        meta = await file_meta(request.match_info["file_id"])
         await asyncio.to_thread(delete_file, store, meta)
         return _json({"id": meta["id"], "object": "file", "deleted": True})
 
@@ -308,7 +262,7 @@ def create_app(config: ApiConfig, *, tokens: list[str] | dict[str, str] | None =
         file_id = body.get("input_file_id")
         if not isinstance(file_id, str):
             raise BatchError("input_file_id: required", param="input_file_id")
-        meta = await file_meta(request, file_id)
+        meta = await file_meta(file_id)
         if meta["purpose"] != "batch":
             raise BatchError(f"file {file_id} has purpose {meta['purpose']!r}, not 'batch'", param="input_file_id")
         window = body.get("completion_window")
@@ -328,21 +282,20 @@ def create_app(config: ApiConfig, *, tokens: list[str] | dict[str, str] | None =
                 raise BatchError(f"output_expires_after: {{anchor: created_at, seconds}} with seconds between "
                                  f"{int(config.limits.min_output_expiry_s)} and {30 * 86400}", param="output_expires_after")
         state = await manager.create(api="openai", endpoint=str(body.get("endpoint")), source_url=meta["url"], input_file_id=file_id,
-                                     window=window, window_s=window_s, metadata=metadata, output_expires_after=expiry,
-                                     project=request[PROJECT])
+                                     window=window, window_s=window_s, metadata=metadata, output_expires_after=expiry)
         return _json(_openai_batch(state))
 
     async def get_batch(request: web.Request) -> web.Response:
-        return _json(_openai_batch(await batch_state(request, request.match_info["batch_id"], "batch")))
+        return _json(_openai_batch(await batch_state(request.match_info["batch_id"], "batch")))
 
     async def list_batches(request: web.Request) -> web.Response:
-        states = [s for s in await manager.all() if s["api"] == "openai" and owner(s) == request[PROJECT]]
+        states = [s for s in await manager.all() if s["api"] == "openai"]
         page, more = _page(states, _limit(request), request.query.get("after"))
         return _json({"object": "list", "data": [_openai_batch(s) for s in page], "has_more": more,
                       "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None})
 
     async def cancel_batch(request: web.Request) -> web.Response:
-        state = await batch_state(request, request.match_info["batch_id"], "batch")
+        state = await batch_state(request.match_info["batch_id"], "batch")
         return _json(_openai_batch(await manager.cancel(state["id"])))
 
     # -- Anthropic Message Batches ----------------------------------------------------------
@@ -378,16 +331,15 @@ def create_app(config: ApiConfig, *, tokens: list[str] | dict[str, str] | None =
         await asyncio.to_thread(write)
         state = await manager.create(api="anthropic", endpoint="/v1/chat/completions", source_url=source, input_file_id=None,
                                      window=f"{int(config.limits.anthropic_window)}s", window_s=config.limits.anthropic_window,
-                                     metadata=None, output_expires_after=None, batch_id=batch_id,
-                                     project=request[PROJECT])
+                                     metadata=None, output_expires_after=None, batch_id=batch_id)
         return _json(anthropic.batch_object(state, results_url(request, batch_id)))
 
     async def get_message_batch(request: web.Request) -> web.Response:
-        state = await batch_state(request, request.match_info["batch_id"], "msgbatch")
+        state = await batch_state(request.match_info["batch_id"], "msgbatch")
         return _json(anthropic.batch_object(state, results_url(request, state["id"])))
 
     async def list_message_batches(request: web.Request) -> web.Response:
-        states = [s for s in await manager.all() if s["api"] == "anthropic" and owner(s) == request[PROJECT]]
+        states = [s for s in await manager.all() if s["api"] == "anthropic"]
         limit = _limit(request)
         if before := request.query.get("before_id"):
             ids = [s["id"] for s in states]
@@ -400,25 +352,25 @@ def create_app(config: ApiConfig, *, tokens: list[str] | dict[str, str] | None =
                       "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None})
 
     async def cancel_message_batch(request: web.Request) -> web.Response:
-        state = await batch_state(request, request.match_info["batch_id"], "msgbatch")
+        state = await batch_state(request.match_info["batch_id"], "msgbatch")
         state = await manager.cancel(state["id"]) if state["status"] in ("validating", "in_progress") else state
         return _json(anthropic.batch_object(state, results_url(request, state["id"])))
 
     async def delete_message_batch(request: web.Request) -> web.Response:
-        state = await batch_state(request, request.match_info["batch_id"], "msgbatch")
+        state = await batch_state(request.match_info["batch_id"], "msgbatch")
         if state["status"] not in ("completed", "failed", "expired", "cancelled"):
             raise BatchError(f"batch {state['id']} is still processing: cancel it, and delete it once it has ended", status=409)
         await asyncio.to_thread(manager.delete, state)
         return _json({"id": state["id"], "type": "message_batch_deleted"})
 
     async def message_batch_results(request: web.Request) -> web.StreamResponse:
-        state = await batch_state(request, request.match_info["batch_id"], "msgbatch")
+        state = await batch_state(request.match_info["batch_id"], "msgbatch")
         if state["status"] not in ("completed", "failed", "expired", "cancelled"):
             raise BatchError(f"batch {state['id']} has not ended: its results are not ready", status=404)
         urls = []
         for file_id in (state.get("output_file_id"), state.get("error_file_id")):
             if file_id:
-                urls.append((await file_meta(request, file_id))["url"])
+                urls.append((await file_meta(file_id))["url"])
         response = web.StreamResponse(headers={"Content-Type": "application/binary", "Cache-Control": "no-store"})
         await response.prepare(request)
         for url in urls:

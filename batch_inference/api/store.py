@@ -33,14 +33,6 @@ ID = re.compile(r"^(file|batch|msgbatch)_[A-Za-z0-9]{8,64}$")
 READ_SIZE = 1 << 20
 
 
-DEFAULT_PROJECT = "default"  # the project of a key named without one, and of files and batches saved before projects
-
-
-def owner(obj: dict[str, Any]) -> str:
-    """The project a file's metadata or a batch's state belongs to."""
-    return str(obj.get("project") or DEFAULT_PROJECT)
-
-
 def new_id(prefix: str) -> str:
     """A fresh id (``file_...``, ``batch_...``, ``msgbatch_...``): 24 random alphanumerics."""
     alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
@@ -117,11 +109,6 @@ class Store:
             return int(self.fs.size(self._path(url)))
         except FileNotFoundError:
             return None
-
-    def open_read(self, url: str) -> Any:
-        """``url`` opened for reading (a local file keeps its bytes if it is replaced meanwhile;
-        an object store's read is of one version). FileNotFoundError when it is gone."""
-        return self.fs.open(self._path(url), "rb")
 
     def chunks(self, url: str) -> Iterator[bytes]:
         """The bytes of ``url`` in 1 MiB pieces (FileNotFoundError when it is gone)."""

@@ -36,7 +36,6 @@ class RunLayout:
     SHARD_STREAM: ClassVar[str] = "shard-stream"  # round 0 began beside the layout pass: the run instance its tasks carry
     TAIL: ClassVar[str] = "tail"
     RUN: ClassVar[str] = "run"
-    STOPPED: ClassVar[str] = "stopped"  # stopped for good from outside (a Batch API cancel or expiry): not resumed
     SPEC: ClassVar[str] = "spec"
     INPUT_SCHEMA: ClassVar[str] = "input-schema"  # the input's format and (Parquet) Arrow schema, recorded at sharding
     SPEC_FOLDERS: ClassVar[str] = "spec-folders"  # the fingerprints of the spec's model and adapter folders' files

@@ -181,7 +181,7 @@ class Ledger:
         return LedgerView(
             spec=self.read(names.SPEC), shard=self.read_as(names.SHARD, ShardSummary), rounds=rounds,
             tail=self.read_as(names.TAIL, PhaseSummary), run=self.read_as(names.RUN, RunSummary),
-            steps=self.steps_under_way(), stopped=self.read(names.STOPPED),
+            steps=self.steps_under_way(),
         )
 
     def _listed(self, url: str) -> list[str]:

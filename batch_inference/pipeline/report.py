@@ -364,10 +364,6 @@ def _verdict_lines(view: LedgerView) -> list[str]:
         waiting = [f"round {x.round}: {x.awaiting_review} record(s) sent to human review "
                    "(`batch-inference review SPEC` serves the page; the run goes on once they are decided)"
                    for x in view.rounds if x.awaiting_review]
-        if (stop := view.stopped) is not None:  # a cancelled or expired batch: nothing resumes it
-            return [*step_lines(view), f"run stopped: {stop.get('why', 'stopped')} ({stop.get('by', 'from outside')}); "
-                    f"{int(stop.get('completed', 0)):,} request(s) completed, {int(stop.get('failed', 0)):,} failed or not run, "
-                    "all delivered; it is not resumed"]
         return [*waiting, *step_lines(view), "run not finalized yet (re-run `batch-inference run SPEC` to resume)"]
     c = r.conservation
     lines = [f"round {d.round} -> {d.kind}: {d.reason}" for d in (x.decision for x in view.rounds) if d]

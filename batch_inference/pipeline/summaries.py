@@ -497,7 +497,6 @@ class LedgerView:
     tail: PhaseSummary | None = None  # its ``round`` is the round it took over from
     run: RunSummary | None = None
     steps: dict[str, StepProgress] = field(default_factory=dict)  # the steps under way, by ledger name
-    stopped: dict[str, Any] | None = None  # the run was stopped for good from outside (a Batch API cancel or expiry)
 
     def settled(self) -> dict[str, int]:
         """Records that reached a terminal state so far, and keep it whatever follows (a cancel

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -195,12 +193,6 @@ def test_counts_move_within_a_shard_and_a_cancel_stops_the_compute_and_keeps_wha
         assert checkpoint_segments(server, batch.id) == written
         after = timed(10, "after")
         assert after < idle + 2.0, f"the batch after the cancel took {after:.1f}s against {idle:.1f}s on an idle server"
-        # `batch-inference status` on the cancelled batch's run says it was cancelled, not "re-run to resume" (issue 40 #10)
-        said = subprocess.run([sys.executable, "-m", "batch_inference.cli.main", "status", str(tmp_path / "api-data" / "runs" / batch.id)],
-                              capture_output=True, text=True, timeout=120)
-        text = " ".join(said.stdout.split())  # the console wraps long lines
-        assert f"run stopped: batch cancelled (Batch API batch {batch.id}); {len(out):,} request(s) completed" in text, said
-        assert "re-run" not in text, text
 
 
 def submit_and_finish(c: OpenAI) -> Any:
