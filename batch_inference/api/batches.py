@@ -10,6 +10,13 @@ cancelled``; ``expired``), each step saved before the next begins, so a server k
 moment picks every batch up where its state says (``resume_all``), and the pipeline's own
 resume skips what its ledger says is committed.
 
+A delivery never rewrites a file: it writes the output and error files whole under fresh
+ids (``delivering`` in the state names them first), then publishes the ids with the ended
+status. A reader of a published id gets the same bytes for as long as the file lives; the
+files of a delivery killed before it published are removed by the next one.
+
+Each batch (and each file it delivers) records the ``project`` of the key that made it.
+
 Stopping (cancel, expiry) cancels the batch's driver (no new shard task is dispatched; the
 tasks in flight are abandoned) and exports what reached a terminal state; every other
 request is an error line (``batch_cancelled`` / ``batch_expired``), so every ``custom_id``
@@ -21,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 import time
 from typing import Any
 
@@ -28,7 +37,7 @@ import orjson
 
 from typing import TYPE_CHECKING
 
-from batch_inference.api.config import ApiConfig
+from batch_inference.api.config import DEFAULT_PROJECT, ApiConfig
 from batch_inference.api.fair import FairShare
 from batch_inference.api.store import Store, new_id
 from batch_inference.pipeline.layout import RunLayout
@@ -46,6 +55,15 @@ TERMINAL = ("completed", "failed", "expired", "cancelled")
 NO_JUDGE = {"kind": "none"}  # every answer accepted, as hosted APIs do: one inference per request
 STOPPED = {"cancelled": ("batch_cancelled", "This request was not executed: the batch was cancelled."),
            "expired": ("batch_expired", "This request could not be executed before the completion window expired.")}
+FAULT_ENV = "BATCH_INFERENCE_API_FAULT"
+
+
+def fault_point(name: str) -> None:
+    """A crash on demand at a named moment (tests): with ``BATCH_INFERENCE_API_FAULT=<name>`` the
+    server SIGKILLs itself here, as a node lost at the worst moment would stop it."""
+    if os.environ.get(FAULT_ENV) == name:
+        log.warning("%s=%s: killing this server (SIGKILL)", FAULT_ENV, name)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class BatchError(ValueError):
@@ -89,10 +107,18 @@ class BatchManager:
 
     async def update(self, batch_id: str, **changes: Any) -> dict[str, Any]:
         """Read, change and save a batch's state (one writer at a time per batch)."""
+        state = await self.update_if(batch_id, None, **changes)
+        assert state is not None
+        return state
+
+    async def update_if(self, batch_id: str, expect: dict[str, Any] | None, **changes: Any) -> dict[str, Any] | None:
+        """``update`` when the state still holds ``expect``'s values; None (nothing saved) when it does not."""
         lock = self._save_lock.setdefault(batch_id, asyncio.Lock())
         async with lock:
             state = await self.get(batch_id)
             assert state is not None, batch_id
+            if expect and any(state.get(k) != v for k, v in expect.items()):
+                return None
             state.update(changes)
             # a cancelled caller still waits for its write: the next writer must come after it
             write = asyncio.ensure_future(self.save(state))
@@ -113,8 +139,8 @@ class BatchManager:
 
     async def create(self, *, api: str, endpoint: str, source_url: str, input_file_id: str | None, window: str,
                      window_s: float, metadata: dict[str, Any] | None, output_expires_after: dict[str, Any] | None,
-                     batch_id: str | None = None) -> dict[str, Any]:
-        """Save a new batch (``validating``) and start driving it."""
+                     batch_id: str | None = None, project: str = DEFAULT_PROJECT) -> dict[str, Any]:
+        """Save a new batch (``validating``) of ``project`` and start driving it."""
         if endpoint not in ENDPOINTS:
             raise BatchError(f"endpoint {endpoint!r} is not supported (supported: {', '.join(ENDPOINTS)})", param="endpoint")
         t = now()
@@ -125,7 +151,7 @@ class BatchManager:
             "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None, "cancelling_at": None,
             "cancelled_at": None, "output_file_id": None, "error_file_id": None, "errors": None,
             "metadata": metadata, "model": None, "output_expires_after": output_expires_after,
-            "request_counts": {"total": 0, "completed": 0, "failed": 0}, "stopped": 0, "run": None,
+            "request_counts": {"total": 0, "completed": 0, "failed": 0}, "stopped": 0, "run": None, "project": project,
             "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
                       "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}},
         }
@@ -367,24 +393,57 @@ class BatchManager:
         return done
 
     async def _finish(self, batch_id: str, stopped: str | None) -> None:
-        """Export the run (all of it, or what finished before a stop), register the files, end the batch."""
-        state = await self.update(batch_id, status="finalizing", finalizing_at=now()) if stopped is None \
-            else await self.get(batch_id)
+        """Export the run (all of it, or what finished before a stop) into new files, then publish them and end the batch.
+
+        The files are written whole under fresh ids before the state names them, and never
+        rewritten: a batch that another driver ended already is left as it is, and a delivery
+        killed before it published is replaced by a new one (its files removed)."""
+        state = await self.get(batch_id)
         assert state is not None
-        files = await asyncio.to_thread(self._deliver, state, stopped)
+        if state["status"] in TERMINAL:  # delivered already: its published files stay as they are
+            log.warning("batch %s is %s already: not delivered again", batch_id, state["status"])
+            return
+        if stale := state.get("delivering"):  # a delivery killed before it published: nobody was given its files
+            await asyncio.to_thread(self._remove_delivery, state, stale)
+        delivery = {"output_file_id": new_id("file"), "error_file_id": new_id("file")}
+        moment = {"status": "finalizing", "finalizing_at": now()} if stopped is None else {}
+        state = await self.update(batch_id, delivering=delivery, **moment)
+        work = asyncio.ensure_future(asyncio.to_thread(self._deliver, state, stopped, delivery))
+        try:
+            files = await asyncio.shield(work)
+        except asyncio.CancelledError:  # a stop: its delivery starts only once this one's thread has stopped writing
+            await asyncio.gather(work, return_exceptions=True)
+            raise
+        fault_point("before_publish")
         counts = {"total": state["request_counts"]["total"], "completed": files["completed"], "failed": files["failed"]}
         end = stopped or "completed"
-        await self.update(batch_id, status=end, **{f"{end}_at": now()}, request_counts=counts, stopped=files["stopped"],
-                          output_file_id=files["output_file_id"], error_file_id=files["error_file_id"], usage=files["usage"])
+        published = await self.update_if(batch_id, {"delivering": delivery, "status": state["status"]}, status=end,
+                                         **{f"{end}_at": now()}, request_counts=counts, stopped=files["stopped"], delivering=None,
+                                         output_file_id=files["output_file_id"], error_file_id=files["error_file_id"], usage=files["usage"])
+        if published is None:  # another driver took the batch over meanwhile: these files were never given to anyone
+            log.warning("batch %s: another delivery took over: this one's files are removed", batch_id)
+            await asyncio.to_thread(self._remove_delivery, state, delivery)
 
-    def _deliver(self, state: dict[str, Any], stopped: str | None) -> dict[str, Any]:
+    def _delivery_dir(self, state: dict[str, Any], delivery: dict[str, Any]) -> str:
+        """Where one delivery writes: a folder of its own, so no delivery ever rewrites another's files."""
+        return f"{self.store.batch_dir(state['id'])}/deliveries/{delivery['output_file_id']}"
+
+    def _remove_delivery(self, state: dict[str, Any], delivery: dict[str, Any]) -> None:
+        """Remove an unpublished delivery's file objects and bytes (blocking)."""
+        for file_id in (delivery.get("output_file_id"), delivery.get("error_file_id")):
+            if file_id:
+                self.store.remove(self.store.file_dir(file_id))
+        self.store.remove(self._delivery_dir(state, delivery))
+
+    def _deliver(self, state: dict[str, Any], stopped: str | None, delivery: dict[str, Any]) -> dict[str, Any]:
         """Write the output and error files of a batch (blocking): the pipeline's export plus the
-        lines the server refused itself; each registered as a ``batch_output`` file."""
+        lines the server refused itself, each whole (atomic) before it is registered as a
+        ``batch_output`` file under ``delivery``'s id."""
         from batch_inference.pipeline import PipelineRun
         from batch_inference.pipeline.export import export_openai_batch
 
         batch_dir = self.store.batch_dir(state["id"])
-        export_dir = f"{batch_dir}/export"
+        export_dir = self._delivery_dir(state, delivery)
         output_url, errors_url = f"{export_dir}/output.jsonl", f"{export_dir}/errors.jsonl"
         got = {"completed": 0, "failed": 0, "stopped": 0, "prompt": 0, "completion": 0}
         if state.get("run"):
@@ -399,7 +458,7 @@ class BatchManager:
                 assert stopped is not None, "a finished run has sharded its input"
                 got["stopped"] = got["failed"] = self._write_unrun(state, errors_url, *STOPPED[stopped])
         # the server's own error lines join the pipeline's in one error file
-        final_errors = f"{batch_dir}/errors.jsonl"
+        final_errors = f"{export_dir}/batch_errors.jsonl"
         w = self.store.open_writer(final_errors)
         try:
             for url in (errors_url, f"{batch_dir}/rejected.jsonl"):
@@ -414,12 +473,13 @@ class BatchManager:
         except BaseException:
             w.discard()
             raise
-        suffix = state["id"].split("_", 1)[1]
         expires = None
         if (after := state.get("output_expires_after")) is not None:
             expires = int(state["created_at"]) + int(after["seconds"])
-        output_id = self._register(f"file_{suffix}output", output_url, "batch_output.jsonl", expires) if got["completed"] else None
-        error_id = self._register(f"file_{suffix}errors", final_errors, "batch_errors.jsonl", expires) if got["failed"] else None
+        output_id = self._register(state, delivery["output_file_id"], output_url, "batch_output.jsonl", expires) \
+            if got["completed"] else None
+        error_id = self._register(state, delivery["error_file_id"], final_errors, "batch_errors.jsonl", expires) \
+            if got["failed"] else None
         return {"completed": got["completed"], "failed": got["failed"], "stopped": got["stopped"],
                 "output_file_id": output_id, "error_file_id": error_id,
                 "usage": {"input_tokens": got["prompt"], "output_tokens": got["completion"],
@@ -441,11 +501,11 @@ class BatchManager:
             raise
         return n
 
-    def _register(self, file_id: str, url: str, filename: str, expires_at: int | None) -> str:
-        """A file object for bytes the server wrote (an output or error file); the same id on a re-run."""
-        meta = {"id": file_id, "object": "file", "bytes": self.store.size(url) or 0, "created_at": now(),
+    def _register(self, state: dict[str, Any], file_id: str, url: str, filename: str, expires_at: int | None) -> str:
+        """A file object of the batch's project for bytes the server wrote whole (an output or error file)."""
+        meta = {"id": file_id, "object": "file", "bytes": self.store.size(url) or 0, "created_at": now(), "created_ns": time.time_ns(),
                 "filename": filename, "purpose": "batch_output", "status": "processed", "expires_at": expires_at,
-                "status_details": None, "url": url}
+                "status_details": None, "url": url, "project": state.get("project") or DEFAULT_PROJECT}
         self.store.write_json(f"{self.store.file_dir(file_id)}/meta.json", meta)
         return file_id
 
@@ -504,8 +564,8 @@ class BatchManager:
                 continue
             if state["status"] == "in_progress" and state["run"]:
                 counts = await asyncio.to_thread(self._live_counts, state)
-                if counts != state["request_counts"]:
-                    await self.update(batch_id, request_counts=counts)
+                if counts != state["request_counts"]:  # not over the final counts of a batch that ended meanwhile
+                    await self.update_if(batch_id, {"status": "in_progress"}, request_counts=counts)
         await asyncio.to_thread(self._expire_files, t)
 
     def _live_counts(self, state: dict[str, Any]) -> dict[str, int]:

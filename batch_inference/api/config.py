@@ -2,16 +2,22 @@
 and the models it serves.
 
 ``storage``, ``tokens_file`` and ``models: {name: {engine, pool?, judge?, limits?}}`` are a
-contract (clients' operators write them); every other key has a default. Relative paths
+contract (clients' operators write them); every other key has a default. An unknown key is
+named with its line and the closest known key. The tokens file maps keys to projects
+(``ApiConfig.tokens``). Relative paths
 (storage, tokens file, a model's folder) resolve from the config file's folder, so the
 server can be started from anywhere.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
+import types
+import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -19,6 +25,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from batch_inference.engines import EngineConfig
 from batch_inference.pipeline.spec import Duration, JudgeSpec, PoolSpec, parse_duration
 from batch_inference.prompting.config import SamplingConfig, SamplingLimits
+
+
+DEFAULT_PROJECT = "default"  # the project of a key listed before any [project] line, and of state that names none
+PROJECT_HEADER = re.compile(r"^\[(.*)\]$")
+PROJECT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 class ApiConfigError(ValueError):
@@ -90,7 +101,7 @@ class ApiConfig(_Strict):
     """``api.yaml``."""
 
     storage: str = Field(min_length=1, description="local folder or s3://...: uploaded files, batch state, runs, output files")
-    tokens_file: str = Field(min_length=1, description="accepted API keys, one a line")
+    tokens_file: str = Field(min_length=1, description="accepted API keys, one a line; a [project] line starts a project's keys")
     models: dict[str, ModelConfig] = Field(min_length=1)
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False, description="fsspec options for storage (s3 endpoint...)")
     limits: Limits = Field(default_factory=Limits)
@@ -137,24 +148,109 @@ class ApiConfig(_Strict):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            lines = [f"  {'.'.join(str(x) for x in e['loc']) or '(top level)'}: "
-                     + ("unknown key" if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, "))
-                     for e in exc.errors()]
+            tree = _compose(p)
+            lines = [_describe(e, tree) for e in exc.errors()]
             raise ApiConfigError(f"{p}: invalid config:\n" + "\n".join(lines)) from None
 
-    def tokens(self) -> list[str]:
-        """The accepted keys (blank lines and ``#`` comments skipped); at least one, each 16+ characters."""
+    def tokens(self) -> dict[str, str]:
+        """Each accepted key and the project it belongs to (a tenant: it sees only its project's files and batches).
+
+        One key a line, 16+ characters; blank lines and ``#`` comments skipped. A ``[name]``
+        line starts a project: the keys below it are that project's. Keys before any such line
+        belong to project ``default``, so a file of keys alone (the format before projects)
+        loads as one project, as it always served.
+        """
         try:
             text = Path(self.tokens_file).read_text()
         except OSError as exc:
             raise ApiConfigError(f"tokens_file {self.tokens_file}: cannot read: {exc.strerror or exc}") from exc
-        tokens = [t.strip() for t in text.splitlines() if t.strip() and not t.strip().startswith("#")]
-        if not tokens:
-            raise ApiConfigError(f"tokens_file {self.tokens_file}: no keys (one a line): the server serves no one without a key")
-        if short := [i for i, t in enumerate(tokens) if len(t) < 16]:
-            raise ApiConfigError(f"tokens_file {self.tokens_file}: key(s) {short} shorter than 16 characters")
-        return tokens
+        where = f"tokens_file {self.tokens_file}"
+        keys: dict[str, str] = {}
+        first_line: dict[str, int] = {}
+        project = DEFAULT_PROJECT
+        for n, raw in enumerate(text.splitlines(), start=1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            if header := PROJECT_HEADER.match(line):
+                project = header.group(1).strip()
+                if not PROJECT_NAME.match(project):
+                    raise ApiConfigError(f"{where}:{n}: project name {project!r}: 1-64 letters, digits, '_', '.' or '-'")
+                continue
+            if len(line) < 16:
+                raise ApiConfigError(f"{where}:{n}: a key shorter than 16 characters")
+            if keys.get(line, project) != project:
+                raise ApiConfigError(f"{where}:{n}: this key is also project {keys[line]!r}'s (line {first_line[line]}): "
+                                     "a key belongs to one project")
+            keys.setdefault(line, project)
+            first_line.setdefault(line, n)
+        if not keys:
+            raise ApiConfigError(f"{where}: no keys (one a line): the server serves no one without a key")
+        return keys
 
     def window_s(self, window: str) -> float | None:
         """Seconds of an allowed ``completion_window``; None when it is not one of ``limits.completion_windows``."""
         return parse_duration(window) if window in self.limits.completion_windows else None
+
+
+def _describe(err: Any, tree: yaml.Node | None) -> str:
+    """One validation error: its dotted key, the line it is on, and for an unknown key the closest known one."""
+    loc = tuple(err["loc"])
+    where = ".".join(str(x) for x in loc) or "(top level)"
+    line = _line_of(tree, loc)
+    where += f" (line {line})" if line is not None else ""
+    if err["type"] != "extra_forbidden":
+        return f"  {where}: {err['msg'].removeprefix('Value error, ')}"
+    close = difflib.get_close_matches(str(loc[-1]), _keys_at(loc[:-1]), n=1, cutoff=0.6)
+    return f"  {where}: unknown key" + (f" (did you mean `{close[0]}`?)" if close else "")
+
+
+def _types(annotation: Any) -> list[Any]:
+    """The types an annotation may hold (``X | None`` -> X; ``Annotated[X, ...]`` -> X)."""
+    origin = typing.get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        return [t for arg in typing.get_args(annotation) for t in _types(arg)]
+    if origin is typing.Annotated:
+        return _types(typing.get_args(annotation)[0])
+    return [annotation]
+
+
+def _keys_at(loc: tuple[Any, ...]) -> list[str]:
+    """The keys the config takes at ``loc`` (a path into ``api.yaml``): what a misspelt key there may have meant."""
+    current: list[Any] = [ApiConfig]
+    for part in loc:
+        below: list[Any] = []
+        for t in (t for c in current for t in _types(c)):
+            if isinstance(t, type) and issubclass(t, BaseModel):
+                if (field := t.model_fields.get(str(part))) is not None:
+                    below.append(field.annotation)
+            elif typing.get_origin(t) is dict:  # a mapping's key (a model's name): its value's type goes on
+                below.append(typing.get_args(t)[1])
+            elif typing.get_origin(t) is list and isinstance(part, int):
+                below.append(typing.get_args(t)[0])
+        current = below
+    return sorted({k for c in current for t in _types(c) if isinstance(t, type) and issubclass(t, BaseModel) for k in t.model_fields})
+
+
+def _compose(path: Path) -> yaml.Node | None:
+    try:
+        return yaml.compose(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:
+    """The 1-based line of the key (or item) ``loc`` names in the YAML tree, when it is there."""
+    line = None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            match = next(((k, v) for k, v in node.value if str(k.value) == str(part)), None)
+            if match is None:
+                return line
+            line, node = match[0].start_mark.line + 1, match[1]
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line

@@ -7,8 +7,11 @@ Routes (docs/api.md): ``GET /v1/models``; files ``POST/GET /v1/files``, ``GET/DE
 /v1/messages/batches/{id}/cancel``, ``GET /v1/messages/batches/{id}/results``; ``GET /health``.
 
 Every ``/v1`` call needs a key of the tokens file, as ``Authorization: Bearer`` (OpenAI's
-SDK) or ``x-api-key`` (Anthropic's), compared in constant time; 401 otherwise. Errors are
-the calling API's JSON shape (``/v1/messages/...``: Anthropic's, the rest OpenAI's), never a
+SDK) or ``x-api-key`` (Anthropic's), compared in constant time; 401 otherwise. A key belongs
+to a project (the tokens file's ``[project]`` lines): every file and batch records the
+project that made it, and a key sees only its project's, as OpenAI's project keys do;
+another project's id answers 404, exactly as an id that does not exist. Errors are the
+calling API's JSON shape (``/v1/messages/...``: Anthropic's, the rest OpenAI's), never a
 stack trace. This module is HTTP only: a batch's life is ``BatchManager``'s.
 """
 
@@ -25,10 +28,11 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from batch_inference.api import anthropic
 from batch_inference.api.batches import BatchError, BatchManager, delete_file, new_id, now
-from batch_inference.api.config import ApiConfig
+from batch_inference.api.config import DEFAULT_PROJECT, ApiConfig
 from batch_inference.api.store import Store, check_id
 from batch_inference.prompting.openai_batch import jsonl_line
 
@@ -37,7 +41,10 @@ log = logging.getLogger(__name__)
 MANAGER = web.AppKey("manager", BatchManager)
 CONFIG = web.AppKey("config", ApiConfig)
 CHUNK = 1 << 20
-HIDDEN = ("api", "source_url", "stopped", "run", "created_ns")  # the state's own keys, not OpenAI's batch fields
+HIDDEN = ("api", "source_url", "stopped", "run", "created_ns", "project", "delivering")  # the state's own keys, not OpenAI's batch fields
+FILE_HIDDEN = ("url", "created_ns", "project")  # a file's meta keys that are the server's, not OpenAI's file fields
+PROJECT = web.RequestKey("project", str)
+MAX_FILE_EXPIRY_S = 30 * 86400  # OpenAI's: expires_after.seconds between 3600 and 2592000
 
 
 # -- responses -------------------------------------------------------------------------
@@ -69,7 +76,12 @@ def _openai_batch(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _file_object(meta: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in meta.items() if k not in ("url", "created_ns")}
+    return {k: v for k, v in meta.items() if k not in FILE_HIDDEN}
+
+
+def owner(item: dict[str, Any]) -> str:
+    """The project a file or batch belongs to: the one recorded, else (made before projects) the default one."""
+    return str(item.get("project") or DEFAULT_PROJECT)
 
 
 def _page(items: list[dict[str, Any]], limit: int, after: str | None, key: str = "id") -> tuple[list[dict[str, Any]], bool]:
@@ -104,30 +116,37 @@ async def _body(request: web.Request) -> dict[str, Any]:
 # -- the app ---------------------------------------------------------------------------
 
 
-def create_app(config: ApiConfig, *, tokens: list[str] | None = None) -> web.Application:
-    """The API over ``config``'s storage and models; ``tokens``: the accepted keys (default: the tokens file's)."""
-    keys = [t.encode() for t in (tokens if tokens is not None else config.tokens())]
+def create_app(config: ApiConfig, *, tokens: dict[str, str] | None = None) -> web.Application:
+    """The API over ``config``'s storage and models; ``tokens``: each accepted key and its project (default: the tokens file's)."""
+    keys = [(key.encode(), project) for key, project in (tokens if tokens is not None else config.tokens()).items()]
     store = Store(config.storage, config.storage_options)
     manager = BatchManager(config, store)
     manager.check_models()
     started = now()
 
-    def authorised(request: web.Request) -> bool:
+    def project_of(request: web.Request) -> str | None:
+        """The project of the request's key; None when it has no key of ours."""
         given = request.headers.get("x-api-key") or ""
         auth = request.headers.get("Authorization", "")
         if not given and auth[:7].lower() == "bearer ":
             given = auth[7:].strip()
-        ok = False
-        for key in keys:  # every key compared, in constant time each: nothing leaks which one nearly matched
-            ok |= hmac.compare_digest(given.encode(), key)
-        return ok and bool(given)
+        # aiohttp decodes header bytes that are not UTF-8 as surrogates: these give the bytes back (they match no key)
+        raw = given.encode("utf-8", "surrogateescape")
+        found = None
+        for key, project in keys:  # every key compared, in constant time each: nothing leaks which one nearly matched
+            if hmac.compare_digest(raw, key):
+                found = project
+        return found if given else None
 
     @web.middleware
     async def guard(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-        if request.path.startswith("/v1/") and not authorised(request):
-            log.warning("refused %s %s from %s: missing or wrong API key", request.method, request.path, request.remote)
-            return error_response(request, 401, "invalid or missing API key (Authorization: Bearer <key>, or x-api-key)",
-                                  code="invalid_api_key")
+        if request.path.startswith("/v1/"):
+            project = project_of(request)
+            if project is None:
+                log.warning("refused %s %s from %s: missing or wrong API key", request.method, request.path, request.remote)
+                return error_response(request, 401, "invalid or missing API key (Authorization: Bearer <key>, or x-api-key)",
+                                      code="invalid_api_key")
+            request[PROJECT] = project
         try:
             return await handler(request)
         except BatchError as exc:
@@ -150,17 +169,23 @@ def create_app(config: ApiConfig, *, tokens: list[str] | None = None) -> web.App
     def file_meta_url(file_id: str) -> str:
         return f"{store.file_dir(file_id)}/meta.json"
 
-    async def file_meta(file_id: str) -> dict[str, Any]:
+    async def file_meta(request: web.Request, file_id: str) -> dict[str, Any]:
+        """The file ``file_id`` of the caller's project; another project's answers as one that does not exist."""
         meta = await asyncio.to_thread(store.read_json, file_meta_url(file_id)) if check_id(file_id, "file") else None
-        if meta is None:
+        if meta is None or owner(meta) != request[PROJECT]:
             raise BatchError(f"No such File object: {file_id}", status=404, param="file_id")
         return meta
 
-    async def batch_state(batch_id: str, prefix: str) -> dict[str, Any]:
+    async def batch_state(request: web.Request, batch_id: str, prefix: str) -> dict[str, Any]:
+        """The batch ``batch_id`` of the caller's project; another project's answers as one that does not exist."""
         state = await manager.get(batch_id) if check_id(batch_id, prefix) else None
-        if state is None or state["api"] != ("anthropic" if prefix == "msgbatch" else "openai"):
+        if state is None or state["api"] != ("anthropic" if prefix == "msgbatch" else "openai") or owner(state) != request[PROJECT]:
             raise BatchError(f"No such batch: {batch_id}", status=404)
         return state
+
+    async def own_batches(request: web.Request, api: str) -> list[dict[str, Any]]:
+        """The caller's project's batches of ``api``, newest first."""
+        return [s for s in await manager.all() if s["api"] == api and owner(s) == request[PROJECT]]
 
     # -- models ---------------------------------------------------------------------
 
@@ -191,44 +216,68 @@ def create_app(config: ApiConfig, *, tokens: list[str] | None = None) -> web.App
         fields: dict[str, str] = {}
         filename, size, writer = None, 0, None
         try:
-            while (part := await reader.next()) is not None:
-                if part.name == "file":  # type: ignore[union-attr]
-                    filename = part.filename or "upload.jsonl"  # type: ignore[union-attr]
-                    writer = store.open_writer(url)
-                    while chunk := await part.read_chunk(CHUNK):  # type: ignore[union-attr]
-                        size += len(chunk)
-                        if size > limit:
-                            raise BatchError(f"the file is over this server's {limit} bytes (limits.max_file_bytes)", status=413)
-                        await asyncio.to_thread(writer.write, chunk)
-                elif part.name:  # a form field: purpose, expires_after[...]
-                    value = await part.read(decode=True)  # type: ignore[union-attr]
-                    if len(value) > 4096:
-                        raise BatchError(f"form field {part.name!r} is too long", param=part.name)
-                    fields[part.name] = value.decode("utf-8", "replace")
+            try:
+                while (part := await reader.next()) is not None:
+                    if part.name == "file":  # type: ignore[union-attr]
+                        if writer is not None:  # a second file would leave the first's bytes behind, and `bytes` neither's size
+                            raise BatchError("the upload has more than one 'file' part: one file an upload", param="file")
+                        filename = part.filename or "upload.jsonl"  # type: ignore[union-attr]
+                        writer = store.open_writer(url)
+                        while chunk := await part.read_chunk(CHUNK):  # type: ignore[union-attr]
+                            size += len(chunk)
+                            if size > limit:
+                                raise BatchError(f"the file is over this server's {limit} bytes (limits.max_file_bytes)", status=413)
+                            await asyncio.to_thread(writer.write, chunk)
+                    elif part.name:  # a form field: purpose, expires_after[...]
+                        value = await part.read(decode=True)  # type: ignore[union-attr]
+                        if len(value) > 4096:
+                            raise BatchError(f"form field {part.name!r} is too long", param=part.name)
+                        fields[part.name] = value.decode("utf-8", "replace")
+            except BatchError:
+                raise
+            except (ValueError, ConnectionError, asyncio.IncompleteReadError, HttpProcessingError) as exc:
+                # aiohttp's multipart reader on a body cut short or without its closing boundary
+                raise BatchError(f"the multipart/form-data body is malformed or ended early ({exc})") from None
             if writer is None:
                 raise BatchError("no 'file' field in the upload", param="file")
             if fields.get("purpose") != "batch":
                 raise BatchError(f"purpose {fields.get('purpose')!r}: this server takes purpose 'batch' only", param="purpose")
-            expires_at = None
-            if "expires_after[seconds]" in fields:
-                try:
-                    expires_at = now() + int(fields["expires_after[seconds]"])
-                except ValueError:
-                    raise BatchError("expires_after[seconds] must be an integer", param="expires_after") from None
+            expiry_s = upload_expiry(fields)
             await asyncio.to_thread(writer.commit)
         except BaseException:
-            if writer is not None:
+            if writer is not None:  # nothing of a refused upload stays: neither its bytes nor its folder
                 await asyncio.to_thread(writer.discard)
+                await asyncio.to_thread(store.remove, store.file_dir(file_id))
             raise
-        meta = {"id": file_id, "object": "file", "bytes": size, "created_at": now(), "created_ns": time.time_ns(), "filename": filename, "purpose": "batch",
-                "status": "processed", "expires_at": expires_at, "status_details": None, "url": url}
+        created = now()
+        meta = {"id": file_id, "object": "file", "bytes": size, "created_at": created, "created_ns": time.time_ns(), "filename": filename, "purpose": "batch",
+                "status": "processed", "expires_at": None if expiry_s is None else created + expiry_s, "status_details": None, "url": url, "project": request[PROJECT]}
         await asyncio.to_thread(store.write_json, file_meta_url(file_id), meta)
         return _json(_file_object(meta))
+
+    def upload_expiry(fields: dict[str, str]) -> int | None:
+        """The seconds after ``created_at`` an upload expires (its ``expires_after[anchor]`` and
+        ``expires_after[seconds]``), as OpenAI takes them: anchor ``created_at``, seconds from
+        ``limits.min_output_expiry_s`` (OpenAI's 3600) to 30 days; None without them."""
+        anchor, raw = fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]")
+        if anchor is None and raw is None:
+            return None
+        least = int(config.limits.min_output_expiry_s)
+        if anchor != "created_at":
+            raise BatchError(f"expires_after[anchor]: {anchor!r}, must be 'created_at'", param="expires_after")
+        try:
+            seconds = int(raw) if raw is not None else None
+        except ValueError:
+            seconds = None
+        if seconds is None or not least <= seconds <= MAX_FILE_EXPIRY_S:
+            raise BatchError(f"expires_after[seconds]: {raw!r}, must be an integer between {least} and {MAX_FILE_EXPIRY_S}",
+                             param="expires_after")
+        return seconds
 
     async def list_files(request: web.Request) -> web.Response:
         ids = await asyncio.to_thread(store.children, store.url("files"))
         metas = [m for m in await asyncio.gather(*(asyncio.to_thread(store.read_json, file_meta_url(i)) for i in ids if check_id(i, "file")))
-                 if m is not None]
+                 if m is not None and owner(m) == request[PROJECT]]
         if purpose := request.query.get("purpose"):
             metas = [m for m in metas if m["purpose"] == purpose]
         metas.sort(key=lambda m: (m.get("created_ns", 0), m["id"]), reverse=request.query.get("order", "desc") != "asc")
@@ -237,21 +286,27 @@ def create_app(config: ApiConfig, *, tokens: list[str] | None = None) -> web.App
                       "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None})
 
     async def get_file(request: web.Request) -> web.Response:
-        return _json(_file_object(await file_meta(request.match_info["file_id"])))
+        return _json(_file_object(await file_meta(request, request.match_info["file_id"])))
 
     async def file_content(request: web.Request) -> web.StreamResponse:
-        meta = await file_meta(request.match_info["file_id"])
-        response = web.StreamResponse(headers={"Content-Type": "application/octet-stream", "Cache-Control": "no-store"})
-        response.content_length = await asyncio.to_thread(store.size, meta["url"]) or 0
-        await response.prepare(request)
-        chunks = store.chunks(meta["url"])
-        while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
-            await response.write(chunk)
-        await response.write_eof()
+        meta = await file_meta(request, request.match_info["file_id"])
+        try:
+            snapshot = await asyncio.to_thread(store.snapshot, meta["url"])
+        except FileNotFoundError:  # deleted (or expired) since its meta was read
+            raise BatchError(f"No such File object: {meta['id']}", status=404, param="file_id") from None
+        try:
+            response = web.StreamResponse(headers={"Content-Type": "application/octet-stream", "Cache-Control": "no-store"})
+            response.content_length = snapshot.size
+            await response.prepare(request)
+            while chunk := await asyncio.to_thread(snapshot.read):
+                await response.write(chunk)
+            await response.write_eof()
+        finally:
+            await asyncio.to_thread(snapshot.close)
         return response
 
     async def remove_file(request: web.Request) -> web.Response:
-        meta = await file_meta(request.match_info["file_id"])
+        meta = await file_meta(request, request.match_info["file_id"])
         await asyncio.to_thread(delete_file, store, meta)
         return _json({"id": meta["id"], "object": "file", "deleted": True})
 
@@ -262,7 +317,7 @@ def create_app(config: ApiConfig, *, tokens: list[str] | None = None) -> web.App
         file_id = body.get("input_file_id")
         if not isinstance(file_id, str):
             raise BatchError("input_file_id: required", param="input_file_id")
-        meta = await file_meta(file_id)
+        meta = await file_meta(request, file_id)
         if meta["purpose"] != "batch":
             raise BatchError(f"file {file_id} has purpose {meta['purpose']!r}, not 'batch'", param="input_file_id")
         window = body.get("completion_window")
@@ -282,20 +337,21 @@ def create_app(config: ApiConfig, *, tokens: list[str] | None = None) -> web.App
                 raise BatchError(f"output_expires_after: {{anchor: created_at, seconds}} with seconds between "
                                  f"{int(config.limits.min_output_expiry_s)} and {30 * 86400}", param="output_expires_after")
         state = await manager.create(api="openai", endpoint=str(body.get("endpoint")), source_url=meta["url"], input_file_id=file_id,
-                                     window=window, window_s=window_s, metadata=metadata, output_expires_after=expiry)
+                                     window=window, window_s=window_s, metadata=metadata, output_expires_after=expiry,
+                                     project=request[PROJECT])
         return _json(_openai_batch(state))
 
     async def get_batch(request: web.Request) -> web.Response:
-        return _json(_openai_batch(await batch_state(request.match_info["batch_id"], "batch")))
+        return _json(_openai_batch(await batch_state(request, request.match_info["batch_id"], "batch")))
 
     async def list_batches(request: web.Request) -> web.Response:
-        states = [s for s in await manager.all() if s["api"] == "openai"]
+        states = await own_batches(request, "openai")
         page, more = _page(states, _limit(request), request.query.get("after"))
         return _json({"object": "list", "data": [_openai_batch(s) for s in page], "has_more": more,
                       "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None})
 
     async def cancel_batch(request: web.Request) -> web.Response:
-        state = await batch_state(request.match_info["batch_id"], "batch")
+        state = await batch_state(request, request.match_info["batch_id"], "batch")
         return _json(_openai_batch(await manager.cancel(state["id"])))
 
     # -- Anthropic Message Batches ----------------------------------------------------------
@@ -331,15 +387,15 @@ def create_app(config: ApiConfig, *, tokens: list[str] | None = None) -> web.App
         await asyncio.to_thread(write)
         state = await manager.create(api="anthropic", endpoint="/v1/chat/completions", source_url=source, input_file_id=None,
                                      window=f"{int(config.limits.anthropic_window)}s", window_s=config.limits.anthropic_window,
-                                     metadata=None, output_expires_after=None, batch_id=batch_id)
+                                     metadata=None, output_expires_after=None, batch_id=batch_id, project=request[PROJECT])
         return _json(anthropic.batch_object(state, results_url(request, batch_id)))
 
     async def get_message_batch(request: web.Request) -> web.Response:
-        state = await batch_state(request.match_info["batch_id"], "msgbatch")
+        state = await batch_state(request, request.match_info["batch_id"], "msgbatch")
         return _json(anthropic.batch_object(state, results_url(request, state["id"])))
 
     async def list_message_batches(request: web.Request) -> web.Response:
-        states = [s for s in await manager.all() if s["api"] == "anthropic"]
+        states = await own_batches(request, "anthropic")
         limit = _limit(request)
         if before := request.query.get("before_id"):
             ids = [s["id"] for s in states]
@@ -352,25 +408,25 @@ def create_app(config: ApiConfig, *, tokens: list[str] | None = None) -> web.App
                       "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None})
 
     async def cancel_message_batch(request: web.Request) -> web.Response:
-        state = await batch_state(request.match_info["batch_id"], "msgbatch")
+        state = await batch_state(request, request.match_info["batch_id"], "msgbatch")
         state = await manager.cancel(state["id"]) if state["status"] in ("validating", "in_progress") else state
         return _json(anthropic.batch_object(state, results_url(request, state["id"])))
 
     async def delete_message_batch(request: web.Request) -> web.Response:
-        state = await batch_state(request.match_info["batch_id"], "msgbatch")
+        state = await batch_state(request, request.match_info["batch_id"], "msgbatch")
         if state["status"] not in ("completed", "failed", "expired", "cancelled"):
             raise BatchError(f"batch {state['id']} is still processing: cancel it, and delete it once it has ended", status=409)
         await asyncio.to_thread(manager.delete, state)
         return _json({"id": state["id"], "type": "message_batch_deleted"})
 
     async def message_batch_results(request: web.Request) -> web.StreamResponse:
-        state = await batch_state(request.match_info["batch_id"], "msgbatch")
+        state = await batch_state(request, request.match_info["batch_id"], "msgbatch")
         if state["status"] not in ("completed", "failed", "expired", "cancelled"):
             raise BatchError(f"batch {state['id']} has not ended: its results are not ready", status=404)
         urls = []
         for file_id in (state.get("output_file_id"), state.get("error_file_id")):
             if file_id:
-                urls.append((await file_meta(file_id))["url"])
+                urls.append((await file_meta(request, file_id))["url"])
         response = web.StreamResponse(headers={"Content-Type": "application/binary", "Cache-Control": "no-store"})
         await response.prepare(request)
         for url in urls:

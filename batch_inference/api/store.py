@@ -2,16 +2,17 @@
 
 Layout under ``storage``::
 
-    files/<file-id>/meta.json      a file object (+ ``url``: where its bytes are)
+    files/<file-id>/meta.json      a file object (+ ``url``: where its bytes are, ``project``: whose it is)
     files/<file-id>/content        an upload's bytes
-    batches/<batch-id>/state.json  a batch object, rewritten atomically at every change
+    batches/<batch-id>/state.json  a batch object (+ its ``project``), rewritten atomically at every change
     batches/<batch-id>/input.jsonl the requests its pipeline run reads (the batch's model only)
     batches/<batch-id>/rejected.jsonl  error lines the server itself wrote (a model not configured)
-    batches/<batch-id>/export/     the pipeline's output.jsonl + errors.jsonl
+    batches/<batch-id>/deliveries/<output-file-id>/  one delivery's output.jsonl + batch_errors.jsonl, never rewritten
+    batches/<batch-id>/export/     the same, as releases before opaque file ids wrote it (still served)
     runs/<batch-id>/               the batch's pipeline run (RunLayout)
 
-Ids are drawn here and checked on the way in (``check_id``): a fixed prefix, then letters,
-digits, ``_`` or ``-`` only, so no id a client sends can name a path outside storage.
+Ids are drawn here and checked on the way in (``check_id``): a fixed prefix, then letters
+and digits only, so no id a client sends can name a path outside storage.
 Every call blocks (fsspec): the server calls them through ``asyncio.to_thread``.
 """
 
@@ -22,27 +23,29 @@ import re
 import time
 import secrets
 from collections.abc import Iterator
-from typing import Any
+from typing import IO, Any
 
 import orjson
 
 from batch_inference.storage._io import AtomicFile
 from batch_inference.storage.urls import fs_for, join
 
-ID = re.compile(r"^(file|batch|msgbatch)_[A-Za-z0-9]{8,64}$")
+ID = re.compile(r"^(file|batch|msgbatch)([_-])[A-Za-z0-9]{8,64}$")
+SEPARATOR = {"file": "-", "batch": "_", "msgbatch": "_"}  # as OpenAI's and Anthropic's ids: file-..., batch_..., msgbatch_...
 READ_SIZE = 1 << 20
 
 
 def new_id(prefix: str) -> str:
-    """A fresh id (``file_...``, ``batch_...``, ``msgbatch_...``): 24 random alphanumerics."""
+    """A fresh opaque id (``file-...``, ``batch_...``, ``msgbatch_...``): 24 random alphanumerics, nothing else."""
     alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
-    return f"{prefix}_" + "".join(secrets.choice(alphabet) for _ in range(24))
+    return f"{prefix}{SEPARATOR[prefix]}" + "".join(secrets.choice(alphabet) for _ in range(24))
 
 
 def check_id(value: str, prefix: str) -> bool:
-    """True when ``value`` is an id of ours with ``prefix`` (never a path)."""
+    """True when ``value`` is an id of ours with ``prefix`` (never a path). File ids of earlier
+    releases (``file_...``, ``file_<batch>output``) stay readable beside the opaque ``file-...``."""
     m = ID.match(value)
-    return m is not None and m.group(1) == prefix
+    return m is not None and m.group(1) == prefix and (m.group(2) == "_" or SEPARATOR[prefix] == "-")
 
 
 class Store:
@@ -116,6 +119,11 @@ class Store:
             while chunk := f.read(READ_SIZE):
                 yield chunk
 
+    def snapshot(self, url: str) -> Snapshot:
+        """``url`` opened once, for serving: its size and its bytes come from the same open file,
+        so a response never pairs one version's length with another's bytes (FileNotFoundError when it is gone)."""
+        return Snapshot(self.fs.open(self._path(url), "rb"))
+
     def lines(self, url: str) -> Iterator[bytes]:
         """The lines of ``url`` (without their newline), read in pieces."""
         with self.fs.open(self._path(url), "rb") as f:
@@ -139,3 +147,23 @@ class Store:
                 if exc.errno != errno.ENOTEMPTY or attempt == attempts - 1:
                     raise
                 time.sleep(pause_s)
+
+
+class Snapshot:
+    """One open file read to the size it had when opened (blocking; ``close`` when done)."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        f.seek(0, 2)
+        self.size = f.tell()
+        f.seek(0)
+        self._left = self.size
+
+    def read(self) -> bytes:
+        """The next piece (up to 1 MiB); empty at the end."""
+        chunk = self._f.read(min(READ_SIZE, self._left)) if self._left > 0 else b""
+        self._left -= len(chunk)
+        return chunk
+
+    def close(self) -> None:
+        self._f.close()

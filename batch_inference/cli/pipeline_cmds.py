@@ -94,7 +94,14 @@ def status(target: str, storage_options: str | None, as_json: bool) -> None:
         return
     console = output_console()
     console.print(ledger_table(view, f"run {layout.run} ({layout.root})"))
-    for line in run_lines(view):
+    lines = run_lines(view)
+    if view.run is None:  # an API batch's run that the server stopped is not to be re-run: its state says how it ended
+        from batch_inference.api.status import batch_lines, batch_of_run
+        from batch_inference.pipeline.report import input_lines
+
+        if (batch := batch_of_run(layout.base, layout.run, options)) is not None:
+            lines = [*input_lines(view), *batch_lines(batch)]
+    for line in lines:
         console.print(line)
     if (recorded := ledger.read(RunLayout.PLAN)) is not None:
         from batch_inference.planning.progress import measured_phases, planned_vs_actual

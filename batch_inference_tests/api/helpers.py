@@ -21,6 +21,8 @@ import yaml
 from openai import OpenAI
 
 TOKEN = "test-key-0123456789abcdef"
+KEY_A1, KEY_A2, KEY_B = "team-a-key-1-0123456789", "team-a-key-2-0123456789", "team-b-key-0123456789ab"
+PROJECTS = f"# before any [project]: project default\n{TOKEN}\n[team-a]\n{KEY_A1}\n{KEY_A2}\n[team-b]\n{KEY_B}\n"
 SIMULATED = {"kind": "simulated", "simulated": {"latency_a_s": 0.002, "latency_b_s": 0.0, "output_tokens": 4}}
 
 
@@ -45,9 +47,10 @@ class Server:
                 self.proc.wait(timeout=10)
 
 
-def write_config(tmp_path: Path, models: dict[str, Any] | None = None, **keys: Any) -> Path:
-    """api.yaml + its tokens file under ``tmp_path`` (relative paths, as users write them)."""
-    (tmp_path / "api-tokens").write_text(f"# keys\n{TOKEN}\n")
+def write_config(tmp_path: Path, models: dict[str, Any] | None = None, *, tokens: str | None = None, **keys: Any) -> Path:
+    """api.yaml + its tokens file under ``tmp_path`` (relative paths, as users write them); ``tokens``: the
+    tokens file's text (default: ``TOKEN`` alone, the format before projects)."""
+    (tmp_path / "api-tokens").write_text(tokens if tokens is not None else f"# keys\n{TOKEN}\n")
     data: dict[str, Any] = {"storage": "./api-data", "tokens_file": "./api-tokens",
                             "models": models or {"tiny": {"engine": SIMULATED, "pool": {"concurrency": 2}, "shard_records": 10, "chunk_size": 5}},
                             "tick_s": 0.2, **keys}

@@ -12,7 +12,7 @@ import anthropic
 import pytest
 from anthropic import Anthropic
 
-from batch_inference_tests.api.helpers import TOKEN, Server, serving, wait_for, write_config
+from batch_inference_tests.api.helpers import KEY_A1, KEY_A2, KEY_B, PROJECTS, TOKEN, Server, serving, wait_for, write_config
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]  # a server in a child process, its pipeline runs inside
 
@@ -193,3 +193,29 @@ def test_a_model_with_a_judge_says_in_each_result_which_attempt_was_approved(tmp
         attempts = [r.judge["attempt"] for r in succeeded]  # type: ignore[attr-defined]  # beyond Anthropic's fields: kept by the SDK
         assert min(attempts) == 1 and max(attempts) > 1 and all(r.judge["verdict"]["approved"] for r in succeeded)  # type: ignore[attr-defined]
         assert {r.error.error.message.split(":")[0] for r in by_id.values() if r.type == "errored"} <= {"max_attempts"}
+
+
+def test_a_key_sees_only_its_projects_message_batches(tmp_path: Path) -> None:
+    config = write_config(tmp_path, {"tiny": {"engine": SLOW, "pool": {"concurrency": 2}, "shard_records": 10, "chunk_size": 5}},
+                          tokens=PROJECTS)
+    with serving(config) as server:
+        a1, a2, b = client(server, KEY_A1), client(server, KEY_A2), client(server, KEY_B)
+        done = wait_ended(a1, a1.messages.batches.create(requests=[request("one", "x")]).id)  # type: ignore[list-item]
+        running = a1.messages.batches.create(requests=[request(f"r{i}", f"question {i}") for i in range(3000)])  # type: ignore[misc]
+        mine = b.messages.batches.create(requests=[request("b", "x")])  # type: ignore[list-item]
+        for batch_id in (done.id, running.id):  # 404 as an id that does not exist, in Anthropic's shape
+            for call in (b.messages.batches.retrieve, b.messages.batches.cancel, b.messages.batches.delete):
+                with pytest.raises(anthropic.NotFoundError) as info:
+                    call(batch_id)
+                assert info.value.body == {"type": "error", "error": {"type": "not_found_error", "message": f"No such batch: {batch_id}"}}
+            http = urllib.request.Request(f"{server.url}/v1/messages/batches/{batch_id}/results", headers={"x-api-key": KEY_B})
+            with pytest.raises(urllib.error.HTTPError) as missing:
+                urllib.request.urlopen(http, timeout=10)
+            assert missing.value.code == 404
+            assert not b.messages.batches.list(after_id=batch_id).data and not b.messages.batches.list(before_id=batch_id).data
+        assert [x.id for x in b.messages.batches.list()] == [mine.id]
+        # the other key of the same project shares them
+        assert [x.id for x in a2.messages.batches.list()] == [running.id, done.id]
+        assert [r.custom_id for r in a2.messages.batches.results(done.id)] == ["one"]
+        assert a2.messages.batches.cancel(running.id).processing_status in ("canceling", "ended")
+        wait_ended(a1, running.id)

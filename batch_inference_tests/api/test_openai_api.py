@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import signal
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -14,10 +17,11 @@ import openai
 import pytest
 from openai import OpenAI
 
-from batch_inference_tests.api.helpers import (SIMULATED, SLOW, TOKEN, Server, chat_line, client, delivered, jsonl, lines_of, serving,
-                                               slow_model, start, submit, wait_for, wait_status, write_config)
+from batch_inference_tests.api.helpers import (KEY_A1, KEY_A2, KEY_B, PROJECTS, SIMULATED, SLOW, TOKEN, Server, chat_line, client, delivered,
+                                               jsonl, lines_of, serving, slow_model, start, submit, wait_for, wait_status, write_config)
 
 pytestmark = [pytest.mark.process, pytest.mark.slow]  # a server in a child process, its pipeline runs inside
+FAULT_ENV = "BATCH_INFERENCE_API_FAULT"  # the server SIGKILLs itself at the moment it names
 
 def checkpoint_segments(server: Server, batch_id: str) -> int:
     """The in-place retry tasks' committed chunks so far (one checkpoint segment each)."""
@@ -154,6 +158,15 @@ def test_counts_move_then_cancel_delivers_the_finished_part(tmp_path: Path) -> N
         assert progress_files(server, batch.id) == before
         with pytest.raises(openai.ConflictError):
             c.batches.cancel(submit_and_finish(c).id)
+        # `batch-inference status` of its run says how the batch ended, not "re-run it to resume"
+        from click.testing import CliRunner
+
+        from batch_inference.cli.pipeline_cmds import status
+
+        shown = CliRunner().invoke(status, [str(server.config.parent / "api-data" / "runs" / batch.id)], terminal_width=200)
+        assert shown.exit_code == 0, shown.output
+        assert f"API batch {batch.id} was cancelled: {len(out)} of 300 requests completed, 0 failed, {len(err)} not run" in shown.output
+        assert "re-run" not in shown.output and "not finalized" not in shown.output
 
 
 def test_counts_move_within_a_shard_and_a_cancel_stops_the_compute_and_keeps_what_finished(tmp_path: Path) -> None:
@@ -316,3 +329,182 @@ def test_a_resubmitted_batch_is_answered_from_the_result_cache(tmp_path: Path) -
         assert (summaries[first.id]["result_cache_hits"], summaries[first.id]["engine_requests"]) == (0, 17)
         assert (summaries[second.id]["result_cache_hits"], summaries[second.id]["result_cache_lookups"]) == (14, 14)
         assert summaries[second.id]["engine_requests"] == 3  # the unseeded samples only
+
+
+def _hidden(c: OpenAI, batch_ids: list[str], file_ids: list[str]) -> None:
+    """Another project's batches and files: 404 exactly as ids that do not exist, and in no list."""
+    for batch_id in batch_ids:
+        for call in (c.batches.retrieve, c.batches.cancel):
+            with pytest.raises(openai.NotFoundError) as info:
+                call(batch_id)
+            assert info.value.body["message"] == f"No such batch: {batch_id}"
+        assert not c.batches.list(after=batch_id).data  # nor a page after one of them
+    for file_id in file_ids:
+        for call in (c.files.retrieve, c.files.content, c.files.delete):
+            with pytest.raises(openai.NotFoundError) as info:
+                call(file_id)
+            assert info.value.body["message"] == f"No such File object: {file_id}"
+        with pytest.raises(openai.NotFoundError):
+            c.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert not {b.id for b in c.batches.list()} & set(batch_ids)
+    assert not {f.id for f in c.files.list()} & set(file_ids)
+
+
+def test_a_key_sees_only_its_projects_files_and_batches_across_a_sigkill(tmp_path: Path) -> None:
+    config = write_config(tmp_path, slow_model(), tokens=PROJECTS)
+    server = start(config)
+    try:
+        a1, a2, b = client(server, KEY_A1), client(server, KEY_A2), client(server, KEY_B)
+        done = wait_status(a1, submit(a1, [chat_line("one", "x"), chat_line("bad", "x", model="gpt-4o")]).id, ("completed",))
+        running = submit(a1, [chat_line(f"r{i}", f"question {i}") for i in range(3000)])
+        a_batches = [done.id, running.id]
+        a_files = [done.input_file_id, done.output_file_id, done.error_file_id, running.input_file_id]
+        mine = b.files.create(file=("b.jsonl", jsonl([chat_line("b", "x")])), purpose="batch")
+        _hidden(b, a_batches, a_files)
+        _hidden(client(server, TOKEN), a_batches, a_files)  # the default project (keys listed before any [project]) too
+        assert [f.id for f in b.files.list()] == [mine.id] and not b.batches.list().data
+        # two keys of one project share its batches and files
+        assert a2.batches.retrieve(running.id).status in ("validating", "in_progress")
+        assert {x.id for x in a2.batches.list()} == set(a_batches)
+        assert {f.id for f in a2.files.list()} == set(a_files)
+        assert [x["custom_id"] for x in lines_of(a2, done.output_file_id)] == ["one"]
+        assert mine.id not in {f.id for f in a2.files.list()}
+        server.stop(signal.SIGKILL)
+    finally:
+        server.stop(signal.SIGKILL)
+    with serving(config) as again:  # the owners are in storage: a restart keeps them
+        a1, b = client(again, KEY_A1), client(again, KEY_B)
+        _hidden(b, a_batches, a_files)
+        assert [f.id for f in b.files.list()] == [mine.id]
+        assert a1.batches.cancel(running.id).status in ("cancelling", "cancelled")
+        stopped = wait_status(a1, running.id, ("cancelled",))
+        _hidden(b, [], [f for f in (stopped.output_file_id, stopped.error_file_id) if f])
+        assert {x.id for x in a1.batches.list()} == set(a_batches)
+
+
+def test_state_from_before_projects_is_the_default_projects_and_old_file_ids_stay_readable(tmp_path: Path) -> None:
+    config = write_config(tmp_path, tokens=PROJECTS)
+    with serving(config) as server:
+        c = client(server)
+        done = wait_status(c, submit(c, [chat_line("one", "x"), chat_line("bad", "x", model="gpt-4o")]).id, ("completed",))
+        suffix = done.id.split("_", 1)[1]
+        for file_id in (done.input_file_id, done.output_file_id, done.error_file_id):  # opaque, as OpenAI's: file- and random
+            assert re.fullmatch(r"file-[A-Za-z0-9]{24}", file_id) and suffix not in file_id and "output" not in file_id
+        expected = lines_of(c, done.output_file_id)
+    # storage as the release before projects left it: no owner anywhere, output ids file_<batch>output
+    data = tmp_path / "api-data"
+    old_id = f"file_{suffix}output"
+    shutil.move(data / "files" / done.output_file_id, data / "files" / old_id)
+    for meta_path in (data / "files").glob("*/meta.json"):
+        meta = json.loads(meta_path.read_text())
+        meta.pop("project")
+        meta["id"] = meta_path.parent.name
+        meta_path.write_text(json.dumps(meta))
+    state_path = data / "batches" / done.id / "state.json"
+    state = json.loads(state_path.read_text())
+    state.pop("project")
+    state["output_file_id"] = old_id
+    state_path.write_text(json.dumps(state))
+    with serving(config) as server:
+        c = client(server)
+        assert c.batches.retrieve(done.id).output_file_id == old_id
+        assert lines_of(c, old_id) == expected and old_id in {f.id for f in c.files.list()}
+        _hidden(client(server, KEY_A1), [done.id], [done.input_file_id, old_id, done.error_file_id])
+
+
+def _raw(server: Server, request: bytes) -> tuple[int, dict[str, Any]]:
+    """Send ``request`` as bytes (what no SDK sends) and read the status and JSON body of the answer."""
+    host, port = server.url.rsplit("//", 1)[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as so:
+        so.sendall(request)
+        answer = b""
+        while chunk := so.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def _upload_request(body: bytes, key: str = TOKEN) -> bytes:
+    return (f"POST /v1/files HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nConnection: close\r\n"
+            f"Content-Type: multipart/form-data; boundary=XX\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def _part(name: str, value: bytes, filename: str | None = None) -> bytes:
+    disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+    return f"--XX\r\nContent-Disposition: {disposition}\r\n\r\n".encode() + value + b"\r\n"
+
+
+def test_bad_uploads_and_undecodable_keys_answer_4xx_and_leave_nothing(tmp_path: Path) -> None:
+    with serving(write_config(tmp_path)) as server:
+        c = client(server)
+        files = tmp_path / "api-data" / "files"
+        line = jsonl([chat_line("a", "x")])
+        # a multipart body cut before its closing boundary
+        status, body = _raw(server, _upload_request(_part("purpose", b"batch") + b'--XX\r\nContent-Disposition: form-data; name="file"; '
+                                                    b'filename="a.jsonl"\r\n\r\n' + line[:20]))
+        assert status == 400 and "ended early" in body["error"]["message"] and body["error"]["type"] == "invalid_request_error"
+        # two file parts: refused, and neither's bytes stay behind
+        status, body = _raw(server, _upload_request(_part("purpose", b"batch") + _part("file", line, "a.jsonl")
+                                                    + _part("file", line + line, "b.jsonl") + b"--XX--\r\n"))
+        assert status == 400 and body["error"]["param"] == "file" and "more than one 'file'" in body["error"]["message"]
+        assert not files.exists() or not list(files.iterdir())
+        # expires_after as OpenAI takes it: anchor created_at, 3600 <= seconds <= 2592000
+        for seconds in (-5, 0, 3599, 2592001):
+            with pytest.raises(openai.BadRequestError) as info:
+                c.files.create(file=("a.jsonl", line), purpose="batch", expires_after={"anchor": "created_at", "seconds": seconds})
+            assert info.value.body["param"] == "expires_after" and "between 3600 and 2592000" in info.value.body["message"]
+        status, body = _raw(server, _upload_request(_part("purpose", b"batch") + _part("expires_after[anchor]", b"last_active_at")
+                                                    + _part("expires_after[seconds]", b"3600") + _part("file", line, "a.jsonl") + b"--XX--\r\n"))
+        assert status == 400 and body["error"]["param"] == "expires_after"
+        assert not files.exists() or not list(files.iterdir())
+        kept = c.files.create(file=("a.jsonl", line), purpose="batch", expires_after={"anchor": "created_at", "seconds": 3600})
+        assert kept.expires_at == kept.created_at + 3600 and kept.bytes == len(line)
+        assert c.files.content(kept.id).content == line
+        # a key header that is no UTF-8: 401 in the calling API's shape, no traceback
+        for header in (b"Authorization: Bearer \xff\xfe" + TOKEN.encode(), b"x-api-key: \xff\xfe" + TOKEN.encode()):
+            for path in (b"/v1/files", b"/v1/messages/batches"):
+                status, body = _raw(server, b"GET " + path + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + header + b"\r\n\r\n")
+                assert status == 401, body
+                assert (body["error"]["type"] == "authentication_error" if b"messages" in path else body["error"]["code"] == "invalid_api_key")
+        assert "Traceback" not in server.log.read_text()
+
+
+def test_a_server_killed_between_writing_and_publishing_a_batchs_files_serves_only_whole_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = write_config(tmp_path)
+    lines = [chat_line(f"r{i}", f"question {i}") for i in range(300)] + [chat_line("bad", "x", model="gpt-4o")]
+    monkeypatch.setenv(FAULT_ENV, "before_publish")
+    server = start(config)
+    try:
+        c = client(server)
+        batch = submit(c, lines)
+        wait_for(lambda: server.proc.poll() is not None, timeout_s=60, what="the server to kill itself before publishing")
+    finally:
+        server.stop(signal.SIGKILL)
+    assert server.proc.returncode == -signal.SIGKILL
+    monkeypatch.delenv(FAULT_ENV)
+    with serving(config) as again:
+        c = client(again)
+        served: dict[str, bytes] = {}
+
+        def completed_reading_every_output_file() -> Any:
+            """Every batch_output file listed at any moment parses whole, and one id always serves the same bytes."""
+            for f in c.files.list(purpose="batch_output"):
+                try:
+                    content = c.files.content(f.id).content
+                except openai.NotFoundError:  # an unpublished delivery's file, removed meanwhile
+                    continue
+                assert all(json.loads(x) for x in content.splitlines()) and content.endswith(b"\n")
+                assert served.setdefault(f.id, content) == content, f"file {f.id} changed"
+            return (b := c.batches.retrieve(batch.id)).status == "completed" and b
+
+        done = wait_for(completed_reading_every_output_file, every_s=0.01, timeout_s=60, what="the resumed delivery")
+        out, err = delivered(c, done)
+        assert len(out) == 300 and [x["custom_id"] for x in err] == ["bad"]
+        assert served[done.output_file_id] == c.files.content(done.output_file_id).content
+        # the killed delivery's files were never given to anyone, and are gone
+        assert {f.id for f in c.files.list(purpose="batch_output")} == {done.output_file_id, done.error_file_id}
+        on_disk = {p.name for p in (tmp_path / "api-data" / "files").iterdir()}
+        assert on_disk == {done.input_file_id, done.output_file_id, done.error_file_id}
+        deliveries = tmp_path / "api-data" / "batches" / batch.id / "deliveries"
+        assert [p.name for p in deliveries.iterdir()] == [done.output_file_id]

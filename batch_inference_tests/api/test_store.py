@@ -43,3 +43,25 @@ def test_a_folder_that_never_empties_is_an_error_not_a_hang(tmp_path: Path, monk
     with pytest.raises(OSError, match="not empty"):
         store.remove(store.url("runs", "b2"), attempts=3, pause_s=0.01)
     assert len(calls) == 3
+
+
+def test_a_served_file_is_the_version_it_opened_even_when_replaced_meanwhile(tmp_path: Path) -> None:
+    # a response pairing one version's length with another's bytes cut a line mid-string:
+    # the size and the bytes both come from the one open file
+    store = Store(str(tmp_path))
+    url = store.url("files", "file-abc", "content")
+    first = b"".join(b'{"custom_id": "r%d", "text": "short"}\n' % i for i in range(3000))
+    writer = store.open_writer(url)
+    writer.write(first)
+    writer.commit()
+    snapshot = store.snapshot(url)
+    try:
+        replacement = store.open_writer(url)  # a larger version lands under the same name while it is served
+        replacement.write(first.replace(b"short", b"much longer than before"))
+        replacement.commit()
+        served = b""
+        while chunk := snapshot.read():
+            served += chunk
+    finally:
+        snapshot.close()
+    assert snapshot.size == len(first) and served == first
