@@ -131,16 +131,20 @@ def export_openai_batch(run: PipelineRun, out: str | None = None, *, unfinished:
             seen.add(custom_id)
         return error_line(custom_id, run=spec.run, code=code, message=message)
 
+    def answered(row: dict[str, Any]) -> dict[str, Any]:
+        """The output line of an approved row, counted (and seen)."""
+        line = output_line(row, run=spec.run, model=spec.model_name, created=created, judged=judged)
+        usage = line["response"]["body"]["usage"]
+        counts["output"] += 1
+        counts["prompt_tokens"] += usage["prompt_tokens"]
+        counts["completion_tokens"] += usage["completion_tokens"]
+        if seen is not None:
+            seen.add(line["custom_id"])
+        return line
+
     with JsonlFile(out_url, storage_options=so).writer_sync() as ok, JsonlFile(err_url, storage_options=so).writer_sync() as bad:
         for row in _rows((layout.results,), so):
-            line = output_line(row, run=spec.run, model=spec.model_name, created=created, judged=judged)
-            usage = line["response"]["body"]["usage"]
-            counts["output"] += 1
-            counts["prompt_tokens"] += usage["prompt_tokens"]
-            counts["completion_tokens"] += usage["completion_tokens"]
-            if seen is not None:
-                seen.add(line["custom_id"])
-            ok.write_lines([jsonl_line(line)])
+            ok.write_lines([jsonl_line(answered(row))])
         for source in run.terminal_sources():
             if source.state in ("input", Status.APPROVED) or not source.is_dir:
                 continue
@@ -162,13 +166,7 @@ def export_openai_batch(run: PipelineRun, out: str | None = None, *, unfinished:
                     continue
                 done = {**strip_results(row), **final}  # finished by a tail task the stop cut short
                 if done.get("status") == Status.APPROVED:
-                    line = output_line(done, run=spec.run, model=spec.model_name, created=created, judged=judged)
-                    usage = line["response"]["body"]["usage"]
-                    counts["output"] += 1
-                    counts["prompt_tokens"] += usage["prompt_tokens"]
-                    counts["completion_tokens"] += usage["completion_tokens"]
-                    seen.add(rid)
-                    ok.write_lines([jsonl_line(line)])
+                    ok.write_lines([jsonl_line(answered(done))])
                 else:
                     bad.write_lines([jsonl_line(error(rid, *_failure("unfinished", done, spec.max_rounds)))])
     total = counts["output"] + counts["errors"]
