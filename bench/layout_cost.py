@@ -93,15 +93,15 @@ def phases(url: str, spill: str, signer: Any, per: int, run_bytes: int) -> dict[
     out["read_s"] = time.perf_counter() - t
     with ExternalSort(f"{spill}/gate", run_bytes=run_bytes) as s:
         t = time.perf_counter()
-        gate = placement._sign_pass(d, gate_signer, builder, s, keep_lines=False)
+        gate = placement.sign_pass(d, gate_signer, builder, s, keep_lines=False)
         out["gate_pass_s"], out["text_sign_s"] = time.perf_counter() - t, gate.sign_s
     with ExternalSort(f"{spill}/tokens", run_bytes=run_bytes) as s:
         t = time.perf_counter()
-        tok = placement._sign_pass(d, signer, builder, s, keep_lines=True, count=False)  # as the pass: counted while rewriting
+        tok = placement.sign_pass(d, signer, builder, s, keep_lines=True, count=False)  # as the pass: counted while rewriting
         out["token_pass_s"], out["token_sign_s"] = time.perf_counter() - t, tok.sign_s
         out["runs"] = s.spilled_runs
         t = time.perf_counter()
-        placement._rewrite(d, tok, per, "zstd", count=True)
+        placement.rewrite(d, tok, per, "zstd", count=True)
         out["rewrite_s"] = time.perf_counter() - t
     out["gate_sort_s"] = out["gate_pass_s"] - out["read_s"] - out["text_sign_s"]
     out["token_sort_s"] = out["token_pass_s"] - out["read_s"] - out["token_sign_s"]

@@ -32,7 +32,6 @@ shared text prefix is a shared token prefix, so the text decides as the tokens w
 
 from __future__ import annotations
 
-import itertools
 import logging
 import multiprocessing
 import os
@@ -40,13 +39,27 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from batch_inference.engines.base import ChatPrompt, Prompt
-from batch_inference.engines.blocks import BLOCK_HASH_BYTES
+from batch_inference.engines.base import ChatPrompt
+from batch_inference.pipeline.prefix_pass import (
+    SHARD_SLACK,
+    PlacementError,
+    SignedPart,
+    SigningPass,
+    SigningWorkers,
+    SliceJob,
+    batches,
+    counted,
+    input_slices,
+    record_prompt,
+    shard_cuts,
+    shard_limit,
+    shard_slack,
+)
 from batch_inference.pipeline.summaries import LayoutSummary
 from batch_inference.prompting import InferConfig, RequestBuilder
 from batch_inference.prompting.prefix import CharTokens, PlainTextTokens, PrefixSigner, shared_blocks
@@ -55,70 +68,25 @@ from batch_inference.storage._io import ShardStats
 from batch_inference.storage.sort import ExternalSort
 from batch_inference.storage.urls import join
 
+__all__ = [  # the pass's parts live in pipeline.prefix_pass; callers import them from here as before
+    "PARALLEL_MIN_RECORDS", "SHARD_SLACK", "SIGN_BATCH", "WRITE_LINES", "FamilyCuts", "PlacementError", "input_slices",
+    "layout_by_prefix", "layout_workers", "record_prompt", "rewrite", "sign_pass", "shard_cuts", "shard_limit", "shard_slack", "signed_lines",
+    "write_cut",
+]
+
 log = logging.getLogger(__name__)
 
 SIGN_BATCH = 1024  # records per tokenizer call
 WRITE_LINES = 1024  # lines the rewrite hands the writer at once
-SHARD_SLACK = 0.25  # a laid-out shard ends up to this share of shard_records early or late, between families
 # A worker process signs at least this many records (its start, imports and tokenizer load,
 # is ~2-4 s; the text gate pass signs ~15-120 µs a record): smaller inputs are signed in the driver's process.
 PARALLEL_MIN_RECORDS = 100_000
 
 
-class PlacementError(RuntimeError):
-    """The layout pass would lose or add records (it never commits then)."""
-
-
-def record_prompt(builder: RequestBuilder, record: dict[str, Any]) -> Prompt | None:
-    """The record's prompt, or None when it has none (its task gives it its error)."""
-    try:
-        return builder.prompt(record)
-    except (KeyError, ValueError):
-        return None
-
-
-def _batches(it: Iterator[Any], n: int) -> Iterator[list[Any]]:
-    while batch := list(itertools.islice(it, n)):
-        yield batch
-
-
-@dataclass
-class _Part:
-    """What signing one part of the input (in input order) counted: its first and last
-    signatures join it to the parts either side."""
-
-    records: int = 0
-    blocks: int = 0
-    shared_input: int = 0
-    chat: int = 0  # records whose request is chat
-    first: bytes | None = None
-    last: bytes = b""
-    sign_s: float = 0.0
-    runs: list[str] = field(default_factory=list)  # sorted runs a worker spilled (ExternalSort.spill_runs)
-
-
-@dataclass
-class _Pass:
-    """One signing pass over the directory: its sort and what it counted."""
-
-    sort: ExternalSort
-    records: int = 0
-    blocks: int = 0
-    shared_input: int = 0
-    chat: int = 0  # records whose request is chat
-    shared_sorted: int = 0
-    common: int = 0  # blocks every record shares (prompting.prefix.common_blocks): a family lies past them
-    sign_s: float = 0.0
-
-    @property
-    def gain(self) -> float:
-        return (self.shared_sorted - self.shared_input) / self.blocks if self.blocks else 0.0
-
-
 def _sign_into(items: Iterator[tuple[dict[str, Any], bytes]], signer: PrefixSigner, builder: RequestBuilder,
-               sort: ExternalSort, keep_lines: bool, part: _Part) -> None:
+               sort: ExternalSort, keep_lines: bool, part: SignedPart) -> None:
     """Sign ``(record, line)`` items, add (signature, line) to ``sort`` (the line only when kept), count into ``part``."""
-    for batch in _batches(items, SIGN_BATCH):  # each record with its own line: moved as it is
+    for batch in batches(items, SIGN_BATCH):  # each record with its own line: moved as it is
         t = time.perf_counter()
         prompts = [record_prompt(builder, rec) for rec, _ in batch]
         signatures = signer.sign(prompts)
@@ -135,25 +103,10 @@ def _sign_into(items: Iterator[tuple[dict[str, Any], bytes]], signer: PrefixSign
         part.records += len(batch)
 
 
-@dataclass(frozen=True)
-class _SliceJob:
-    """A worker process's part of a parallel pass: consecutive input shards, signed and
-    spilled as sorted runs into the pass's spill folder under its own name."""
-
-    index: int
-    shards: tuple[str, ...]
-    storage_options: dict[str, Any] | None
-    signer: PrefixSigner
-    infer: InferConfig
-    spill_url: str
-    run_bytes: int
-    keep_lines: bool
-
-
-def _sign_slice(job: _SliceJob) -> _Part:
+def _sign_slice(job: SliceJob) -> SignedPart:
     """Run in a worker process: sign the job's shards in order, spill them as sorted runs."""
     sort = ExternalSort(job.spill_url, storage_options=job.storage_options, run_bytes=job.run_bytes, name=f"w{job.index:05d}-")
-    part = _Part()
+    part = SignedPart()
     builder = RequestBuilder(job.infer)
     for url in job.shards:
         _sign_into(JsonlFile(url, storage_options=job.storage_options).iter_parsed_lines_sync(), job.signer, builder, sort,
@@ -162,50 +115,22 @@ def _sign_slice(job: _SliceJob) -> _Part:
     return part
 
 
-def _slices(shards: list[tuple[str, int]], n: int) -> list[tuple[str, ...]]:
-    """``shards`` ((url, records), in order) as up to ``n`` runs of consecutive shards of about equal records."""
-    total = sum(r for _, r in shards)
-    out: list[tuple[str, ...]] = []
-    cur: list[str] = []
-    done = 0
-    for url, records in shards:
-        cur.append(url)
-        done += records
-        if done * n >= total * (len(out) + 1) and len(out) < n - 1:
-            out.append(tuple(cur))
-            cur = []
-    if cur:
-        out.append(tuple(cur))
-    return out
-
-
-@dataclass
-class _Workers:
-    """The process pool a parallel layout pass signs in, and how it splits the input."""
-
-    pool: Executor
-    slices: list[tuple[str, ...]]
-    storage_options: dict[str, Any] | None
-    infer: InferConfig
-    run_bytes: int  # each worker's: the pass's run_bytes shared out, so memory stays about one run
-
-
-def _sign_pass(d: JsonlDir, signer: PrefixSigner, builder: RequestBuilder, sort: ExternalSort, *, keep_lines: bool,
-               workers: _Workers | None = None, count: bool = True) -> _Pass:
+def sign_pass(d: JsonlDir, signer: PrefixSigner, builder: RequestBuilder, sort: ExternalSort, *, keep_lines: bool,
+               workers: SigningWorkers | None = None, count: bool = True) -> SigningPass:
     """Sign every record, spill (signature, line) into ``sort`` (the line only when kept), count sharing.
 
     With ``workers``, each worker process signs a slice of consecutive shards into sorted
     runs of its own, which ``sort`` adopts in input order: equal signatures keep input
     order, so the sorted records are the serial pass's, byte for byte. ``count=False``
-    leaves the sorted-order figures to the rewrite (``_rewrite(count=True)``).
+    leaves the sorted-order figures to the rewrite (``rewrite(count=True)``).
     """
-    p = _Pass(sort)
+    p = SigningPass(sort)
     if workers is None:
-        parts = [_Part()]
+        parts = [SignedPart()]
         _sign_into(d.iter_parsed_lines_sync(), signer, builder, sort, keep_lines, parts[0])
     else:
         t = time.perf_counter()
-        jobs = [_SliceJob(i, urls, workers.storage_options, signer, workers.infer, sort.url, workers.run_bytes, keep_lines)
+        jobs = [SliceJob(i, urls, workers.storage_options, signer, workers.infer, sort.url, workers.run_bytes, keep_lines)
                 for i, urls in enumerate(workers.slices)]
         parts = list(workers.pool.map(_sign_slice, jobs))
         for part in parts:
@@ -225,7 +150,7 @@ def _sign_pass(d: JsonlDir, signer: PrefixSigner, builder: RequestBuilder, sort:
         p.sign_s = parts[0].sign_s
     sort.finish(workers.pool if workers is not None else None)  # a level's merges side by side in the workers
     if count:
-        for _ in _counted(p, sort.iter_sorted()):
+        for _ in counted(p, sort.iter_sorted()):
             pass
     return p
 
@@ -289,8 +214,8 @@ def layout_by_prefix(
         par = None
         if isinstance(pool, Executor):
             shards = [(join(d.url, sh["name"]), int(sh["records"])) for sh in man.shards]
-            par = _Workers(pool, _slices(shards, n_workers), storage_options, infer, max(1 << 20, run_bytes // n_workers))
-        gate = _sign_pass(d, gate_signer, builder, gate_sort, workers=par,
+            par = SigningWorkers(pool, input_slices(shards, n_workers), storage_options, infer, max(1 << 20, run_bytes // n_workers))
+        gate = sign_pass(d, gate_signer, builder, gate_sort, workers=par,
                           keep_lines=by_text or (auto and builder.chat is not True))  # the records may all be plain
         sign_s += gate.sign_s
         if gate.records != man.records:
@@ -301,11 +226,11 @@ def layout_by_prefix(
             gate_sort.clear()
             with ExternalSort(join(spill_url, "tokens"), storage_options=storage_options, run_bytes=run_bytes) as token_sort:
                 # its gain was the gate's to decide: its figures are counted while it is rewritten
-                final = _sign_pass(d, signer, builder, token_sort, keep_lines=True, workers=par, count=False)
+                final = sign_pass(d, signer, builder, token_sort, keep_lines=True, workers=par, count=False)
                 sign_s += final.sign_s
-                cuts_shared = _rewrite(d, final, records_per_shard, man.compression, count=True, on_shard=on_shard)
+                cuts_shared = rewrite(d, final, records_per_shard, man.compression, count=True, on_shard=on_shard)
         elif applied:
-            cuts_shared = _rewrite(d, final, records_per_shard, man.compression, on_shard=on_shard)
+            cuts_shared = rewrite(d, final, records_per_shard, man.compression, on_shard=on_shard)
         runs, levels = final.sort.spilled_runs, final.sort.merge_levels
     if applied:
         reason = f"prefix order shares {final.gain:.1%} of the blocks more than input order (>= min_gain {min_gain:.1%})"
@@ -326,49 +251,9 @@ def layout_by_prefix(
     return summary
 
 
-def shard_cuts(keys: Iterable[bytes], per: int, slack: int) -> Iterator[tuple[int, int]]:
-    """Where the sorted records' shards end: (records, blocks shared across the cut) per shard.
-
-    A shard holds ``per`` records give or take ``slack``, and ends at the boundary in that
-    window where the records either side share the fewest leading blocks (ties: the one
-    nearest ``per``): between two families when the window holds one (no more than the
-    blocks every record shares: ``prompting.prefix``),
-    so that a family smaller than a shard sits in one shard, whose task and whose worker
-    compute its prefix once; a family larger than a shard is cut at ``per``. Streams: it
-    holds one window of depths, never the records. The last shard reports 0.
-    """
-    slack = max(0, min(slack, per // 4))
-    lo, hi = per - slack, per + slack
-    size = 0  # records of the current shard seen so far
-    window: list[int] = []  # blocks shared across the boundary before the shard's record lo + j
-    prev: bytes | None = None
-    for key in keys:
-        if prev is not None and size >= lo:
-            window.append(shared_blocks(prev, key))
-            if size >= hi or (window[-1] == 0 and size >= per):  # no later boundary can be better
-                best = min(range(len(window)), key=lambda j: (window[j], abs(lo + j - per)))
-                yield lo + best, window[best]
-                size -= lo + best
-                window = []
-        size += 1
-        prev = key
-    if size:
-        yield size, 0
-
-
-def shard_slack(records_per_shard: int) -> int:
-    """How many records a shard cut between families may end early or late."""
-    return min(int(records_per_shard * SHARD_SLACK), records_per_shard // 4)
-
-
-def shard_limit(records_per_shard: int) -> int:
-    """The most records a shard cut between families holds (the writer's limit for ``write_cut``)."""
-    return records_per_shard + shard_slack(records_per_shard)
-
-
 def signed_lines(signer: PrefixSigner, builder: RequestBuilder, records: Iterable[tuple[dict[str, Any], bytes]]) -> Iterator[tuple[bytes, bytes]]:
     """``(signature blocks, line)`` for each ``(record, line)``, signed ``SIGN_BATCH`` at a time."""
-    for batch in _batches(iter(records), SIGN_BATCH):
+    for batch in batches(iter(records), SIGN_BATCH):
         signatures = signer.sign([record_prompt(builder, rec) for rec, _ in batch])
         for (_, line), sig in zip(batch, signatures):
             yield sig.blocks, line
@@ -432,19 +317,7 @@ class FamilyCuts:
         return write_cut(w, signed_lines(self.signer, RequestBuilder(self.infer), lines), records_per_shard, self.common)
 
 
-def _counted(p: _Pass, items: Iterator[tuple[bytes, bytes]]) -> Iterator[tuple[bytes, bytes]]:
-    """``items`` (sorted) passed through, counting ``p.shared_sorted`` and ``p.common`` on the way."""
-    prev = b""
-    for n, (key, line) in enumerate(items):
-        shared = shared_blocks(prev, key)
-        p.shared_sorted += shared
-        # in sorted order the blocks every record shares are the fewest two neighbours share
-        p.common = len(key) // BLOCK_HASH_BYTES if n == 0 else min(p.common, shared)
-        prev = key
-        yield key, line
-
-
-def _rewrite(d: JsonlDir, p: _Pass, records_per_shard: int, compression: Any, *, count: bool = False,
+def rewrite(d: JsonlDir, p: SigningPass, records_per_shard: int, compression: Any, *, count: bool = False,
              on_shard: Callable[[ShardStats, int], None] | None = None) -> int:
     """Write the sorted records over ``d``, cut between families (``write_cut``); returns its count.
 
@@ -454,7 +327,7 @@ def _rewrite(d: JsonlDir, p: _Pass, records_per_shard: int, compression: Any, *,
     items = p.sort.iter_sorted()
     told = (lambda stats: on_shard(stats, p.common)) if on_shard is not None else None
     with d.writer_sync(max_records_per_shard=shard_limit(records_per_shard), compression=compression, on_shard=told) as w:
-        cuts = _write_cuts(w, _counted(p, items) if count else items, records_per_shard)
+        cuts = _write_cuts(w, counted(p, items) if count else items, records_per_shard)
     if w.records != p.records:  # pragma: no cover - the sort hands back what it took
         raise PlacementError(f"{d.url}: rewrote {w.records} of {p.records} records")
     return sum(shared > p.common for shared in cuts)

@@ -450,8 +450,8 @@ def test_layout_workers_are_the_cores_the_shards_and_the_records_allow(monkeypat
     assert placement_mod.layout_workers(None, 250_000, 500) == 2  # one per PARALLEL_MIN_RECORDS records
     assert placement_mod.layout_workers(None, 240, 4) == 1  # a bench-sized input: no process to start
     assert placement_mod.layout_workers(8, 240, 4, min_records=1) == 4
-    assert [len(s) for s in placement_mod._slices([(f"s{i}", 10) for i in range(7)], 3)] == [3, 2, 2]
-    assert placement_mod._slices([("a", 0), ("b", 5), ("c", 0)], 2) == [("a", "b"), ("c",)]
+    assert [len(s) for s in placement_mod.input_slices([(f"s{i}", 10) for i in range(7)], 3)] == [3, 2, 2]
+    assert placement_mod.input_slices([("a", 0), ("b", 5), ("c", 0)], 2) == [("a", "b"), ("c",)]
 
 
 @pytest.mark.process
