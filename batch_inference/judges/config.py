@@ -1,14 +1,15 @@
-"""Judge configuration and the one judge factory."""
+"""Judge configuration and the one judge factory (each kind registered in ``judges.kinds``)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
-from batch_inference.engines.base import SamplingParams
-from batch_inference.judges.llm import VERDICT_FORMAT, LLMJudge
-from batch_inference.judges.rules import RuleJudge
+from batch_inference.judges.kinds import judge_kind, judge_kinds
+from batch_inference.judges.llm import LLMJudge  # registers kind llm
+from batch_inference.judges.rules import RuleJudge  # registers kind rule
 from batch_inference.judges.verdicts import Verdict
 from batch_inference.speckeys import DECIDES
 
@@ -48,6 +49,17 @@ class EscalateRule(BaseModel):
         return (self.rejected and not verdict.approved) or (self.approved and verdict.approved)
 
 
+def _known_kind(kind: str) -> str:
+    """A registered kind, refused as a ``Literal`` would refuse it (the same message)."""
+    if kind not in judge_kinds():
+        expected = ", ".join(repr(k) for k in judge_kinds()[:-1]) + f" or {judge_kinds()[-1]!r}"
+        raise PydanticCustomError("literal_error", "Input should be {expected}", {"expected": expected})
+    return kind
+
+
+JudgeKindName = Annotated[str, AfterValidator(_known_kind)]
+
+
 class JudgeConfig(BaseModel):
     """``kind: llm`` needs ``template``; ``kind: rule`` needs ``callable`` (built-in name or ``module:fn``).
 
@@ -60,7 +72,7 @@ class JudgeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Annotated[Literal["llm", "rule", "human", "none"], DECIDES]
+    kind: Annotated[JudgeKindName, DECIDES]  # llm | rule | human | none | a kind registered in judges.kinds
     # llm
     template: Annotated[str | None, DECIDES] = Field(None, description="judge prompt; {field} from the record, {result} the inference result")
     parse: Annotated[Literal["keyword", "score", "json"], DECIDES] = Field(
@@ -92,29 +104,20 @@ class JudgeConfig(BaseModel):
             raise ValueError(f"a judge of kind 'none' judges nothing: remove {', '.join(given)} (or name a kind that uses them)")
         if self.kind == "human" and self.escalate is not None:
             raise ValueError("a human judge reviews every record: 'escalate' is for llm and rule judges")
-        if self.kind == "llm" and not self.template:
-            raise ValueError("an llm judge needs 'template' (use {result} for the inference result)")
+        if (check := judge_kind(self.kind).check) is not None:
+            check(self)  # the kind's own requirements (llm: a template; rule: a callable)
         if self.system is not None and not self.chat:
             raise ValueError("'system' needs 'chat: true' (it is the chat judge's system turn)")
         if self.adapter is not None and self.kind != "llm":
             raise ValueError(f"'adapter' is for llm judges: a {self.kind} judge runs no model")
-        if self.kind == "rule" and not self.callable:
-            raise ValueError("a rule judge needs 'callable' (a built-in rule name or 'module:fn')")
         return self
 
 
 def build_judge(cfg: JudgeConfig | dict[str, Any]) -> LLMJudge | RuleJudge:
-    """Build the judge a config names; bad templates, imports or kwargs fail here, not per record."""
+    """Build the judge a config names, by its kind (``judges.kinds``); bad templates, imports
+    or kwargs fail here, not per record."""
     cfg = cfg if isinstance(cfg, JudgeConfig) else JudgeConfig.model_validate(cfg)
-    if cfg.kind == "human":
-        raise ValueError("a human judge has no automated judge to build: its records go to the review queue")
-    if cfg.kind == "none":
-        raise ValueError("judge kind 'none' has no judge to build: every inferred record is approved")
-    if cfg.kind == "llm":
-        assert cfg.template is not None
-        fmt = VERDICT_FORMAT if cfg.parse == "json" else None
-        sampling = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, response_format=fmt, adapter=cfg.adapter)
-        return LLMJudge(cfg.template, parse=cfg.parse, threshold=cfg.threshold, sampling=sampling,
-                        chat=cfg.chat, system=cfg.system, null_fields=cfg.null_fields)
-    assert cfg.callable is not None
-    return RuleJudge(cfg.callable, cfg.kwargs)
+    kind = judge_kind(cfg.kind)
+    if kind.build is None:
+        raise ValueError(kind.no_build)
+    return kind.build(cfg)  # type: ignore[no-any-return]

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import orjson
 
 from batch_inference.engines.base import ChatPrompt, Completion, Prompt, ResponseFormat, SamplingParams
+from batch_inference.judges.kinds import JudgeKind, register_judge_kind
 from batch_inference.judges.templates import NullFields, PromptTemplate
 from batch_inference.judges.verdicts import Verdict
 from batch_inference.rows import ErrorKind
@@ -106,3 +107,21 @@ class LLMJudge:
         if completion.error is not None:
             return Verdict(False, ErrorKind.JUDGE_ERROR.tag(completion.error))
         return self.parse(completion.text)
+
+
+def build_llm_judge(cfg: Any) -> LLMJudge:
+    """``kind: llm``: a ``JudgeConfig``'s template, parse mode and sampling (``json``: the
+    verdict constrained to ``VERDICT_FORMAT``)."""
+    assert cfg.template is not None
+    fmt = VERDICT_FORMAT if cfg.parse == "json" else None
+    sampling = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature, response_format=fmt, adapter=cfg.adapter)
+    return LLMJudge(cfg.template, parse=cfg.parse, threshold=cfg.threshold, sampling=sampling,
+                    chat=cfg.chat, system=cfg.system, null_fields=cfg.null_fields)
+
+
+def _check_llm(cfg: Any) -> None:
+    if not cfg.template:
+        raise ValueError("an llm judge needs 'template' (use {result} for the inference result)")
+
+
+LLM_KIND = register_judge_kind(JudgeKind("llm", build=build_llm_judge, check=_check_llm))

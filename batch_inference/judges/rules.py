@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from batch_inference.judges.kinds import JudgeKind, register_judge_kind
 from batch_inference.judges.verdicts import Verdict
 from batch_inference.rows import ErrorKind
 
@@ -121,3 +122,17 @@ class RuleJudge:
             return _as_verdict(self.fn(record, result, **self.kwargs))
         except Exception as exc:
             return Verdict(False, ErrorKind.RULE_ERROR.tag(f"{type(exc).__name__}: {exc}"))
+
+
+def build_rule_judge(cfg: Any) -> RuleJudge:
+    """``kind: rule``: a ``JudgeConfig``'s ``callable`` (a built-in name or ``module:fn``) with its kwargs."""
+    assert cfg.callable is not None
+    return RuleJudge(cfg.callable, cfg.kwargs)
+
+
+def _check_rule(cfg: Any) -> None:
+    if not cfg.callable:
+        raise ValueError("a rule judge needs 'callable' (a built-in rule name or 'module:fn')")
+
+
+RULE_KIND = register_judge_kind(JudgeKind("rule", build=build_rule_judge, check=_check_rule))

@@ -13,7 +13,7 @@ from typing import Any
 from batch_inference.engines import (
     Completion,
 )
-from batch_inference.judges import JudgeConfig, LLMJudge, Verdict, build_judge
+from batch_inference.judges import JudgeConfig, LLMJudge, Verdict, build_judge, judge_kind
 from batch_inference.pool.context import TaskContext, TaskInputError
 from batch_inference.pool.failures import JudgePoolError, is_machine_error
 from batch_inference.pool.protocol import JUDGE_POOL_OUTPUT, TaskFailed, TaskSpec
@@ -35,7 +35,7 @@ class Judging:
     def __init__(self, ctx: TaskContext, config: JudgeConfig) -> None:
         self.ctx = ctx
         self.kind = config.kind
-        self.judge = build_judge(config) if config.kind not in ("human", "none") else None
+        self.judge = build_judge(config) if judge_kind(config.kind).build is not None else None
         self.escalate = config.escalate
 
     async def verdicts(self, records: Sequence[dict[str, Any]], results: Sequence[str],
