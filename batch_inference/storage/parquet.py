@@ -32,6 +32,7 @@ from batch_inference.storage import urls
 from batch_inference.storage._io import AtomicFile
 from batch_inference.storage.errors import UnreadableInputError
 from batch_inference.storage.file import OnError, QuarantineSink, sync_sink
+from batch_inference.storage.formats import SourceFormat
 
 BATCH_ROWS = 8192  # rows decoded at a time: one batch of Python dicts in memory
 
@@ -408,3 +409,11 @@ def write_rows(url: str, schema: pa.Schema, rows: Iterable[dict[str, Any]], *, b
         if batch:
             w.write(table_of(batch, schema))
     return w
+
+
+def open_parquet(url: str, files: list[str], folder: bool, storage_options: dict[str, Any] | None) -> ParquetSource:
+    """Every file's footer is read as it opens: a file that is not Parquet is refused here, named."""
+    return ParquetSource(url, files, storage_options=storage_options)
+
+
+SOURCE = SourceFormat("parquet", "Parquet (.parquet)", (".parquet", ".pq"), open_parquet, magic=b"PAR1", ignore_case=True)
