@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from batch_inference.engines.blocks import DistinctBlocks
+from batch_inference.pipeline.counts import Counts
 from batch_inference.pipeline.ledger import Ledger
 from batch_inference.pipeline.summaries import PhaseSummary, QuarantineEntry
 from batch_inference.pool import dispatch_bounded
@@ -159,10 +160,7 @@ class FanOut:
     def _summary(self, todo: list[Item], *, wall: float, drain: float, task_retries: int,
                  engine: dict[str, Any] | None = None) -> PhaseSummary:
         recs = [self.done[i] for i in sorted(self.done)]
-        counts: dict[str, int] = {}
-        for rec in recs:
-            for k, v in rec["counts"].items():
-                counts[k] = counts.get(k, 0) + int(v)
+        counts = Counts.total(rec["counts"] for rec in recs).as_dict()
         records_in = sum(int(x["records_in"]) for x in recs)
         phase = self.phase
         return PhaseSummary(

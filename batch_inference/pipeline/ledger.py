@@ -31,6 +31,7 @@ import orjson
 from fsspec.asyn import AsyncFileSystem
 
 from batch_inference import rows
+from batch_inference.pipeline.counts import Counts
 from batch_inference.pipeline.layout import RunLayout
 from batch_inference.pipeline.summaries import (
     ConservationReport,
@@ -43,7 +44,6 @@ from batch_inference.pipeline.summaries import (
     RunSummary,
     ShardSummary,
     StepProgress,
-    add_counts,
 )
 from batch_inference.rows import ErrorKind, Status
 from batch_inference.storage import CorruptShardError, JsonlDir, JsonlFile, MalformedRecordError
@@ -213,13 +213,14 @@ class Ledger:
                     live.append(orjson.loads(data.splitlines()[0]))
                 except (orjson.JSONDecodeError, IndexError):
                     continue
-            running = add_counts(rec.get("counts") or {} for rec in live)
-            committed = add_counts(rec.get("counts") or {} for rec in live if rec.get("committed"))
+            running = Counts.total(rec.get("counts") or {} for rec in live).as_dict()
+            committed = Counts.total(rec.get("counts") or {} for rec in live if rec.get("committed")).as_dict()
             out[step] = StepProgress(
                 step=step, shards_done=len(done), shards_running=len(live),
                 records_done=sum(int(rec.get("records_in", 0)) for rec in done.values()),
                 records_running=sum(int(rec.get("records", 0)) for rec in live),
-                done=add_counts(rec.get("counts") or {} for rec in done.values()), running=running, committed=committed)
+                done=Counts.total(rec.get("counts") or {} for rec in done.values()).as_dict(), running=running,
+                committed=committed)
         return out
 
 

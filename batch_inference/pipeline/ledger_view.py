@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from batch_inference.pipeline.counts import Counts
 from batch_inference.pipeline.layout import RunLayout
 from batch_inference.pipeline.step_summaries import (
     Decision,
@@ -152,12 +153,8 @@ class StepProgress(_Summary):
 
 
 def add_counts(counts: Iterable[Mapping[str, Any]]) -> dict[str, int]:
-    """Counts by outcome summed over tasks."""
-    out: dict[str, int] = {}
-    for c in counts:
-        for k, v in c.items():
-            out[k] = out.get(k, 0) + int(v)
-    return out
+    """Counts by outcome summed over tasks, as a plain dict (``Counts.total``)."""
+    return Counts.total(counts).as_dict()
 
 
 @dataclass
@@ -186,7 +183,7 @@ class LedgerView:
             approved += self.tail.approved
             failed += self.tail.records_failed + self.tail.max_attempts
         elif (tail := self.steps.get(RunLayout.TAIL)) is not None:
-            counts = add_counts((tail.done, tail.committed))
+            counts = Counts(tail.done) + tail.committed
             approved += counts.get("approved", 0)
             failed += counts.get("error", 0) + counts.get("max_attempts", 0)
         return {"approved": approved, "failed": failed}

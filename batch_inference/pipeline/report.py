@@ -26,7 +26,8 @@ from rich.table import Table
 from rich.text import Text
 
 from batch_inference.pipeline.accounting import InputAccount
-from batch_inference.pipeline.summaries import LedgerView, PhaseSummary, RunSummary, add_counts, rate
+from batch_inference.pipeline.counts import Counts
+from batch_inference.pipeline.summaries import LedgerView, PhaseSummary, RunSummary, rate
 
 
 OFF_TTY_WIDTH = 160  # the ledger table's columns fit without wrapping
@@ -349,7 +350,7 @@ def step_lines(view: LedgerView) -> list[str]:
     """The steps under way, as their tasks report them chunk by chunk, and what has settled."""
     lines = []
     for name, step in view.steps.items():
-        counts = add_counts((step.done, step.running))
+        counts = Counts(step.done) + step.running
         detail = ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items()) if v)
         lines.append(f"{name} under way: {step.shards_done:,} shard(s) done, {step.shards_running:,} running; "
                      f"{step.records:,} record(s) through" + (f" ({detail})" if detail else ""))
