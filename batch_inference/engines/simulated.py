@@ -188,7 +188,9 @@ class _Answers:
     def count_tokens(self, prompts: list[Prompt]) -> list[int]:
         return token_counts(self.encode(prompts))
 
-    def _answer(self, prompt: Prompt | Tokens, p: SamplingParams) -> Completion:
+    def answer(self, prompt: Prompt | Tokens, p: SamplingParams) -> Completion:
+        """One request's completion: every generate path of this engine computes through here,
+        so wrapping it counts (or fails) the engine's computations (the dedup tests do)."""
         return simulated_completion(prompt, p, self.options, seed=self.seed, max_model_len=self.max_model_len)
 
     def _count_call(self) -> int:
@@ -230,7 +232,7 @@ class LinearSimulatedEngine(_Answers):
         per_item = expand_params(prompts, params)
         self._count_call()
         started = time.perf_counter()
-        out = [self._answer(prompt, p) for prompt, p in zip(prompts, per_item)]
+        out = [self.answer(prompt, p) for prompt, p in zip(prompts, per_item)]
         ran = [c for c in out if c.error is None]
         self._sleep_rest(self.cost_s([c.prompt_tokens for c in ran], [c.completion_tokens for c in ran]), started)
         return out
@@ -285,7 +287,7 @@ class DecodeBatchEngine(_Answers):
             raise EngineDeadError(f"simulated engine died after {dead_after} requests")
         self._count_call()
         started = time.perf_counter()
-        out = [self._answer(prompt, p) for prompt, p in zip(prompts, per_item)]
+        out = [self.answer(prompt, p) for prompt, p in zip(prompts, per_item)]
         ran = [i for i, c in enumerate(out) if c.error is None]
         with self._lock:  # the cache is the engine's: one call at a time models it
             seconds, cached = self._run_batch([out[i].prompt_tokens for i in ran], [out[i].completion_tokens for i in ran],
@@ -349,7 +351,7 @@ class DecodeStreamingEngine(_Answers):
             raise self._dead
         if self._loop_task is None or self._wake is None:
             raise RuntimeError("DecodeStreamingEngine is not started (await engine.start() on the worker's loop)")
-        completion = self._answer(prompt, params)
+        completion = self.answer(prompt, params)
         if completion.error is not None:
             return completion
         rid = next(self._ids)

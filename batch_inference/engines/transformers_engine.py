@@ -143,7 +143,7 @@ class TransformersEngine:
                     done = self._run_continuous(items, encoded, per_item)
                 elif batching == "bucketed":
                     done = {}
-                    for bucket in self._buckets(items, encoded, per_item):
+                    for bucket in self.buckets(items, encoded, per_item):
                         done.update(zip(bucket, self._run_bucket([encoded[i] for i in bucket], [per_item[i] for i in bucket])))
                 else:
                     p = replace(key, seed=combine_seeds([per_item[i].seed for i in items]))
@@ -169,7 +169,7 @@ class TransformersEngine:
                 names.add(adapter)
         return chunks
 
-    def _buckets(self, items: list[int], encoded: dict[int, list[int]], per_item: list[SamplingParams]) -> list[list[int]]:
+    def buckets(self, items: list[int], encoded: dict[int, list[int]], per_item: list[SamplingParams]) -> list[list[int]]:
         """Items sorted by (output, prompt) length, cut where a padded bucket would cost more
         than ``bucket_padding`` x its real tokens (a row pads to the bucket's longest)."""
         order = sorted(items, key=lambda i: (per_item[i].max_tokens, len(encoded[i])))
@@ -215,13 +215,13 @@ class TransformersEngine:
         if 0 < first.min_tokens < first.max_tokens or len(items) == 1:
             # transformers' continuous batching has no min_new_tokens (only none or, with EOS
             # off, exactly max): such groups, and single items, run as one padded call
-            return {i: c for bucket in self._buckets(items, encoded, per_item)
+            return {i: c for bucket in self.buckets(items, encoded, per_item)
                     for i, c in zip(bucket, self._run_bucket([encoded[i] for i in bucket], [per_item[i] for i in bucket]))}
         try:
             results = self._continuous([encoded[i] for i in items], [per_item[i] for i in items])
         except Exception as exc:  # the session itself failed: the padded path isolates items
             log.warning("continuous batching failed for %d items; running them padded: %s", len(items), exc)
-            return {i: c for bucket in self._buckets(items, encoded, per_item)
+            return {i: c for bucket in self.buckets(items, encoded, per_item)
                     for i, c in zip(bucket, self._run_bucket([encoded[i] for i in bucket], [per_item[i] for i in bucket]))}
         return {i: self._finish(r, encoded[i], per_item[i]) if isinstance(r, list)
                 else Completion.failed(r, prompt_tokens=len(encoded[i])) for i, r in zip(items, results)}

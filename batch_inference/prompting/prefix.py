@@ -219,6 +219,11 @@ class PlainTextTokens:
     def __getstate__(self) -> dict[str, Any]:  # a layout worker process loads its own tokenizer, when it meets chat
         return {**self.__dict__, "_chat": None}
 
+    @property
+    def chat_loaded(self) -> bool:
+        """Whether the model's tokenizer is loaded here (only once a chat prompt came)."""
+        return self._chat is not None
+
     def _chat_tokens(self) -> PrefixTokenizer:
         if self._chat is None:
             self._chat = prefix_tokenizer(self.engine, "tokens")

@@ -85,7 +85,7 @@ class ExternalSort:
         self._bytes += len(key) + len(line) + _ITEM_OVERHEAD
         self.records += 1
         if self._bytes >= self.run_bytes:
-            self._spill()
+            self.spill()
 
     def _new_path(self, kind: str) -> str:
         return f"{self.path}/{self.name}{kind}-{next(self._names):06d}.jsonl.zst"
@@ -107,7 +107,8 @@ class ExternalSort:
             core.abort()
             raise
 
-    def _spill(self) -> None:
+    def spill(self) -> None:
+        """Write the records held in memory as one sorted run (what ``add`` does when ``run_bytes`` fill)."""
         if not self._items:
             return
         items, self._items, self._bytes = self._items, [], 0
@@ -124,7 +125,7 @@ class ExternalSort:
         ``adopt``). Nothing is removed: the adopting sort's ``clear`` does that."""
         if self._finished:
             raise RuntimeError("ExternalSort.spill_runs() after finish()")
-        self._spill()
+        self.spill()
         self._finished = True
         return list(self.runs)
 
@@ -164,7 +165,7 @@ class ExternalSort:
         if not self.runs:  # everything fits in one run: it stays in memory, no spill at all
             self._items.sort(key=lambda kv: kv[0])
             return
-        self._spill()
+        self.spill()
         while len(self.runs) > self.fan_in:
             self.merge_levels += 1
             merged: list[str] = []

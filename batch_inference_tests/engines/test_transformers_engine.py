@@ -261,7 +261,7 @@ def test_buckets_cut_where_padding_grows() -> None:
     engine.options = build_options(bucket_padding=1.25)
     encoded = {i: [1] * 10 for i in range(4)}
     per_item = [SamplingParams(max_tokens=n) for n in (100, 10, 12, 90)]
-    assert engine._buckets([0, 1, 2, 3], encoded, per_item) == [[1, 2], [3, 0]]
+    assert engine.buckets([0, 1, 2, 3], encoded, per_item) == [[1, 2], [3, 0]]
 
 
 def build_options(**kw):

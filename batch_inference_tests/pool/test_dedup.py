@@ -111,14 +111,14 @@ def _count_answers(pool) -> Counter[str]:
     """Counts the engine's computations per prompt (the simulated engine's one answer path)."""
     engine = pool.host.engine
     seen: Counter[str] = Counter()
-    real = engine._answer
+    real = engine.answer
 
     def counted(prompt, params):
         source = prompt.source if isinstance(prompt, Tokens) else prompt
         seen[source if isinstance(source, str) else repr(source)] += 1
         return real(prompt, params)
 
-    engine._answer = counted
+    engine.answer = counted
     return seen
 
 
@@ -200,7 +200,7 @@ async def test_a_duplicate_whose_leader_failed_runs_on_its_own(tmp_path: Path, i
     _write(tmp_path / "in.jsonl", [{"id": "a", "q": "flaky"}, {"id": "b", "q": "flaky"}, {"id": "c", "q": "flaky"}])
     async with inprocess_pool(GREEDY_SIM) as pool:
         engine = pool.host.engine
-        real, calls = engine._answer, []
+        real, calls = engine.answer, []
 
         def flaky(prompt, params):  # the first computation of the prompt fails, later ones work
             calls.append(prompt)
@@ -208,7 +208,7 @@ async def test_a_duplicate_whose_leader_failed_runs_on_its_own(tmp_path: Path, i
                 return Completion.failed(ErrorKind.ENGINE_ERROR.tag("transient"))
             return real(prompt, params)
 
-        engine._answer = flaky
+        engine.answer = flaky
         result = await pool.run_task(_infer("t", tmp_path / "in.jsonl", tmp_path / "out.jsonl", scope="run/r00/infer"))
     rows = {r["id"]: r for r in read_rows(tmp_path / "out.jsonl")}
     assert "engine_error" in rows["a"]["error"]  # the leader keeps its own failure

@@ -79,13 +79,13 @@ def test_auto_signs_plain_prompts_by_text_and_chat_by_the_models_tokens(tiny_mod
     texts = ["Document: the quick brown fox jumps over the lazy dog. " * 4 + f"Question {i}?" for i in range(3)]
     chat = ChatPrompt((("system", "be brief"), ("user", texts[0])))
     assert auto.sign(texts) == by_text.sign(texts)
-    assert auto.tokenizer._chat is None  # plain prompts only: no tokenizer loaded
+    assert not auto.tokenizer.chat_loaded  # plain prompts only: no tokenizer loaded
     mixed = auto.sign([texts[0], chat, None, texts[1]])
     assert mixed[0] == by_text.sign([texts[0]])[0] and mixed[3] == by_text.sign([texts[1]])[0]
     assert mixed[1] == by_tokens.sign([chat])[0] and mixed[1].n_blocks > 0 and not mixed[2].blocks
-    assert auto.tokenizer._chat is not None
+    assert auto.tokenizer.chat_loaded
     shipped = pickle.loads(pickle.dumps(auto))  # as a layout worker gets it: loads its own tokenizer if it meets chat
-    assert shipped.tokenizer._chat is None and shipped.sign([chat, texts[2]]) == auto.sign([chat, texts[2]])
+    assert not shipped.tokenizer.chat_loaded and shipped.sign([chat, texts[2]]) == auto.sign([chat, texts[2]])
     assert "text for plain prompts" in auto.tokenizer.name and "tokenizer for chat" in auto.tokenizer.name
 
 

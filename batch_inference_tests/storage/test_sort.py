@@ -46,7 +46,7 @@ def test_a_dead_sorts_spill_is_cleared_and_lines_round_trip(tmp_path: Path) -> N
     with ExternalSort(str(spill), run_bytes=1 << 20) as s:
         assert not spill.exists()
         s.add(b"\x00\xff", orjson.dumps(rec, option=orjson.OPT_APPEND_NEWLINE))
-        s._spill()  # force the spill path for one record
+        s.spill()  # force the spill path for one record
         s.finish()
         ((key, line),) = list(s.iter_sorted())
     assert key == b"\x00\xff" and orjson.loads(line) == rec and line.endswith(b"\n")
