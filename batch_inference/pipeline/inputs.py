@@ -16,7 +16,9 @@ from typing import Any, Literal, TypeVar
 
 from batch_inference.pipeline.spec import PipelineSpec, SpecError
 from batch_inference.pipeline.accounting import EXAMPLES, id_lines
-from batch_inference.prompting.openai_batch import OpenAIBatchReader, looks_like_openai_batch, record_id
+from batch_inference.pipeline import record_formats
+from batch_inference.pipeline.record_formats import RecordReader
+from batch_inference.prompting.openai_batch import OpenAIBatchReader, record_id
 from batch_inference.storage import CorruptShardError, JsonlDir, JsonlFile, ReshardReport, UnreadableInputError, input_format, open_source
 from batch_inference.storage.parquet import ParquetSource, schema_to_text
 from batch_inference.rows import RUN_FIELDS, from_input
@@ -160,7 +162,8 @@ def stored_format(spec: PipelineSpec) -> Literal["jsonl", "parquet"]:
 
 def resolve_format(spec: PipelineSpec, first: list[dict[str, Any]] | None = None) -> tuple[InputFormat, bool]:
     """``(format, detected)``: the spec's ``input_format``, or for ``auto`` what the input is:
-    Parquet by its files, OpenAI Batch by what the first record looks like."""
+    Parquet by its files, a record format (OpenAI Batch) by what the first record looks like
+    (``pipeline.record_formats``)."""
     stored = stored_format(spec)
     if stored == "parquet" or spec.input_format == "parquet":
         if stored != "parquet" or spec.input_format not in ("auto", "parquet"):
@@ -172,8 +175,8 @@ def resolve_format(spec: PipelineSpec, first: list[dict[str, Any]] | None = None
         return spec.input_format, False
     if first is None:
         first = first_records(spec.input, 1, spec.storage_options or None)
-    fmt: InputFormat = "openai_batch" if first and looks_like_openai_batch(first[0]) else "jsonl"
-    return fmt, fmt == "openai_batch"
+    fmt = record_formats.detect(first[0] if first else None).name
+    return fmt, fmt != record_formats.NATIVE.name  # type: ignore[return-value]
 
 
 def schema_entry(source: Source) -> dict[str, Any]:
@@ -187,15 +190,15 @@ def schema_entry(source: Source) -> dict[str, Any]:
 
 
 def record_transform(spec: PipelineSpec, fmt: InputFormat,
-                     reader: OpenAIBatchReader | None = None) -> Callable[[dict[str, Any], int], dict[str, Any]]:
+                     reader: RecordReader | None = None) -> Callable[[dict[str, Any], int], dict[str, Any]]:
     """How the shard step (and the preflight's sample) turns an input record into the run's:
-    an OpenAI Batch line converted (``reader``), the input's fields named as the run's own kept
+    a record format's record converted (``reader``: an OpenAI Batch line), the input's fields named as the run's own kept
     aside and its position recorded (``rows.from_input``), and its id taken from the spec's
     ``id_field`` (a record without one raises ``RefusedRecord``: it is left out, named by file
     and line). With the default ``id_field: id``, a record without an ``id`` gets its line's
     number at sharding, as before."""
     id_field = spec.id_field
-    if id_field != "id" and fmt == "openai_batch":
+    if id_field != "id" and record_formats.record_format(fmt).own_ids:
         raise InputError(f"id_field: {id_field!r}, but {spec.input} is an OpenAI Batch file: its ids are the lines' "
                          "custom_id (leave id_field out)")
     reserved = RUN_FIELDS if id_field == "id" else RUN_FIELDS | {"id"}  # the input's own `id` kept as it was
@@ -216,7 +219,13 @@ def record_transform(spec: PipelineSpec, fmt: InputFormat,
 
 def openai_reader(spec: PipelineSpec) -> OpenAIBatchReader:
     """The converter for this run: the models it answers, whether its engine constrains output."""
-    return OpenAIBatchReader(models=spec.accepted_models(), constrains=spec.engine.structured_output)
+    return record_formats.openai_reader(spec)
+
+
+def record_reader(spec: PipelineSpec, fmt: str) -> RecordReader | None:
+    """The converter of ``fmt``'s records for this run (None: native records, read as they are)."""
+    build = record_formats.record_format(fmt).reader
+    return build(spec) if build is not None else None
 
 
 def check_openai_input(reader: OpenAIBatchReader, report: ReshardReport, source: str,

@@ -254,6 +254,8 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
     if openai:  # lines with file-level problems are the full check's to report (the file is refused)
         reader = inputs.openai_reader(spec)
         sample = [(line, typed.record()) for line, rec in sample if (typed := reader.line(rec, line)) is not None]
+    elif (convert := inputs.record_reader(spec, fmt)) is not None:  # a registered record format: as sharding converts it
+        sample = [(line, convert.convert(rec, line)) for line, rec in sample]
     record_errors: list[str] = []
     requests: list[tuple[str, Request]] = []  # the sample's built requests, by record id
     misses = Misses(len(sample))

@@ -27,6 +27,7 @@ from batch_inference.pipeline.layout import RunLayout
 from batch_inference.pipeline.ledger import Ledger
 from batch_inference.pipeline.spec import PipelineSpec, SpecChanged, result_changes
 from batch_inference.pipeline.summaries import LayoutSummary, ShardSummary
+from batch_inference.prompting.openai_batch import OpenAIBatchReader
 from batch_inference.prompting.prefix import PrefixSigner
 from batch_inference.storage import JsonlDir, ReshardReport
 
@@ -185,8 +186,8 @@ class Resume:
         fmt, detected = await asyncio.to_thread(inputs.resolve_format, self.spec)
         if detected:
             log.info("run %s: %s is %s input (detected: input_format auto); converting at sharding", self.spec.run, self.spec.input,
-                     "OpenAI Batch" if fmt == "openai_batch" else "Parquet")
-        reader = inputs.openai_reader(self.spec) if fmt == "openai_batch" else None
+                     {"openai_batch": "OpenAI Batch", "parquet": "Parquet"}.get(fmt, fmt))
+        reader = inputs.record_reader(self.spec, fmt)  # its record format's converter (pipeline.record_formats)
         transform = inputs.record_transform(self.spec, fmt, reader)
         source = await asyncio.to_thread(inputs.open_input, self.spec.input, self.storage_options)
         report = await asyncio.to_thread(
@@ -195,7 +196,7 @@ class Resume:
             quarantine_url=self.layout.input_quarantine, transform=transform,
         )
         inputs.check_records(self.spec, report.records, report.malformed)  # refused, not recorded: nothing to run
-        if reader is not None:  # refused before any GPU time: the shard step is not recorded
+        if isinstance(reader, OpenAIBatchReader):  # refused before any GPU time: the shard step is not recorded
             inputs.check_openai_input(reader, report, self.spec.input, self.storage_options)
         await asyncio.to_thread(self.ledger.write, RunLayout.INPUT_SCHEMA, inputs.schema_entry(source))  # the Parquet export's types
         await asyncio.to_thread(self.ledger.write, RunLayout.SHARD_INPUT,
