@@ -6,12 +6,13 @@ pipeline's request, the pipeline's answer -> the response body) and one line bel
 
 from __future__ import annotations
 
-from batch_inference.api.endpoints import chat, completions
+from batch_inference.api.endpoints import chat, completions, responses
 from batch_inference.api.endpoints.base import Answered, Endpoint, Refused
 
 ENDPOINTS: dict[str, Endpoint] = {e.url: e for e in (
     chat.ENDPOINT,
     completions.ENDPOINT,
+    responses.ENDPOINT,
 )}
 
 __all__ = ["ENDPOINTS", "Answered", "Endpoint", "Refused"]
