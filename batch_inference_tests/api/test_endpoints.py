@@ -127,9 +127,16 @@ def test_responses_bodies_map_to_the_pipelines_chat_request() -> None:
     assert responses.request({"input": "x", "text": {"format": {"type": "json_object"}}})["response_format"] == {"type": "json_object"}  # type: ignore[index]
     assert "response_format" not in responses.request({"input": "x", "text": {"format": {"type": "text"}}})  # type: ignore[operator]
     for body, param in (({}, "input"), ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning"),
-                        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"), ({"input": "x", "text": {"verbosity": "low"}}, "text")):
+                        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"), ({"input": "x", "text": {"verbosity": "low"}}, "text"),
+                        ({"input": [{"role": "tool", "content": "x"}]}, "input"), ({"input": 5}, "input"),
+                        ({"input": "x", "text": {"format": {"type": "json_schema", "schema": SCHEMA}}}, "text")):
         refused = responses.request(body)
         assert isinstance(refused, Refused) and refused.param == param, (body, refused)
+    # an output message of an earlier turn, given back as input, is an assistant turn
+    earlier = {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+               "content": [{"type": "output_text", "text": "4", "annotations": []}]}
+    assert responses.request({"input": [{"role": "user", "content": "2+2?"}, earlier, {"role": "user", "content": "and 3+3?"}]}) == {
+        "messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}]}
 
 
 def test_every_endpoint_is_one_registry_entry_with_its_own_url() -> None:

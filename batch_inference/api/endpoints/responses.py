@@ -18,96 +18,113 @@ line alone.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from batch_inference.api.endpoints.base import Answered, Endpoint, Refused, keep_unless
 
 OFF = {"tools": ([], None), "tool_choice": ("none", "auto", None), "parallel_tool_calls": (True, False, None),
        "stream": (False, None), "background": (False, None), "include": ([], None), "top_logprobs": (0, None),
-       "reasoning": (None,), "truncation": ("disabled", None), "prompt_cache_retention": (None, "in-memory", "24h")}
-IGNORED = ("metadata", "user", "store", "service_tier", "prompt_cache_key", "prompt_cache_retention", "safety_identifier")
-HONOURED = ("model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text")
-ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
-TEXT_PARTS = ("input_text", "output_text")
+       "reasoning": (None,), "truncation": ("disabled", None)}
+IGNORED = frozenset({"metadata", "user", "store", "service_tier", "prompt_cache_key", "prompt_cache_retention", "safety_identifier"})
 
 
-def _content(content: Any, where: str) -> str | Refused:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        return Refused(f"{where}: a string or a list of input_text parts", param="input")
-    parts = []
-    for i, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            return Refused(f"{where}.{i}: only text parts are supported (got {kind!r})", param="input")
-        parts.append(part["text"])
-    return "".join(parts)
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
 
-def _messages(value: Any) -> list[dict[str, Any]] | Refused:
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    if not isinstance(value, list):
-        return Refused("input: a string or a list of messages", param="input")
-    messages = []
-    for i, item in enumerate(value):
-        if not isinstance(item, dict) or item.get("type", "message") != "message":
-            kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-            return Refused(f"input.{i}: only messages are supported (got {kind!r})", param="input")
-        role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
-        if role is None:
-            return Refused(f"input.{i}.role: {item.get('role')!r} (user, assistant, system or developer)", param="input")
-        content = _content(item.get("content"), f"input.{i}.content")
-        if isinstance(content, Refused):
-            return content
-        messages.append({"role": role, "content": content})
-    return messages
+class TextPart(_Strict):
+    type: Literal["input_text", "output_text"]
+    text: Annotated[str, Field(strict=True)]
+    annotations: list[Any] | None = None  # an output_text part of an earlier turn may carry them
 
 
-def _format(text: Any) -> dict[str, Any] | None | Refused:
-    """``text.format`` as the chat request's ``response_format`` (None: plain text)."""
-    if not isinstance(text, dict):
-        return Refused("text: an object", param="text")
-    if unknown := sorted(set(text) - {"format", "verbosity"}):
-        return Refused(f"text: unsupported fields {unknown}", param="text")
-    if text.get("verbosity") not in (None, "medium"):
-        return Refused(f"text.verbosity: {text['verbosity']!r} is not supported (medium only)", param="text")
-    fmt = text.get("format")
-    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        return None
-    if isinstance(fmt, dict) and fmt.get("type") == "json_object":
-        return {"type": "json_object"}
-    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
-        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
-        return {"type": "json_schema", "json_schema": schema}
-    return Refused(f"text.format: {fmt!r} (text, json_object or json_schema)", param="text")
+class InputMessage(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Annotated[str, Field(strict=True)] | list[TextPart]
+    id: str | None = None  # an output message of an earlier turn, given back as input
+    status: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class TextFormat(_Strict):
+    type: Literal["text", "json_object"]
+
+
+class JsonSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    name: str
+    schema_: Annotated[dict[str, Any], Field(alias="schema")]
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(_Strict):
+    format: Annotated[TextFormat | JsonSchemaFormat, Field(discriminator="type")] | None = None
+    verbosity: Literal["medium"] | None = None
+
+    def response_format(self) -> dict[str, Any] | None:
+        """The chat request's ``response_format`` (None: plain text)."""
+        fmt = self.format
+        if isinstance(fmt, JsonSchemaFormat):
+            return {"type": "json_schema", "json_schema": fmt.model_dump(by_alias=True, exclude_none=True, exclude={"type"})}
+        return {"type": "json_object"} if fmt is not None and fmt.type == "json_object" else None
+
+
+class ResponsesBody(BaseModel):
+    """The body of a ``/v1/responses`` line: the fields this server honours, typed; the ignored
+    ones pass (``IGNORED``); any other refuses the line."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: Annotated[str, Field(strict=True)] | None = None
+    input: Annotated[str, Field(strict=True)] | list[InputMessage]
+    instructions: Annotated[str, Field(strict=True)] | None = None
+    max_output_tokens: Any = None  # sampling values are checked by the pipeline within the model's limits
+    temperature: Any = None
+    top_p: Any = None
+    text: TextConfig | None = None
+
+    def chat(self) -> dict[str, Any]:
+        """The pipeline's chat request body."""
+        turns = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else \
+            [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.input]
+        if self.instructions is not None:
+            turns.insert(0, {"role": "system", "content": self.instructions})
+        chat: dict[str, Any] = {"messages": turns}
+        given = self.model_fields_set
+        for ours, theirs in (("model", "model"), ("max_tokens", "max_output_tokens"), ("temperature", "temperature"), ("top_p", "top_p")):
+            if theirs in given:
+                chat[ours] = getattr(self, theirs)
+        if self.text is not None and (fmt := self.text.response_format()) is not None:
+            chat["response_format"] = fmt
+        return chat
+
+
+def _refusal(exc: ValidationError) -> Refused:
+    """A body's validation error as the line's 400 (its param: the top-level field): the deepest
+    one, where a union (``input``: a string or messages) says what was wrong in the branch the
+    value took, with the union's branch names left out of the place it names."""
+    errors = exc.errors(include_url=False)
+    error = max(errors, key=lambda e: len(e["loc"]))
+    loc = [str(x) for x in error["loc"] if not (isinstance(x, str) and (x == "str" or "[" in x))]
+    given = error.get("input")
+    shown = f" (got {given!r})" if isinstance(given, str | int | float | bool) else ""
+    return Refused(f"{'.'.join(loc)}: {error['msg']}{shown}", param=loc[0] if loc else None)
 
 
 def _request(body: dict[str, Any]) -> dict[str, Any] | Refused:
-    kept = keep_unless(body, OFF)
-    if unknown := sorted(set(kept) - set(HONOURED) - set(IGNORED)):
+    try:
+        typed = ResponsesBody.model_validate(keep_unless(body, OFF))
+    except ValidationError as exc:
+        return _refusal(exc)
+    if unknown := sorted(set(typed.model_extra or {}) - IGNORED):
         return Refused(f"unsupported body field {unknown[0]!r} for /v1/responses", param=unknown[0])
-    if "input" not in kept:
-        return Refused("input: required", param="input")
-    messages = _messages(kept["input"])
-    if isinstance(messages, Refused):
-        return messages
-    if (instructions := kept.get("instructions")) is not None:
-        if not isinstance(instructions, str):
-            return Refused("instructions: a string", param="instructions")
-        messages = [{"role": "system", "content": instructions}, *messages]
-    chat: dict[str, Any] = {"messages": messages}
-    for ours, theirs in (("model", "model"), ("max_tokens", "max_output_tokens"), ("temperature", "temperature"), ("top_p", "top_p")):
-        if theirs in kept:
-            chat[ours] = kept[theirs]
-    if "text" in kept:
-        fmt = _format(kept["text"])
-        if isinstance(fmt, Refused):
-            return fmt
-        if fmt is not None:
-            chat["response_format"] = fmt
-    return chat
+    return typed.chat()
 
 
 def _response(body: dict[str, Any], answered: Answered) -> dict[str, Any]:
