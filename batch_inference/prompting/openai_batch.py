@@ -13,7 +13,8 @@ method, another model, constrained output on an engine that cannot constrain) ar
 over the whole pass and raised as one error listing each with the ``custom_id`` s that have
 it; a request's own bad values (no messages, wrong roles, ``n`` > 1, ``max_tokens`` over the
 cap) become that request's error instead. The API server refuses a line whose body it cannot
-honour alone, before the pipeline reads the file (``body_refusal``, ``request_error_line``).
+honour alone, before the pipeline reads the file, by the same check (``check_line``,
+``request_error_line``).
 
 Out: one output line per answered request and one error line per failed one
 (``output_line`` / ``error_line``), in OpenAI's batch output format, each serialised by
@@ -144,19 +145,6 @@ def refused_fields(extra: dict[str, Any], url: str) -> list[tuple[str, str]]:
     return refused
 
 
-def body_refusal(body: Any, url: str) -> tuple[str, str] | None:
-    """``(param, why)`` when a request body asks for something this pipeline cannot honour
-    (``refused_fields``, or a ``model`` that is not a string), else None: the API server
-    refuses such a request alone, as OpenAI answers it with a 400 (``request_error_line``)."""
-    if not isinstance(body, dict):
-        return "body", "body must be an object"
-    if "model" in body and not isinstance(body["model"], str):
-        return "model", f"body.model must be a string, got {type(body['model']).__name__}"
-    known = set(BODIES[url].model_fields) if url in BODIES else set()
-    refused = refused_fields({k: v for k, v in body.items() if k not in known}, url)
-    return refused[0] if refused else None
-
-
 def looks_like_openai_batch(record: Any) -> bool:
     """True for an OpenAI Batch request line (``custom_id``, ``url`` and ``body`` present)."""
     return isinstance(record, dict) and {"custom_id", "url", "body"} <= record.keys()
@@ -196,6 +184,45 @@ def _what(error: Any, raw: dict[str, Any]) -> str:
     return f"{'.'.join(loc)}: {error['msg']}"
 
 
+def check_line(raw: dict[str, Any], *, models: frozenset[str] | None = None,
+               constrains: bool = False) -> tuple[ChatLine | CompletionsLine | None, list[tuple[str | None, str]]]:
+    """A request line read as its typed ``BatchLine``, and ``(param, why)`` for each thing in it
+    this pipeline cannot honour (None: it is no request line this pipeline reads at all).
+
+    The one check of a line: the sharding pass (``OpenAIBatchReader``) collects the problems
+    over a file, and the API server refuses a line that has one alone, as OpenAI answers such
+    a request with a 400, before the pipeline reads the file."""
+    url = raw.get("url")
+    model = LINES.get(url) if isinstance(url, str) else None
+    if model is None:
+        return None, [("url", f"url {url!r} (supported: {', '.join(ENDPOINTS)})")]
+    try:
+        line = model.model_validate(raw)
+    except ValidationError as exc:
+        return None, [(_param(error), _what(error, raw)) for error in exc.errors(include_url=False, include_input=False)]
+    problems: list[tuple[str | None, str]] = []
+    if line.model_extra:
+        problems.append((None, f"unsupported line keys {sorted(line.model_extra)}"))
+    body = line.body
+    problems += refused_fields(body.model_extra or {}, line.url)
+    if models is not None and body.model is not None and body.model not in models:
+        problems.append(("model", f"body.model {body.model!r} is not served by this run (accepted: {', '.join(sorted(models))}); "
+                                  f"to answer it, list it in the spec's openai_batch.model_aliases, or set "
+                                  f"openai_batch.check_model: false to answer every model"))
+    if isinstance(body, ChatBody) and body.response_format is not None and not constrains:
+        fmt = body.response_format
+        if not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            problems.append(("response_format", "response_format: this run's engine cannot constrain generation "
+                                                "(vLLM's structured outputs can); refusing to run it unconstrained"))
+    return line, problems
+
+
+def _param(error: Any) -> str | None:
+    """The request parameter a validation error is about (``body.x`` -> ``x``)."""
+    loc = [str(x) for x in error["loc"]]
+    return loc[1] if loc[:1] == ["body"] and len(loc) > 1 else loc[0] if loc else None
+
+
 @dataclass
 class OpenAIBatchReader:
     """Reads request lines as typed ``BatchLine`` s and converts them to native records,
@@ -228,33 +255,10 @@ class OpenAIBatchReader:
     def line(self, raw: dict[str, Any], pos: int) -> ChatLine | CompletionsLine | None:
         """The typed line (``pos``: its 0-based line number), its problems collected; None when
         it is not a request line this run can read (its problems say why)."""
-        url = raw.get("url")
-        self.endpoints[str(url)] += 1
-        model = LINES.get(url) if isinstance(url, str) else None
-        try:
-            if model is None:
-                self._problem(f"url {url!r} (supported: {', '.join(ENDPOINTS)})", _example(raw, pos))
-                return None
-            line = model.model_validate(raw)
-        except ValidationError as exc:
-            for error in exc.errors(include_url=False, include_input=False):
-                self._problem(_what(error, raw), _example(raw, pos))
-            return None
-        cid = line.custom_id
-        if line.model_extra:
-            self._problem(f"unsupported line keys {sorted(line.model_extra)}", cid)
-        body = line.body
-        for _, why in refused_fields(body.model_extra or {}, line.url):
-            self._problem(why, cid)
-        if self.models is not None and body.model is not None and body.model not in self.models:
-            self._problem(f"body.model {body.model!r} is not served by this run (accepted: {', '.join(sorted(self.models))}); "
-                          f"to answer it, list it in the spec's openai_batch.model_aliases, or set "
-                          f"openai_batch.check_model: false to answer every model", cid)
-        if isinstance(body, ChatBody) and body.response_format is not None and not self.constrains:
-            fmt = body.response_format
-            if not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-                self._problem("response_format: this run's engine cannot constrain generation "
-                              "(vLLM's structured outputs can); refusing to run it unconstrained", cid)
+        self.endpoints[str(raw.get("url"))] += 1
+        line, problems = check_line(raw, models=self.models, constrains=self.constrains)
+        for _, why in problems:
+            self._problem(why, line.custom_id if line is not None else _example(raw, pos))
         return line
 
     def convert(self, raw: dict[str, Any], pos: int) -> dict[str, Any]:
