@@ -38,8 +38,10 @@ import orjson
 from typing import TYPE_CHECKING
 
 from batch_inference.api.config import DEFAULT_PROJECT, ApiConfig
+from batch_inference.api.admission import admission_keys, estimate_moved, finish_estimates
 from batch_inference.api.fair import FairShare
 from batch_inference.api.store import Store, new_id
+from batch_inference.api.usage import UsageBook
 from batch_inference.pipeline.layout import RunLayout
 from batch_inference.pipeline.spec import PipelineSpec, SpecError
 from batch_inference.prompting.openai_batch import ENDPOINTS, body_refusal, error_line, escape_line_breaks, jsonl_line, request_error_line
@@ -89,6 +91,7 @@ class BatchManager:
         self._exit = contextlib.AsyncExitStack()
         self._save_lock: dict[str, asyncio.Lock] = {}
         self.dagster: DagsterBatches | None = None
+        self.usage = UsageBook(store)  # usage per project and model; what /metrics reads
         if config.dagster is not None:
             from batch_inference.api.dagster_runs import DagsterBatches
 
@@ -104,6 +107,7 @@ class BatchManager:
 
     async def save(self, state: dict[str, Any]) -> None:
         await asyncio.to_thread(self.store.write_json, self.state_url(state["id"]), state)
+        await self.usage.observe(state)
 
     async def update(self, batch_id: str, **changes: Any) -> dict[str, Any]:
         """Read, change and save a batch's state (one writer at a time per batch)."""
@@ -167,7 +171,9 @@ class BatchManager:
     async def resume_all(self) -> list[str]:
         """After a (re)start: drive every batch that had not ended; finish a stop that was under way."""
         resumed = []
-        for state in await self.all():
+        states = await self.all()
+        await self.usage.open(states)
+        for state in states:
             if state["status"] == "cancelling":
                 asyncio.create_task(self._stop(state["id"], "cancelled"))
             elif state["status"] in ACTIVE:
@@ -359,8 +365,13 @@ class BatchManager:
 
                 template = self.spec_for({"id": "batch_pool", "run": name})
                 runner = await self._exit.enter_async_context(open_runner(template))
-                self._shares[name] = FairShare(runner)
+                self._shares[name] = FairShare(runner, slack_s=self.config.limits.deadline_slack, on_result=self.usage.task_done)
             return self._shares[name]
+
+    @property
+    def open_shares(self) -> dict[str, FairShare]:
+        """The pools opened so far, by model."""
+        return dict(self._shares)
 
     async def _run(self, state: dict[str, Any]) -> None:
         from batch_inference.pipeline.driver import run_pipeline
@@ -369,7 +380,7 @@ class BatchManager:
         share = await self.share(state["run"])
         if self.dagster is not None and await self._run_in_dagster(state, spec, share):
             return
-        await run_pipeline(spec, runner=share.for_batch(state["id"]))
+        await run_pipeline(spec, runner=share.for_batch(state["id"], **admission_keys(state)))
 
     async def _run_in_dagster(self, state: dict[str, Any], spec: PipelineSpec, share: FairShare) -> bool:
         """The batch's steps as Dagster runs of its model's pipeline (``api.dagster_runs``), in a
@@ -378,7 +389,7 @@ class BatchManager:
         from batch_inference.api.dagster_runs import ThreadBridge
 
         assert self.dagster is not None
-        bridge = ThreadBridge(share.for_batch(state["id"]), asyncio.get_running_loop())
+        bridge = ThreadBridge(share.for_batch(state["id"], **admission_keys(state)), asyncio.get_running_loop())
         data = self.spec_data(state)
         work = asyncio.ensure_future(asyncio.to_thread(self.dagster.run, state["id"], state["run"], data, spec.input, bridge))
         try:
@@ -554,6 +565,8 @@ class BatchManager:
     async def tick(self) -> None:
         """Move request_counts of the running batches, expire the overdue ones, delete expired files."""
         t = now()
+        finish = finish_estimates(self.usage.states.values(), {m: s.throughput.rate() for m, s in self._shares.items()},
+                                  t, self.config.limits.deadline_slack)
         for batch_id in list(self._tasks):
             state = await self.get(batch_id)
             if state is None or state["status"] not in ("validating", "in_progress"):
@@ -564,8 +577,10 @@ class BatchManager:
                 continue
             if state["status"] == "in_progress" and state["run"]:
                 counts = await asyncio.to_thread(self._live_counts, state)
-                if counts != state["request_counts"]:  # not over the final counts of a batch that ended meanwhile
-                    await self.update_if(batch_id, {"status": "in_progress"}, request_counts=counts)
+                estimate = finish.get(batch_id)  # api/admission.py: expected_finish_at, from the pool's measured rate
+                if counts != state["request_counts"] or estimate_moved(state.get("expected_finish_at"), estimate):
+                    # not over the final counts of a batch that ended meanwhile
+                    await self.update_if(batch_id, {"status": "in_progress"}, request_counts=counts, expected_finish_at=estimate)
         await asyncio.to_thread(self._expire_files, t)
 
     def _live_counts(self, state: dict[str, Any]) -> dict[str, int]:

@@ -4,7 +4,9 @@ Routes (docs/api.md): ``GET /v1/models``; files ``POST/GET /v1/files``, ``GET/DE
 /v1/files/{id}``, ``GET /v1/files/{id}/content``; batches ``POST/GET /v1/batches``, ``GET
 /v1/batches/{id}``, ``POST /v1/batches/{id}/cancel``; Message Batches ``POST/GET
 /v1/messages/batches``, ``GET/DELETE /v1/messages/batches/{id}``, ``POST
-/v1/messages/batches/{id}/cancel``, ``GET /v1/messages/batches/{id}/results``; ``GET /health``.
+/v1/messages/batches/{id}/cancel``, ``GET /v1/messages/batches/{id}/results``; ``GET
+/v1/organization/usage/completions`` (``api/usage.py``); ``GET /health``, ``GET /metrics``
+(``api/metrics.py``).
 
 Every ``/v1`` call needs a key of the tokens file, as ``Authorization: Bearer`` (OpenAI's
 SDK) or ``x-api-key`` (Anthropic's), compared in constant time; 401 otherwise. A key belongs
@@ -33,7 +35,9 @@ from aiohttp.http_exceptions import HttpProcessingError
 from batch_inference.api import anthropic
 from batch_inference.api.batches import BatchError, BatchManager, delete_file, new_id, now
 from batch_inference.api.config import DEFAULT_PROJECT, ApiConfig
+from batch_inference.api.metrics import metrics_route
 from batch_inference.api.store import Store, check_id
+from batch_inference.api.usage import usage_route
 from batch_inference.prompting.openai_batch import jsonl_line
 
 log = logging.getLogger(__name__)
@@ -458,6 +462,9 @@ def create_app(config: ApiConfig, *, tokens: dict[str, str] | None = None) -> we
     app.router.add_delete("/v1/messages/batches/{batch_id}", delete_message_batch)
     app.router.add_post("/v1/messages/batches/{batch_id}/cancel", cancel_message_batch)
     app.router.add_get("/v1/messages/batches/{batch_id}/results", message_batch_results)
+    # usage per project and Prometheus metrics (api/usage.py, api/metrics.py)
+    app.router.add_get("/v1/organization/usage/completions", usage_route(manager.usage, PROJECT, config.admin_project))
+    app.router.add_get("/metrics", metrics_route(manager, lambda r: config.admin_project is None or project_of(r) == config.admin_project))
 
     async def lifecycle(app: web.Application) -> Any:
         await manager.resume_all()
