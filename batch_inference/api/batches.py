@@ -613,6 +613,7 @@ class BatchManager:
                 delete_file(self.store, meta)
         self.store.remove(f"{self.store.runs}/{state['id']}")
         self.store.remove(self.store.batch_dir(state["id"]))
+        self.usage.states.pop(state["id"], None)  # gone from /metrics' batches; its usage record stays
 
     async def close(self) -> None:
         """Stop driving (batches stay as saved: the next start resumes them) and close the pools."""

@@ -59,17 +59,17 @@ def _record(batch: str, project: str, model: str | None) -> dict[str, Any]:
 
 def outcomes(state: dict[str, Any]) -> dict[str, int]:
     """An ended batch's requests by outcome: stopped ones as its end (cancelled / expired), the
-    rest of its errors failed; a batch that failed as a whole fails every request it had."""
+    rest of its errors failed; a batch that failed as a whole (no output file) fails every request it had."""
     counts = state.get("request_counts") or {}
     total, completed, failed = int(counts.get("total") or 0), int(counts.get("completed") or 0), int(counts.get("failed") or 0)
     stopped = int(state.get("stopped") or 0)
     out = dict.fromkeys(OUTCOMES, 0)
-    out["completed"] = completed
-    if state["status"] in ("expired", "cancelled"):
-        out[state["status"]] = stopped
-        out["failed"] = failed - stopped
+    if state["status"] == "failed":
+        out["failed"] = max(total, failed)
+    elif state["status"] in ("expired", "cancelled"):
+        out["completed"], out[state["status"]], out["failed"] = completed, stopped, failed - stopped
     else:
-        out["failed"] = max(failed, total - completed)  # a failed batch: the requests that never ran failed with it
+        out["completed"], out["failed"] = completed, failed
     return out
 
 
