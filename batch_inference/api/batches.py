@@ -33,13 +33,16 @@ import signal
 import time
 from typing import Any
 
+from batch_inference.api.admission import estimate_moved, finish_estimates
 from batch_inference.api.config import DEFAULT_PROJECT, ApiConfig
 from batch_inference.api.delivery import STOPPED, Delivery, delete_file, now
 from batch_inference.api.endpoints import ENDPOINTS
 from batch_inference.api.intake import Checked, split_requests
 from batch_inference.api.protocol import ACTIVE, TERMINAL, BatchRecord
+from batch_inference.api.fair import FairShare
 from batch_inference.api.runs import BatchRuns
 from batch_inference.api.store import Store, new_id
+from batch_inference.api.usage import UsageBook
 from batch_inference.pipeline.layout import RunLayout
 from batch_inference.pipeline.spec import PipelineSpec, SpecError
 
@@ -76,7 +79,8 @@ class BatchManager:
     def __init__(self, config: ApiConfig, store: Store) -> None:
         self.config, self.store = config, store
         self.delivery = Delivery(config, store)
-        self.runs = BatchRuns(config, store)
+        self.usage = UsageBook(store)  # usage per project and model; what /metrics reads
+        self.runs = BatchRuns(config, store, on_result=self.usage.task_done)
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._save_lock: dict[str, asyncio.Lock] = {}
 
@@ -91,6 +95,7 @@ class BatchManager:
 
     async def save(self, record: BatchRecord) -> None:
         await asyncio.to_thread(self.store.write_json, self.state_url(record.id), record.to_json())
+        await self.usage.observe(record.to_json())
 
     async def update(self, batch_id: str, **changes: Any) -> BatchRecord:
         """Read, change and save a batch's state (one writer at a time per batch)."""
@@ -146,7 +151,9 @@ class BatchManager:
     async def resume_all(self) -> list[str]:
         """After a (re)start: drive every batch that had not ended; finish a stop that was under way."""
         resumed = []
-        for record in await self.all():
+        records = await self.all()
+        await self.usage.open([r.to_json() for r in records])
+        for record in records:
             if record.status == "cancelling":
                 asyncio.create_task(self._stop(record.id, "cancelled"))
             elif record.status in ACTIVE:
@@ -201,6 +208,11 @@ class BatchManager:
     def check_models(self) -> None:
         """Every model's spec builds: a config error stops the server at start (``BatchRuns.check_models``)."""
         self.runs.check_models()
+
+    @property
+    def open_shares(self) -> dict[str, FairShare]:
+        """The pools opened so far, by model (what /metrics reads)."""
+        return self.runs.open_shares
 
     async def _finish(self, batch_id: str, stopped: str | None) -> None:
         """Export the run (all of it, or what finished before a stop) into new files, then publish them and end the batch.
@@ -280,6 +292,8 @@ class BatchManager:
     async def tick(self) -> None:
         """Move request_counts of the running batches, expire the overdue ones, delete expired files."""
         t = now()
+        finish = finish_estimates(self.usage.states.values(), {m: s.throughput.rate() for m, s in self.open_shares.items()},
+                                  t, self.config.limits.deadline_slack)
         for batch_id in list(self._tasks):
             record = await self.get(batch_id)
             if record is None or record.status not in ("validating", "in_progress"):
@@ -290,8 +304,11 @@ class BatchManager:
                 continue
             if record.status == "in_progress" and record.run_model:
                 counts = await asyncio.to_thread(self.live_counts, record)
-                if counts != record.request_counts.model_dump():  # not over the final counts of a batch that ended meanwhile
-                    await self.update_if(batch_id, {"status": "in_progress"}, request_counts=counts)
+                estimate = finish.get(batch_id)  # api/admission.py: expected_finish_at, from the pool's measured rate
+                old = getattr(record, "expected_finish_at", None)
+                if counts != record.request_counts.model_dump() or estimate_moved(old, estimate):
+                    # not over the final counts of a batch that ended meanwhile
+                    await self.update_if(batch_id, {"status": "in_progress"}, request_counts=counts, expected_finish_at=estimate)
         for file_id in await asyncio.to_thread(self.delivery.expire_files, t):
             log.info("file %s expired: deleted", file_id)
 
@@ -313,6 +330,7 @@ class BatchManager:
     def delete(self, record: BatchRecord) -> None:
         """Remove an ended batch: its state, its run and its files (blocking)."""
         self.delivery.delete_batch(record)
+        self.usage.states.pop(record.id, None)  # gone from /metrics' batches; its usage record stays
 
     async def close(self) -> None:
         """Stop driving (batches stay as saved: the next start resumes them) and close the pools."""

@@ -78,6 +78,8 @@ class Limits(_Strict):
     max_request_bytes: int = Field(32 << 20, ge=1, description="largest JSON request body (an Anthropic batch's requests)")
     completion_windows: list[str] = Field(default_factory=lambda: ["24h"],
                                           description="completion_window values a batch may ask for (durations: 24h, 30m, 5s)")
+    deadline_slack: Duration = Field(3600.0, description="batches of a model whose deadlines (created_at + completion_window) lie "
+                                     "within this of the earliest waiting one share its pool fairly; earlier deadlines go first")
     anthropic_window: Duration = Field(86400.0, gt=0, description="how long an Anthropic batch may run before it expires")
     min_output_expiry_s: float = Field(3600.0, ge=0, description="smallest output_expires_after.seconds (OpenAI's: 3600)")
 
@@ -107,6 +109,8 @@ class ApiConfig(_Strict):
     limits: Limits = Field(default_factory=Limits)
     tick_s: float = Field(5.0, gt=0, description="how often batch progress, expiry and file expiry are looked at")
     base_url: str | None = Field(None, description="the URL clients reach this server at (Anthropic results_url); default: the request's own")
+    admin_project: str | None = Field(None, description="a project whose keys read every project's usage and /metrics; "
+                                      "default: /metrics is open (as /health) and a key reads its own project's usage")
     dagster: DagsterConfig | None = Field(None, description="each batch runs as Dagster runs of its model's pipeline on this instance; default: in this process, no Dagster")
 
     @field_validator("models")

@@ -13,9 +13,10 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
+from batch_inference.api.admission import admission_keys
 from batch_inference.api.config import ApiConfig
 from batch_inference.api.endpoints import ENDPOINTS
-from batch_inference.api.fair import FairShare
+from batch_inference.api.fair import FairShare, OnResult
 from batch_inference.api.protocol import BatchRecord
 from batch_inference.api.store import Store
 from batch_inference.pipeline.spec import PipelineSpec, SpecError
@@ -36,8 +37,9 @@ def probe(name: str, batch_id: str) -> BatchRecord:
 class BatchRuns:
     """The pipeline side of the server's batches: specs, the models' pools, running a batch."""
 
-    def __init__(self, config: ApiConfig, store: Store) -> None:
+    def __init__(self, config: ApiConfig, store: Store, *, on_result: OnResult | None = None) -> None:
         self.config, self.store = config, store
+        self._on_result = on_result  # each task's result, for the usage book (api/usage.py)
         self._shares: dict[str, FairShare] = {}
         self._open_lock = asyncio.Lock()
         self._exit = contextlib.AsyncExitStack()
@@ -87,8 +89,13 @@ class BatchRuns:
 
                 template = self.spec_for(probe(name, "batch_pool"))
                 runner = await self._exit.enter_async_context(open_runner(template))
-                self._shares[name] = FairShare(runner)
+                self._shares[name] = FairShare(runner, slack_s=self.config.limits.deadline_slack, on_result=self._on_result)
             return self._shares[name]
+
+    @property
+    def open_shares(self) -> dict[str, FairShare]:
+        """The pools opened so far, by model."""
+        return dict(self._shares)
 
     async def run(self, record: BatchRecord) -> None:
         """Run the batch's pipeline to its end (resuming from its ledger)."""
@@ -99,7 +106,7 @@ class BatchRuns:
         share = await self.share(record.run_model)
         if self.dagster is not None and await self._run_in_dagster(record, spec, share):
             return
-        await run_pipeline(spec, runner=share.for_batch(record.id))
+        await run_pipeline(spec, runner=share.for_batch(record.id, **admission_keys(record.to_json())))
 
     async def _run_in_dagster(self, record: BatchRecord, spec: PipelineSpec, share: FairShare) -> bool:
         """The batch's steps as Dagster runs of its model's pipeline (``api.dagster_runs``), in a
@@ -108,7 +115,7 @@ class BatchRuns:
         from batch_inference.api.dagster_runs import ThreadBridge
 
         assert self.dagster is not None
-        bridge = ThreadBridge(share.for_batch(record.id), asyncio.get_running_loop())
+        bridge = ThreadBridge(share.for_batch(record.id, **admission_keys(record.to_json())), asyncio.get_running_loop())
         data = self.spec_data(record)
         work = asyncio.ensure_future(asyncio.to_thread(self.dagster.run, record.id, record.run_model, data, spec.input, bridge))
         try:

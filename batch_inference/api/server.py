@@ -4,7 +4,9 @@ Routes (docs/api.md): ``GET /v1/models``; files ``POST/GET /v1/files``, ``GET/DE
 /v1/files/{id}``, ``GET /v1/files/{id}/content``; batches ``POST/GET /v1/batches``, ``GET
 /v1/batches/{id}``, ``POST /v1/batches/{id}/cancel``; Message Batches ``POST/GET
 /v1/messages/batches``, ``GET/DELETE /v1/messages/batches/{id}``, ``POST
-/v1/messages/batches/{id}/cancel``, ``GET /v1/messages/batches/{id}/results``; ``GET /health``.
+/v1/messages/batches/{id}/cancel``, ``GET /v1/messages/batches/{id}/results``; ``GET
+/v1/organization/usage/completions`` (``api/usage.py``); ``GET /health``, ``GET /metrics``
+(``api/metrics.py``).
 
 Every ``/v1`` call needs a key of the tokens file, as ``Authorization: Bearer`` (OpenAI's
 SDK) or ``x-api-key`` (Anthropic's), compared in constant time; 401 otherwise. A key belongs
@@ -30,10 +32,12 @@ from aiohttp import web
 
 from batch_inference.api.batches import BatchError, BatchManager, now
 from batch_inference.api.config import ApiConfig
+from batch_inference.api.metrics import metrics_route
 from batch_inference.api.protocol import owner
 from batch_inference.api.routes import ROUTES
 from batch_inference.api.routes.common import CONFIG, MANAGER, PROJECT, STARTED, STORE, error_response
 from batch_inference.api.store import Store
+from batch_inference.api.usage import usage_route
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +100,14 @@ def create_app(config: ApiConfig, *, tokens: dict[str, str] | None = None) -> we
     store = Store(config.storage, config.storage_options)
     manager = BatchManager(config, store)
     manager.check_models()
-    app = web.Application(middlewares=[guard(key_checker(tokens if tokens is not None else config.tokens()))],
+    project_of = key_checker(tokens if tokens is not None else config.tokens())
+    app = web.Application(middlewares=[guard(project_of)],
                           client_max_size=config.limits.max_request_bytes)
     app[MANAGER], app[CONFIG], app[STORE], app[STARTED] = manager, config, store, now()
     app.router.add_routes(ROUTES)
+    # usage per project and Prometheus metrics (api/usage.py, api/metrics.py)
+    app.router.add_get("/v1/organization/usage/completions", usage_route(manager.usage, PROJECT, config.admin_project))
+    app.router.add_get("/metrics", metrics_route(manager, lambda r: config.admin_project is None or project_of(r) == config.admin_project))
 
     async def lifecycle(app: web.Application) -> Any:
         await manager.resume_all()

@@ -10,6 +10,7 @@ Layout under ``storage``::
     batches/<batch-id>/deliveries/<output-file-id>/  one delivery's output.jsonl + batch_errors.jsonl, never rewritten
     batches/<batch-id>/export/     the same, as releases before opaque file ids wrote it (still served)
     runs/<batch-id>/               the batch's pipeline run (RunLayout)
+    usage/<batch-id>.json          the batch's usage record (api/usage.py), kept when the batch is deleted
 
 Ids are drawn here and checked on the way in (``check_id``): a fixed prefix, then letters
 and digits only, so no id a client sends can name a path outside storage.

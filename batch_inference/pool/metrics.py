@@ -1,8 +1,20 @@
-"""Prometheus text exposition of a worker's ``/stats`` (no client library needed)."""
+"""A worker's ``/metrics``: its ``/stats`` as Prometheus metrics, through ``prometheus_client``.
+
+``WorkerCollector`` reads ``WorkerRuntime.stats()`` at each scrape (no state of its own);
+each app registers it in a ``CollectorRegistry`` of its own (``worker_registry``), never the
+process-wide default, so several workers in one process (tests) do not collide.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus' text format
 
 # stats key -> (metric name, type, help)
 _METRICS: tuple[tuple[str, str, str, str], ...] = (
@@ -42,21 +54,38 @@ _RECENT: tuple[tuple[str, str], ...] = (
 )
 
 
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+class WorkerCollector(Collector):
+    """The metrics of one worker's stats, read from ``stats`` at each collect (labelled ``worker``)."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.stats()
+        worker = [str(stats.get("worker", ""))]
+        for key, name, kind, help_text in _METRICS:
+            value = stats.get(key)
+            if value is None:
+                continue
+            family = CounterMetricFamily(name, help_text, labels=["worker"]) if kind == "counter" else \
+                GaugeMetricFamily(name, help_text, labels=["worker"])
+            family.add_metric(worker, float(value))
+            yield family
+        recent = (stats.get("batcher") or {}).get("recent") or {}
+        for key, name in _RECENT:
+            if key in recent:
+                family = GaugeMetricFamily(name, f"{key} of the batcher's recent batches", labels=["worker"])
+                family.add_metric(worker, float(recent[key]))
+                yield family
+
+
+def worker_registry(stats: Callable[[], dict[str, Any]]) -> CollectorRegistry:
+    """A registry of its own holding a ``WorkerCollector`` over ``stats``."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(WorkerCollector(stats))
+    return registry
 
 
 def prometheus_text(stats: dict[str, Any]) -> str:
-    """Render ``WorkerRuntime.stats()`` in the Prometheus text format (version 0.0.4)."""
-    labels = f'{{worker="{_label(str(stats.get("worker", "")))}"}}'
-    lines: list[str] = []
-    for key, name, kind, help_text in _METRICS:
-        value = stats.get(key)
-        if value is None:
-            continue
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{labels} {float(value):.6g}"]
-    recent = (stats.get("batcher") or {}).get("recent") or {}
-    for key, name in _RECENT:
-        if key in recent:
-            lines += [f"# TYPE {name} gauge", f"{name}{labels} {float(recent[key]):.6g}"]
-    return "\n".join(lines) + "\n"
+    """``stats`` (a ``WorkerRuntime.stats()``) in the Prometheus text format."""
+    return generate_latest(worker_registry(lambda: stats)).decode()

@@ -32,6 +32,7 @@ from typing import Any
 import orjson
 import yaml
 from aiohttp import web
+from prometheus_client import generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from batch_inference._net import is_loopback
@@ -39,7 +40,7 @@ from batch_inference.engines import EngineConfig, EngineDeadError
 from batch_inference.judges.rules import BUILTIN_RULES
 from batch_inference.pool.client import PoolClient
 from batch_inference.pool.engine_host import BatcherOptions, EngineHost
-from batch_inference.pool.metrics import prometheus_text
+from batch_inference.pool.metrics import CONTENT_TYPE, worker_registry
 from batch_inference.pool.protocol import TaskConflict, TaskSpec
 from batch_inference.pool.failures import is_machine_error
 from batch_inference.pool.runtime import Refused, WorkerRuntime
@@ -197,9 +198,10 @@ def create_app(runtime: WorkerRuntime, settings: WorkerSettings, *, config_id: s
     async def stats(request: web.Request) -> web.Response:
         return web.json_response({**runtime.stats(), "config_hash": config_id})
 
+    registry = worker_registry(runtime.stats)  # this app's own (several workers may share a process)
+
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text=prometheus_text(runtime.stats()), content_type="text/plain", charset="utf-8",
-                            headers={"X-Prometheus-Format": "0.0.4"})
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE})
 
     app = web.Application(middlewares=[auth], client_max_size=settings.max_body_bytes)
     app.add_routes([web.post("/tasks", post_task), web.post("/tasks/cancel", cancel_task), web.get("/health", health), web.get("/stats", stats), web.get("/metrics", metrics)])
