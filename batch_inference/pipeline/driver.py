@@ -90,7 +90,7 @@ async def run_pipeline(
     from batch_inference.pipeline.preflight import preflight
 
     probe = PipelineRun(spec)
-    resumed = await asyncio.to_thread(lambda: probe.ledger.read(RunLayout.SHARD) is not None and probe._dir(probe.layout.sharded).manifest() is not None)
+    resumed = await asyncio.to_thread(lambda: probe.ledger.read(RunLayout.SHARD) is not None and probe.ctx.dir(probe.layout.sharded).manifest() is not None)
     await asyncio.to_thread(preflight, spec, sharded=probe.layout.sharded if resumed else None)
     if runner is not None:
         run = PipelineRun(spec, runner, reporter=reporter, eta=eta, stream_round0=True)
