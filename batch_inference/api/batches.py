@@ -364,12 +364,13 @@ class BatchManager:
 
     async def _run(self, state: dict[str, Any]) -> None:
         from batch_inference.pipeline.driver import run_pipeline
+        from batch_inference.review.lifecycle import ReviewGate
 
         spec = await asyncio.to_thread(self.spec_for, state)
         share = await self.share(state["run"])
         if self.dagster is not None and await self._run_in_dagster(state, spec, share):
             return
-        await run_pipeline(spec, runner=share.for_batch(state["id"]))
+        await run_pipeline(spec, runner=share.for_batch(state["id"]), gate=ReviewGate())
 
     async def _run_in_dagster(self, state: dict[str, Any], spec: PipelineSpec, share: FairShare) -> bool:
         """The batch's steps as Dagster runs of its model's pipeline (``api.dagster_runs``), in a

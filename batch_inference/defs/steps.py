@@ -65,8 +65,9 @@ def run_cpu_step(spec: PipelineSpec, step: Callable[[PipelineRun], Awaitable[T]]
     """A step that needs no pool (shard, recompact, finalize)."""
     from batch_inference.pipeline import PipelineRun
     from batch_inference.planning.progress import eta_after_round
+    from batch_inference.review.lifecycle import ReviewGate
 
-    return _spec_errors_fail_the_step(spec, step(PipelineRun(spec, eta=eta_after_round)))
+    return _spec_errors_fail_the_step(spec, step(PipelineRun(spec, eta=eta_after_round, gate=ReviewGate())))
 
 
 def progress_reporter(context: dg.AssetExecutionContext) -> Report:
@@ -119,11 +120,12 @@ def run_gpu_step(spec: PipelineSpec, pool: PoolResource, step: Callable[[Pipelin
     the run's ledger view every ``PROGRESS_EVERY_S`` while the step runs (``progress_reporter``)."""
     from batch_inference.pipeline import PipelineRun, open_runner
     from batch_inference.planning.progress import eta_after_round
+    from batch_inference.review.lifecycle import ReviewGate
 
     with _HOSTED_LOCK:
         hosted = _HOSTED.get(spec.run)
     if hosted is not None:
-        run = PipelineRun(spec, runner=hosted, eta=eta_after_round)
+        run = PipelineRun(spec, runner=hosted, eta=eta_after_round, gate=ReviewGate())
         return _spec_errors_fail_the_step(spec, _reported(run, step(run), report))
     placed = pool.apply(spec)
     if judge_pool is not None:
@@ -131,7 +133,7 @@ def run_gpu_step(spec: PipelineSpec, pool: PoolResource, step: Callable[[Pipelin
 
     async def go() -> T:
         async with open_runner(placed) as runner:
-            run = PipelineRun(placed, runner=runner, eta=eta_after_round)
+            run = PipelineRun(placed, runner=runner, eta=eta_after_round, gate=ReviewGate())
             return await _reported(run, step(run), report)
 
     return _spec_errors_fail_the_step(spec, go())
