@@ -29,7 +29,6 @@ PROGRESS_EVERY_S = 10.0  # how often a running GPU step reports its tasks' progr
 PROGRESS_TAG = "batch_inference/progress"
 
 
-
 class HostedPool:
     """The ``pool`` resource of a host that already holds the model's pool (the API server,
     sharing it fairly across batches): a GPU step of a pipeline run it hosts dispatches

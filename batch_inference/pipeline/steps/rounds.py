@@ -191,7 +191,8 @@ class JudgeStep:
         summary = await fan.run()
         self._check_round(r, written, fan.done)  # the progress records the fan-out holds: no second read
         if summary.counts.get(REVIEW_OUTPUT, 0):
-            await asyncio.to_thread(self.gate().open, spec, layout, ctx.ledger, r, summary.counts[REVIEW_OUTPUT])
+            records = summary.counts[REVIEW_OUTPUT]
+            await asyncio.to_thread(lambda: self.gate().open(spec, layout, ctx.ledger, r, records))  # a first gate loads off the loop
         await asyncio.to_thread(ctx.ledger.write, name, summary.as_dict())
         return summary
 
