@@ -9,7 +9,9 @@ runs in process. A ``dagster dev`` over the same DAGSTER_HOME shows each batch a
 runs, with its lineage, materialisations and checks.
 
 The GPU steps dispatch through the batch's share of its model's pool (``FairShare``, on the
-server's event loop) via ``defs.steps.hosted_runner``: no step loads the model again, and
+server's event loop): the pipeline's ``pool`` resource in the definitions this server executes
+is a ``defs.steps.HostedPool`` that hands each hosted batch's bridge to its steps, so no step
+loads the model again, and
 batches still share the pool round-robin. The BatchManager keeps the lifecycle: a stop
 (cancel, expiry) makes every new task of the batch fail before dispatch and cancels those in
 flight, so the running step fails and the sensor requests nothing more.
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     import dagster as dg
 
     from batch_inference.defs.keys import PipelineKeys
+    from batch_inference.defs.steps import HostedPool
     from batch_inference.pool.protocol import TaskResult, TaskRunner, TaskSpec
 
 log = logging.getLogger(__name__)
@@ -89,6 +92,7 @@ class ThreadBridge:
 def pipeline_keys(model: str) -> PipelineKeys:
     """``api/<model>/...``: each configured model is one pipeline of the instance."""
     from batch_inference.defs.keys import PipelineKeys
+    from batch_inference.defs.steps import HostedPool
 
     return PipelineKeys(("api", re.sub(r"\W", "_", model) or "model"))
 
@@ -101,6 +105,7 @@ class DagsterBatches:
         self._lock = threading.Lock()
         self._instance: dg.DagsterInstance | None = None
         self._defs: dict[str, dg.Definitions] = {}
+        self._pools: dict[str, HostedPool] = {}  # each model's pool resource: the bridges of its batches
 
     def instance(self) -> dg.DagsterInstance:
         with self._lock:
@@ -120,11 +125,14 @@ class DagsterBatches:
                 import dagster as dg
 
                 from batch_inference.defs.pipeline import build_pipeline_definitions, shared_resources
+                from batch_inference.defs.pool.definitions import pool_from_env
                 from batch_inference.defs.runs.start import SpecSource
+                from batch_inference.defs.steps import HostedPool
 
+                self._pools[model] = HostedPool(pool_from_env())
                 self._defs[model] = dg.Definitions.merge(
                     build_pipeline_definitions(pipeline_keys(model), SpecSource(inline=spec_data), automation_sensor=False),
-                    shared_resources())
+                    shared_resources(pool=self._pools[model]))
             return self._defs[model]
 
     def run(self, batch_id: str, model: str, spec_data: dict[str, Any], input_url: str, bridge: ThreadBridge) -> bool:
@@ -139,11 +147,9 @@ class DagsterBatches:
         from batch_inference.defs.driver import drive, first_error
         from batch_inference.defs.runs.jobs import start_run_config
         from batch_inference.defs.runs.start import already_started
-        from batch_inference.defs.steps import hosted_runner
-
         k = pipeline_keys(model)
         defs, instance = self.definitions(model, spec_data), self.instance()
-        with hosted_runner(batch_id, bridge):
+        with self._pools[model].hosting(batch_id, bridge):
             if not already_started(instance, k, batch_id):
                 config = start_run_config(None, run=batch_id, input=input_url, output=spec_data["output"], k=k)
                 result = defs.resolve_job_def(k.name("start_pipeline_run")).execute_in_process(

@@ -100,13 +100,14 @@ class BatchRuns:
     async def run(self, record: BatchRecord) -> None:
         """Run the batch's pipeline to its end (resuming from its ledger)."""
         from batch_inference.pipeline.driver import run_pipeline
+        from batch_inference.review.lifecycle import ReviewGate
 
         assert record.run_model is not None
         spec = await asyncio.to_thread(self.spec_for, record)
         share = await self.share(record.run_model)
         if self.dagster is not None and await self._run_in_dagster(record, spec, share):
             return
-        await run_pipeline(spec, runner=share.for_batch(record.id, **admission_keys(record.to_json())))
+        await run_pipeline(spec, runner=share.for_batch(record.id, **admission_keys(record.to_json())), gate=ReviewGate())
 
     async def _run_in_dagster(self, record: BatchRecord, spec: PipelineSpec, share: FairShare) -> bool:
         """The batch's steps as Dagster runs of its model's pipeline (``api.dagster_runs``), in a

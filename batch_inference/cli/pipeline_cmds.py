@@ -28,6 +28,7 @@ def run(spec_path: Path, strategy: str | None, run_name: str | None) -> None:
     from batch_inference.pipeline import Ledger, PipelineSpec, RunLayout, SpecError, run_pipeline
     from batch_inference.pipeline.report import RichReporter, ledger_table, output_console, run_lines
     from batch_inference.planning.progress import eta_after_round
+    from batch_inference.review.lifecycle import ReviewGate
 
     try:
         spec = PipelineSpec.load(spec_path, strategy=strategy, run=run_name)
@@ -39,7 +40,7 @@ def run(spec_path: Path, strategy: str | None, run_name: str | None) -> None:
     _say_input_format(console, spec)
     try:
         with RichReporter(console) as reporter:
-            summary = asyncio.run(run_pipeline(spec, reporter=reporter, eta=eta_after_round))
+            summary = asyncio.run(run_pipeline(spec, reporter=reporter, eta=eta_after_round, gate=ReviewGate()))
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: finished shards are recorded; run the same command again to resume")
         raise SystemExit(130) from None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import dagster as dg
 
@@ -38,14 +39,15 @@ class ScheduleSpec:
 
 
 @functools.cache
-def shared_resources() -> dg.Definitions:
-    """The resources every pipeline of this code location uses: one object per key (from the environment)."""
+def shared_resources(pool: Any = None) -> dg.Definitions:
+    """The resources every pipeline of this code location uses: one object per key (from the
+    environment). ``pool``: the host's own (``defs.steps.HostedPool``, the API's), else the environment's."""
     from batch_inference.defs.pool.definitions import pool_from_env
     from batch_inference.defs.storage.definitions import storage_from_env
 
     storage = storage_from_env()
     return dg.Definitions(resources={
-        "pool": pool_from_env(), "judge_pool": pool_from_env(role="judge"), "storage": storage,
+        "pool": pool if pool is not None else pool_from_env(), "judge_pool": pool_from_env(role="judge"), "storage": storage,
         RESULTS_IO_MANAGER_KEY: ResultsIOManager(storage=storage),
     })
 

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     import dagster as dg
@@ -28,24 +28,43 @@ Report = Callable[["LedgerView"], None]
 PROGRESS_EVERY_S = 10.0  # how often a running GPU step reports its tasks' progress (log event, run tag)
 PROGRESS_TAG = "batch_inference/progress"
 
-_HOSTED: dict[str, TaskRunner] = {}
-_HOSTED_LOCK = threading.Lock()
 
+class HostedPool:
+    """The ``pool`` resource of a host that already holds the model's pool (the API server,
+    sharing it fairly across batches): a GPU step of a pipeline run it hosts dispatches
+    through the runner the host handed in for that run (``hosting``), without loading the
+    model a second time; any other run's step reaches ``base``, as with a plain ``PoolResource``.
 
-@contextlib.contextmanager
-def hosted_runner(run: str, runner: TaskRunner) -> Iterator[None]:
-    """While open, the GPU steps of pipeline run ``run`` executed in this process dispatch
-    through ``runner`` instead of opening one from the pool resource: a host that already
-    holds the model's pool (the API server, sharing it fairly across batches) runs the steps
-    as Dagster runs without loading the model a second time."""
-    with _HOSTED_LOCK:
-        _HOSTED[run] = runner
-    try:
-        yield
-    finally:
-        with _HOSTED_LOCK:
-            if _HOSTED.get(run) is runner:
-                del _HOSTED[run]
+    The host binds it in the Definitions it executes (``shared_resources(pool=...)``): the
+    runner reaches the step through Dagster's resources, not through a module's global.
+    """
+
+    def __init__(self, base: PoolResource) -> None:
+        self.base = base
+        self._runners: dict[str, TaskRunner] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def hosting(self, run: str, runner: TaskRunner) -> Iterator[None]:
+        """While open, the GPU steps of pipeline run ``run`` dispatch through ``runner``."""
+        with self._lock:
+            self._runners[run] = runner
+        try:
+            yield
+        finally:
+            with self._lock:
+                if self._runners.get(run) is runner:
+                    del self._runners[run]
+
+    def runner_for(self, run: str) -> TaskRunner | None:
+        with self._lock:
+            return self._runners.get(run)
+
+    def apply(self, spec: PipelineSpec) -> PipelineSpec:
+        return self.base.apply(spec)
+
+    def describe(self, spec: PipelineSpec) -> dict[str, Any]:
+        return self.base.describe(spec)
 
 
 def _spec_errors_fail_the_step(spec: PipelineSpec, body: Awaitable[T]) -> T:
@@ -65,8 +84,9 @@ def run_cpu_step(spec: PipelineSpec, step: Callable[[PipelineRun], Awaitable[T]]
     """A step that needs no pool (shard, recompact, finalize)."""
     from batch_inference.pipeline import PipelineRun
     from batch_inference.planning.progress import eta_after_round
+    from batch_inference.review.lifecycle import ReviewGate
 
-    return _spec_errors_fail_the_step(spec, step(PipelineRun(spec, eta=eta_after_round)))
+    return _spec_errors_fail_the_step(spec, step(PipelineRun(spec, eta=eta_after_round, gate=ReviewGate())))
 
 
 def progress_reporter(context: dg.AssetExecutionContext) -> Report:
@@ -112,18 +132,19 @@ async def _reported(run: PipelineRun, body: Awaitable[T], report: Report | None)
         await asyncio.gather(watcher, return_exceptions=True)
 
 
-def run_gpu_step(spec: PipelineSpec, pool: PoolResource, step: Callable[[PipelineRun], Awaitable[T]],
+def run_gpu_step(spec: PipelineSpec, pool: PoolResource | HostedPool, step: Callable[[PipelineRun], Awaitable[T]],
                  judge_pool: PoolResource | None = None, *, report: Report | None = None) -> T:
     """A step whose shard tasks go to the pools (infer, judge, tail): ``pool`` runs the infer
-    model, ``judge_pool`` a judge's own model (when the spec gives it one). ``report`` gets
+    model, ``judge_pool`` a judge's own model (when the spec gives it one); a ``HostedPool``
+    hosting the spec's run hands its runner in instead. ``report`` gets
     the run's ledger view every ``PROGRESS_EVERY_S`` while the step runs (``progress_reporter``)."""
     from batch_inference.pipeline import PipelineRun, open_runner
     from batch_inference.planning.progress import eta_after_round
+    from batch_inference.review.lifecycle import ReviewGate
 
-    with _HOSTED_LOCK:
-        hosted = _HOSTED.get(spec.run)
+    hosted = pool.runner_for(spec.run) if isinstance(pool, HostedPool) else None
     if hosted is not None:
-        run = PipelineRun(spec, runner=hosted, eta=eta_after_round)
+        run = PipelineRun(spec, runner=hosted, eta=eta_after_round, gate=ReviewGate())
         return _spec_errors_fail_the_step(spec, _reported(run, step(run), report))
     placed = pool.apply(spec)
     if judge_pool is not None:
@@ -131,7 +152,7 @@ def run_gpu_step(spec: PipelineSpec, pool: PoolResource, step: Callable[[Pipelin
 
     async def go() -> T:
         async with open_runner(placed) as runner:
-            run = PipelineRun(placed, runner=runner, eta=eta_after_round)
+            run = PipelineRun(placed, runner=runner, eta=eta_after_round, gate=ReviewGate())
             return await _reported(run, step(run), report)
 
     return _spec_errors_fail_the_step(spec, go())

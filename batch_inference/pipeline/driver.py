@@ -16,6 +16,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from batch_inference.pipeline.fanout import Reporter
+from batch_inference.pipeline.gate import RoundGate
 from batch_inference.pipeline.layout import RunLayout
 from batch_inference.pipeline.run import EtaEstimate, PipelineRun
 from batch_inference.pipeline.spec import PipelineSpec
@@ -78,25 +79,26 @@ async def drive_retrying(run: PipelineRun, *, retries: int = 5, backoff_s: float
 
 async def run_pipeline(
     spec: PipelineSpec, *, runner: TaskRunner | None = None, reporter: Reporter | None = None,
-    retries: int = 5, backoff_s: float = 1.0, eta: EtaEstimate | None = None,
+    retries: int = 5, backoff_s: float = 1.0, eta: EtaEstimate | None = None, gate: RoundGate | None = None,
 ) -> RunSummary:
     """Run (or resume) a whole pipeline; opens a runner from ``spec.pool`` when none is given.
 
     Transient storage errors resume the run after a backoff (``retries``, ``backoff_s``);
-    ``eta`` adds the run's ETA to each round's decision (``PipelineRun``).
+    ``eta`` adds the run's ETA to each round's decision (``PipelineRun``); ``gate`` is where a
+    round waits for people (``pipeline.gate``: the CLI and the API pass ``review.ReviewGate()``).
     The spec is proven first (``preflight``: judge built, the first records rendered
     through infer and judge), so a spec error stops the run before the pool spends anything.
     """
     from batch_inference.pipeline.preflight import preflight
 
     probe = PipelineRun(spec)
-    resumed = await asyncio.to_thread(lambda: probe.ledger.read(RunLayout.SHARD) is not None and probe._dir(probe.layout.sharded).manifest() is not None)
+    resumed = await asyncio.to_thread(lambda: probe.ledger.read(RunLayout.SHARD) is not None and probe.ctx.dir(probe.layout.sharded).manifest() is not None)
     await asyncio.to_thread(preflight, spec, sharded=probe.layout.sharded if resumed else None)
     if runner is not None:
-        run = PipelineRun(spec, runner, reporter=reporter, eta=eta, stream_round0=True)
+        run = PipelineRun(spec, runner, reporter=reporter, eta=eta, stream_round0=True, gate=gate)
         summary = await drive_retrying(run, retries=retries, backoff_s=backoff_s)
     else:
-        run = PipelineRun(spec, reporter=reporter, eta=eta, stream_round0=True)
+        run = PipelineRun(spec, reporter=reporter, eta=eta, stream_round0=True, gate=gate)
         async with shard_while_opening(run) as opened:
             run.runner = opened
             summary = await drive_retrying(run, retries=retries, backoff_s=backoff_s)

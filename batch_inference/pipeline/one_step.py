@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from batch_inference.pipeline.gate import RoundGate
 from batch_inference.pipeline.run import EtaEstimate, PipelineRun
 from batch_inference.pipeline.spec import PipelineSpec
 
@@ -21,20 +22,20 @@ _STEPS = ("shard", "infer", "judge", "decide", "recompact", "tail", "finalize", 
 _NEEDS_RUNNER = {"infer", "judge", "tail", "judged_round", "tail_from", "inferred_round"}
 
 
-def run_step(spec: PipelineSpec, step: str, *args: Any, eta: EtaEstimate | None = None) -> Any:
+def run_step(spec: PipelineSpec, step: str, *args: Any, eta: EtaEstimate | None = None, gate: RoundGate | None = None) -> Any:
     """Blocking helper: run one step (opening a runner when the step needs one).
 
-    ``eta`` adds the run's ETA to a decision (``PipelineRun``)."""
+    ``eta`` adds the run's ETA to a decision, ``gate`` is where a round waits for people (``PipelineRun``)."""
 
     async def go() -> Any:
         if step not in _NEEDS_RUNNER:
-            fn = getattr(PipelineRun(spec, eta=eta), step)
+            fn = getattr(PipelineRun(spec, eta=eta, gate=gate), step)
             res = fn(*args)
             return await res if asyncio.iscoroutine(res) else res
         from batch_inference.pipeline.runner import open_runner
 
         async with open_runner(spec) as runner:
-            return await getattr(PipelineRun(spec, runner, eta=eta), step)(*args)
+            return await getattr(PipelineRun(spec, runner, eta=eta, gate=gate), step)(*args)
 
     if step not in _STEPS:
         raise ValueError(f"unknown step {step!r}")

@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "keyed_rows": "batch_inference.review.lifecycle",
     "review_keys": "batch_inference.review.lifecycle",
     "resolve": "batch_inference.review.lifecycle",
+    "ReviewGate": "batch_inference.review.lifecycle",
     "ReviewQueue": "batch_inference.review.queue",
     "Item": "batch_inference.review.queue",
     "Lease": "batch_inference.review.queue",

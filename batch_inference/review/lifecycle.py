@@ -14,6 +14,9 @@ judge's in ``round-NN/rejected/review-part-i``, so the next round, the tail and 
 checks read them like any other. What it read is checked before it is sealed: a record an
 undo handed back meanwhile reopens the round instead.
 
+:class:`ReviewGate` is this module as the pipeline's ``RoundGate`` (``pipeline.gate``): the
+composition roots (CLI, Dagster steps, API) hand it to ``PipelineRun``.
+
 Every queue row is decided on its own, named by its key (:func:`review_keys`): an input
 may repeat an id.
 """
@@ -23,94 +26,33 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
-from batch_inference.rows import Status
+from batch_inference.pipeline.gate import (  # the names the pipeline shares with its gate (re-exported)
+    AWAITING_REVIEW,
+    ReviewClosed,
+    ReviewPending,
+    ReviewStatus,
+    ReviewSummary,
+    closing,
+    ledger_closing,
+    ledger_open,
+    ledger_resolved,
+    ledger_seal,
+    opened,
+)
 from batch_inference.pipeline.layout import RunLayout
 from batch_inference.pipeline.ledger import Ledger
 from batch_inference.pipeline.spec import PipelineSpec
-from batch_inference.pipeline.summaries import ReviewSummary, _Summary  # ReviewSummary: read by the ledger view too
 from batch_inference.review.verdicts import Fold, ReviewLog, fold
 from batch_inference.storage import JsonlDir, JsonlFile
 
-AWAITING_REVIEW = Status.AWAITING_REVIEW.value
 TIMEOUT_REVIEWER = "timeout-policy"
-
-
-class ReviewPending(RuntimeError):
-    """The round's review queue is not empty (and its timeout policy does not decide it yet)."""
-
-
-class ReviewClosed(RuntimeError):
-    """The round's review is sealed: no verdict can change it any more."""
-
-
-def ledger_open(r: int) -> str:
-    return RunLayout.step_name(r, "review-open")
-
-
-def ledger_closing(r: int) -> str:
-    return RunLayout.step_name(r, "review-closing")
-
-
-def ledger_seal(r: int) -> str:
-    return RunLayout.step_name(r, "review-seal")
-
-
-def closing(ledger: Ledger, r: int) -> bool:
-    """Whether round ``r``'s review is closing or closed: no verdict is taken any more.
-
-    A close that finds a record undecided in what it read (an undo landed as it began)
-    does not seal: it overwrites its marker with ``reopened`` and the round is open again.
-    """
-    marker = ledger.read(ledger_closing(r))
-    return marker is not None and not marker.get("reopened")
-
-
-def ledger_resolved(r: int) -> str:
-    return RunLayout.step_name(r, "review")
-
-
-
-@dataclass(frozen=True)
-class ReviewStatus(_Summary):
-    """Where a round's review stands (cheap enough for a sensor tick: the log, not the queue)."""
-
-    round: int
-    awaiting_in: int  # records the judge sent to people
-    decided: int
-    left: int
-    approved: int
-    rejected: int
-    by_reviewer: dict[str, int]
-    conflicts: int
-    opened_at: float
-    oldest_age_s: float  # of the oldest record still waiting (0 when none waits)
-    policy: str  # e.g. "after 172800s: reject", "wait for people"
-    due: bool  # the timeout has passed and the policy decides the rest
-    resolvable: bool  # resolve() would close the round now
-    resolved: bool
-    reopened: int = 0  # times a close found an undo in what it read and reopened the round
-
-    @property
-    def text(self) -> str:
-        if self.resolved:
-            return "review finished"
-        if self.left == 0:
-            return "review queue empty"
-        if self.due:
-            return f"review timed out: {self.policy} ({self.left} left)"
-        return f"waiting for review ({self.left} left)"
 
 
 def _policy_text(spec: PipelineSpec) -> str:
     p = spec.review
     return "wait for people" if p.after is None else f"after {p.after:g}s: {p.then}"
-
-
-def opened(ledger: Ledger, r: int) -> dict[str, Any] | None:
-    return ledger.read(ledger_open(r))
 
 
 def status(spec: PipelineSpec, layout: RunLayout, ledger: Ledger, r: int, *, now: float | None = None) -> ReviewStatus:
@@ -270,3 +212,23 @@ def resolve(spec: PipelineSpec, layout: RunLayout, ledger: Ledger, r: int, *, no
     )
     ledger.write(ledger_resolved(r), summary.as_dict())
     return summary
+
+
+class ReviewGate:
+    """Human review over the verdict log as the pipeline's round gate (``pipeline.gate.RoundGate``)."""
+
+    def open(self, spec: PipelineSpec, layout: RunLayout, ledger: Ledger, r: int, records: int) -> None:
+        open_queue(ledger, r, records)
+
+    def status(self, spec: PipelineSpec, layout: RunLayout, ledger: Ledger, r: int, *,
+               now: float | None = None) -> ReviewStatus:
+        return status(spec, layout, ledger, r, now=now)
+
+    def resolve(self, spec: PipelineSpec, layout: RunLayout, ledger: Ledger, r: int, *,
+                now: float | None = None) -> ReviewSummary:
+        return resolve(spec, layout, ledger, r, now=now)
+
+
+__all__ = ["AWAITING_REVIEW", "TIMEOUT_REVIEWER", "ReviewClosed", "ReviewGate", "ReviewPending", "ReviewStatus",
+           "ReviewSummary", "closing", "keyed_rows", "ledger_closing", "ledger_open", "ledger_resolved", "ledger_seal",
+           "open_queue", "opened", "queue_rows", "resolve", "review_keys", "status"]

@@ -43,10 +43,11 @@ def build_review_check(k: PipelineKeys) -> dg.AssetChecksDefinition:
         "WARN when the oldest record waiting for human review is older than review.warn_after (re-evaluated by the round sensor)"))
     def review_age(context: dg.AssetCheckExecutionContext, storage: StorageResource) -> dg.AssetCheckResult:
         from batch_inference.pipeline import PipelineRun
+        from batch_inference.review.lifecycle import ReviewGate
 
         key = parse_round_key(context.op_execution_context.partition_key)
         spec = load_spec(context.instance, key.run, storage, k.source)
-        run = PipelineRun(spec)
+        run = PipelineRun(spec, gate=ReviewGate())
         status = run.review_status(key.round).as_dict() if run.needs_review(key.round) else None
         passed, text, meta = _verdict(status, spec.review.warn_after)
         return dg.AssetCheckResult(passed=passed, severity=dg.AssetCheckSeverity.WARN, description=text, metadata=meta)

@@ -38,13 +38,14 @@ def review_tick(instance: dg.DagsterInstance, waiting: dict[str, dict[str, Any]]
                 k: PipelineKeys = DEFAULT) -> ReviewTick:
     """Look at every waiting round once (``waiting``: partition -> what was last reported)."""
     from batch_inference.pipeline import PipelineRun
+    from batch_inference.review.lifecycle import ReviewGate
 
     out = ReviewTick()
     for partition, seen in sorted(waiting.items()):
         key = parse_round_key(partition)
         try:
             spec = load_spec(instance, key.run, storage, k.source)
-            status = PipelineRun(spec).review_status(key.round)
+            status = PipelineRun(spec, gate=ReviewGate()).review_status(key.round)
         except (SpecNotFound, OSError, ValueError) as exc:  # keep waiting: a later tick may read it
             out.said.append(f"{partition}: cannot read its review status: {exc}")
             out.waiting[partition] = seen
