@@ -489,7 +489,9 @@ def test_a_server_killed_between_writing_and_publishing_a_batchs_files_serves_on
         served: dict[str, bytes] = {}
 
         def completed_reading_every_output_file() -> Any:
-            """Every batch_output file listed at any moment parses whole, and one id always serves the same bytes."""
+            """Every batch_output file listed at any moment parses whole, and one id always serves the same bytes
+            (the batch is read first: a batch seen completed had its files published before the list)."""
+            b = c.batches.retrieve(batch.id)
             for f in c.files.list(purpose="batch_output"):
                 try:
                     content = c.files.content(f.id).content
@@ -497,7 +499,7 @@ def test_a_server_killed_between_writing_and_publishing_a_batchs_files_serves_on
                     continue
                 assert all(json.loads(x) for x in content.splitlines()) and content.endswith(b"\n")
                 assert served.setdefault(f.id, content) == content, f"file {f.id} changed"
-            return (b := c.batches.retrieve(batch.id)).status == "completed" and b
+            return b.status == "completed" and b
 
         done = wait_for(completed_reading_every_output_file, every_s=0.01, timeout_s=60, what="the resumed delivery")
         out, err = delivered(c, done)
