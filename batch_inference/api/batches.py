@@ -37,6 +37,7 @@ import orjson
 
 from typing import TYPE_CHECKING
 
+from batch_inference.api import embeddings_endpoint
 from batch_inference.api.config import DEFAULT_PROJECT, ApiConfig
 from batch_inference.api.fair import FairShare
 from batch_inference.api.store import Store, new_id
@@ -292,6 +293,8 @@ class BatchManager:
                 model = body.get("model") if isinstance(body, dict) else None
                 if isinstance(model, str) and model not in self.config.models:
                     message = f"model {model!r} is not configured on this server (configured: {', '.join(configured)})"
+                elif isinstance(model, str) and (why := embeddings_endpoint.endpoint_mismatch(state["endpoint"], self.config.models[model].engine, model)):
+                    message = why
                 elif out.model is not None and isinstance(model, str) and model != out.model:
                     message = f"model {model!r}: a batch runs one model, and this batch's is {out.model!r} (its first request's)"
                 else:
@@ -332,7 +335,7 @@ class BatchManager:
         data: dict[str, Any] = {
             "run": state["id"], "input": f"{self.store.batch_dir(state['id'])}/input.jsonl", "input_format": "openai_batch",
             "openai_batch": {"model": name}, "output": self.store.runs, "engine": m.engine,
-            "infer": {"sampling": m.sampling.model_dump(), "limits": m.limits.model_dump()},
+            "infer": {"sampling": m.sampling.model_dump(), "limits": m.limits.model_dump(), **embeddings_endpoint.infer_keys(m.engine)},
             "judge": m.judge if m.judge is not None else NO_JUDGE,
             "strategy": m.strategy if m.judge is not None else "in_place",
             "max_rounds": m.max_rounds, "max_attempts": m.max_attempts if m.judge is not None else 1,

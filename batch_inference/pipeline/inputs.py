@@ -216,7 +216,7 @@ def record_transform(spec: PipelineSpec, fmt: InputFormat,
 
 def openai_reader(spec: PipelineSpec) -> OpenAIBatchReader:
     """The converter for this run: the models it answers, whether its engine constrains output."""
-    return OpenAIBatchReader(models=spec.accepted_models(), constrains=spec.engine.structured_output)
+    return OpenAIBatchReader(models=spec.accepted_models(), constrains=spec.engine.structured_output, embeds=spec.infer.task == "embed")
 
 
 def check_openai_input(reader: OpenAIBatchReader, report: ReshardReport, source: str,

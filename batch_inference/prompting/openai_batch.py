@@ -30,9 +30,11 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from batch_inference.api import embeddings_endpoint as embeddings
+from batch_inference.api.embeddings_endpoint import EmbeddingsBody, EmbeddingsLine
 from batch_inference.rows import ErrorKind
 
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", embeddings.URL: "embeddings"}
 SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
                    "presence_penalty", "frequency_penalty")
 # Body fields that say something about the request, not how to answer it: accepted, ignored.
@@ -122,9 +124,12 @@ def _finish(record: dict[str, Any], url: str, body: _Body) -> dict[str, Any]:
 
 
 # One request line of an OpenAI Batch input file: ``{custom_id, method, url, body}``, read by its url.
-BatchLine = ChatLine | CompletionsLine
-LINES: dict[str, type[ChatLine] | type[CompletionsLine]] = {"/v1/chat/completions": ChatLine, "/v1/completions": CompletionsLine}
-BODIES: dict[str, type[ChatBody] | type[CompletionsBody]] = {"/v1/chat/completions": ChatBody, "/v1/completions": CompletionsBody}
+# (``/v1/embeddings``: ``api.embeddings_endpoint``, which reads and answers those bodies.)
+BatchLine = ChatLine | CompletionsLine | EmbeddingsLine
+LINES: dict[str, type[BatchLine]] = {"/v1/chat/completions": ChatLine, "/v1/completions": CompletionsLine,
+                                     embeddings.URL: EmbeddingsLine}
+BODIES: dict[str, type[ChatBody] | type[CompletionsBody] | type[EmbeddingsBody]] = {
+    "/v1/chat/completions": ChatBody, "/v1/completions": CompletionsBody, embeddings.URL: EmbeddingsBody}
 
 
 def refused_fields(extra: dict[str, Any], url: str) -> list[tuple[str, str]]:
@@ -154,6 +159,8 @@ def body_refusal(body: Any, url: str) -> tuple[str, str] | None:
         return "model", f"body.model must be a string, got {type(body['model']).__name__}"
     known = set(BODIES[url].model_fields) if url in BODIES else set()
     refused = refused_fields({k: v for k, v in body.items() if k not in known}, url)
+    if not refused and url == embeddings.URL:
+        return embeddings.body_refusal(body)
     return refused[0] if refused else None
 
 
@@ -207,6 +214,7 @@ class OpenAIBatchReader:
 
     models: frozenset[str] | None = None
     constrains: bool = False
+    embeds: bool = False  # the run embeds (infer.task: embed): its lines are /v1/embeddings, and only those
     problems: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     endpoints: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -225,7 +233,7 @@ class OpenAIBatchReader:
         self.problems[what].extend(examples[: EXAMPLES - len(self.problems[what])])
         self.units[what] = unit
 
-    def line(self, raw: dict[str, Any], pos: int) -> ChatLine | CompletionsLine | None:
+    def line(self, raw: dict[str, Any], pos: int) -> BatchLine | None:
         """The typed line (``pos``: its 0-based line number), its problems collected; None when
         it is not a request line this run can read (its problems say why)."""
         url = raw.get("url")
@@ -250,6 +258,10 @@ class OpenAIBatchReader:
             self._problem(f"body.model {body.model!r} is not served by this run (accepted: {', '.join(sorted(self.models))}); "
                           f"to answer it, list it in the spec's openai_batch.model_aliases, or set "
                           f"openai_batch.check_model: false to answer every model", cid)
+        if isinstance(line, EmbeddingsLine) != self.embeds:
+            self._problem(f"url {line.url!r}: this run {'embeds (infer.task: embed): only /v1/embeddings' if self.embeds else 'generates text: /v1/embeddings needs infer.task: embed'}", cid)
+        if isinstance(line, EmbeddingsLine) and (refusal := line.refusal()) is not None:
+            self._problem(str(refusal), cid)
         if isinstance(body, ChatBody) and body.response_format is not None and not self.constrains:
             fmt = body.response_format
             if not (isinstance(fmt, dict) and fmt.get("type") == "text"):
@@ -282,7 +294,8 @@ def _hex(*parts: str, n: int = 24) -> str:
 
 
 def output_line(row: dict[str, Any], *, run: str, model: str, created: int, judged: bool = False) -> dict[str, Any]:
-    """An answered request: ``response.body`` is a chat.completion (or text_completion).
+    """An answered request: ``response.body`` is a chat.completion (or text_completion, or an
+    embeddings list: ``api.embeddings_endpoint.response_body``).
 
     ``judged``: the answer was approved by a judge of the user's (the API server's per-model
     ``judge``), so the line also says which attempt was approved, beyond OpenAI's fields:
@@ -291,6 +304,8 @@ def output_line(row: dict[str, Any], *, run: str, model: str, created: int, judg
     cid = str(row["id"])
     openai = row.get("openai") or {}
     url = openai.get("url") or ("/v1/completions" if "prompt" in row and "messages" not in row else "/v1/chat/completions")
+    if url == embeddings.URL:
+        return _line(cid, run, embeddings.response_body(row, model=model))
     usage = row.get("usage") or {}
     prompt_tokens = int(usage.get("prompt_tokens") or 0)
     completion_tokens = int(usage.get("completion_tokens") or 0)
@@ -311,12 +326,17 @@ def output_line(row: dict[str, Any], *, run: str, model: str, created: int, judg
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
     }
-    line = {"id": f"batch_req_{_hex(run, 'req', cid)}", "custom_id": cid,
-            "response": {"status_code": 200, "request_id": f"req_{_hex(run, 'id', cid)}", "body": body},
-            "error": None}
+    line = _line(cid, run, body)
     if judged:
         line["judge"] = {"attempt": int(row.get("attempts") or 1), "round": row.get("round"), "verdict": row.get("verdict")}
     return line
+
+
+def _line(cid: str, run: str, body: dict[str, Any]) -> dict[str, Any]:
+    """An answered request's output line around its response ``body``."""
+    return {"id": f"batch_req_{_hex(run, 'req', cid)}", "custom_id": cid,
+            "response": {"status_code": 200, "request_id": f"req_{_hex(run, 'id', cid)}", "body": body},
+            "error": None}
 
 
 def request_error_line(custom_id: str, *, run: str, message: str, param: str | None = None) -> dict[str, Any]:
