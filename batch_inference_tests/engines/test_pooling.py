@@ -82,3 +82,15 @@ def test_embed_config_rules() -> None:
         EngineConfig(kind="simulated", task="embed")
     with pytest.raises(ValueError, match="dimensions"):
         SamplingParams(dimensions=8)  # not an embedding request
+
+
+def test_cli_make_model_embed_builds_the_tiny_embedding_model(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from batch_inference.cli.engine_cmds import make_model
+
+    result = CliRunner().invoke(make_model, [str(tmp_path / "e"), "--embed"])
+    assert result.exit_code == 0, result.output
+    assert "tiny embedding model" in result.output
+    assert json.loads((tmp_path / "e" / "config.json").read_text())["architectures"] == ["LlamaModel"]
+    assert model_pooling(tmp_path / "e", decoder=True) == ("mean", True)

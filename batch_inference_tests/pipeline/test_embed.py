@@ -82,3 +82,17 @@ async def test_an_embedding_run_writes_vectors_and_exports_them_as_fixed_size_fl
     assert np.allclose(np.linalg.norm(matrix, axis=1), 1.0, atol=1e-5)
     assert np.allclose(matrix[0], np.asarray(want[0].embedding, dtype=np.float32))
     assert table["id"].to_pylist()[-1] == "r24" and not result[24].is_valid  # the failed row: a null vector, in input order
+
+
+@pytest.mark.slow
+def test_the_embed_demo_runs_in_one_command_and_exports_vectors(tmp_path: Path) -> None:
+    """The README's one command: ``batch-inference demo --embed`` through the Dagster definitions."""
+    from click.testing import CliRunner
+
+    from batch_inference.cli.demo_cmds import demo
+
+    result = CliRunner().invoke(demo, ["--embed", "--dir", str(tmp_path / "d"), "--records", "40", "--ephemeral", "--run-name", "e"])
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(tmp_path / "d" / "runs" / "e" / "export" / "parquet")
+    result_column = table["run"].combine_chunks().field("result")
+    assert result_column.type == pa.list_(pa.float32(), 128) and result_column.null_count == 0 and table.num_rows == 40
