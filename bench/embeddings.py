@@ -101,13 +101,15 @@ def raw_server(kind: str, model: str) -> None:
 # --------------------------------------------------------------------------- pipeline
 
 
-def pipeline_spec(kind: str, model: str, root: Path, run: str, data: Path, n: int) -> Any:
+def pipeline_spec(kind: str, model: str, root: Path, run: str, data: Path, n: int, batch_tokens: int = BUDGET_TOKENS) -> Any:
     from batch_inference.pipeline import PipelineSpec
 
     return PipelineSpec.parse({
         "run": run, "input": str(data), "output": str(root / "runs"), "engine": engine_config(kind, model),
         "infer": {"task": "embed", "template": "{prompt}"}, "strategy": "rounds", "max_rounds": 1,
-        "shard_records": max(1, n // 4), "chunk_size": 2000, "pool": {"launcher": "inprocess", "concurrency": 4},
+        "shard_records": max(1, n // 4), "chunk_size": 2000,
+        "pool": {"launcher": "inprocess", "concurrency": 4,
+                 "batcher": {"target_batch_tokens": batch_tokens, "max_batch_size": max(BUDGET_PROMPTS, batch_tokens // 50)}},
         "cache": {"enabled": False},
     })
 
@@ -134,14 +136,14 @@ async def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict
         raw.request({"texts": warm})
         first = root / "warm.jsonl"
         first.write_bytes(b"".join(orjson.dumps({"id": f"w{i}", "prompt": t}) + b"\n" for i, t in enumerate(warm)))
-        template = pipeline_spec(args.engine, model, root, "warm", first, 64)
+        template = pipeline_spec(args.engine, model, root, "warm", first, 64, args.batch_tokens)
         async with open_runner(template) as runner:
             await pipeline_once(template, runner)
             for rep in range(args.repeats):
                 texts = prompts(args.prompts, args.chars, f"r{rep}")
                 data = root / f"in-{rep}.jsonl"
                 data.write_bytes(b"".join(orjson.dumps({"id": f"p{i:06d}", "prompt": t}) + b"\n" for i, t in enumerate(texts)))
-                spec = pipeline_spec(args.engine, model, root, f"rep{rep}", data, args.prompts)
+                spec = pipeline_spec(args.engine, model, root, f"rep{rep}", data, args.prompts, args.batch_tokens)
                 row: dict[str, Any] = {"repeat": rep, "order": "raw first" if rep % 2 == 0 else "pipeline first"}
                 for path in (("raw", "pipeline") if rep % 2 == 0 else ("pipeline", "raw")):
                     _raw_vllm.settle()
@@ -167,7 +169,8 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]], wall: float, up
              "(`make-model --embed`: LlamaModel, 2 layers, 128 dimensions, mean pooling, normalised) unless `--model`. "
              "raw = " + ("one `LLM.embed` of every text" if args.engine == "vllm" else
                          "`encode` + `generate` over batches of 12,800 prompt tokens / 256 prompts, back to back") +
-             "; pipeline = one round of `infer.task: embed`, in-process pool, the round's infer phase from the ledger "
+             f"; pipeline = one round of `infer.task: embed`, in-process pool (batcher budget {args.batch_tokens} prompt tokens), "
+             "the round's infer phase from the ledger "
              "(read, tokenise, batch, embed, write vectors). Prompts per second; ratio = pipeline / raw of the same repeat; "
              "load = 1-minute load average before..after each measurement.", "",
              "| repeat | order | raw prompts/s | pipeline prompts/s | ratio | pipeline fill | load raw | load pipeline |",
@@ -195,6 +198,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=2000)
     ap.add_argument("--chars", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch-tokens", type=int, default=BUDGET_TOKENS,
+                    help="the pipeline's batcher budget (pool.batcher.target_batch_tokens; max_batch_size = it / 50, at least 256)")
     ap.add_argument("--report")
     ap.add_argument("--raw-server", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
