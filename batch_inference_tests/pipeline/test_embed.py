@@ -16,6 +16,7 @@ import pytest
 from batch_inference.engines import SamplingParams, build_engine
 from batch_inference.pipeline import PipelineRun, PipelineSpec, SpecError, run_pipeline
 from batch_inference.pipeline.parquet_export import export_parquet
+from batch_inference.pipeline.preflight import preflight
 from batch_inference.prompting import InferConfig, RequestBuilder, RequestError
 from batch_inference.storage import JsonlDir
 
@@ -61,6 +62,8 @@ async def test_an_embedding_run_writes_vectors_and_exports_them_as_fixed_size_fl
     texts = [f"sentence {i} about the quick brown fox" for i in range(23)] + ["sentence 0 about the quick brown fox", ""]
     (tmp_path / "in.jsonl").write_bytes(b"".join(orjson.dumps({"id": f"r{i}", "text": t}) + b"\n" for i, t in enumerate(texts)))
     spec = PipelineSpec.parse(embed_spec(tmp_path, tiny_embed_dir))
+    plan = preflight(spec)
+    assert plan.prompt.endswith("one vector a record (infer.task: embed)") and any(line.startswith("judge      none") for line in plan.lines())
     summary = await run_pipeline(spec)
     assert summary.records == 25 and summary.conservation["ok"]
     run = PipelineRun(spec)
