@@ -22,6 +22,7 @@ from batch_inference.api.config import ApiConfig
 from batch_inference.api.endpoints import ENDPOINTS, Refused
 from batch_inference.api.protocol import BatchRecord, RequestLine
 from batch_inference.api.store import Store
+from batch_inference.prompting.embeddings import URL, endpoint_mismatch
 from batch_inference.prompting.openai_batch import check_line, error_line, jsonl_line, request_error_line
 
 MAX_PROBLEMS = 100
@@ -124,12 +125,14 @@ def split_requests(config: ApiConfig, store: Store, record: BatchRecord) -> Chec
                 continue
             if isinstance(model, str) and model not in config.models:
                 message = f"model {model!r} is not configured on this server (configured: {', '.join(configured)})"
+            elif isinstance(model, str) and (why := endpoint_mismatch(record.endpoint, config.models[model].engine, model)):
+                message = why
             elif out.model is not None and isinstance(model, str) and model != out.model:
                 message = f"model {model!r}: a batch runs one model, and this batch's is {out.model!r} (its first request's)"
             else:
                 request = {"custom_id": cid, "method": "POST", "url": endpoint.pipeline_url, "body": mapped}
                 name = model if isinstance(model, str) else out.model or (configured[0] if len(configured) == 1 else None)
-                _, problems = check_line(request, constrains=constrains.get(name or "", False))
+                _, problems = check_line(request, constrains=constrains.get(name or "", False), embeds=endpoint.pipeline_url == URL)
                 if problems:
                     refuse(cid, *reversed(problems[0]))
                     continue

@@ -20,6 +20,7 @@ from batch_inference.api.fair import FairShare, OnResult
 from batch_inference.api.protocol import BatchRecord
 from batch_inference.api.store import Store
 from batch_inference.pipeline.spec import PipelineSpec, SpecError
+from batch_inference.prompting.embeddings import infer_keys
 
 if TYPE_CHECKING:
     from batch_inference.api.dagster_runs import DagsterBatches
@@ -62,7 +63,7 @@ class BatchRuns:
         return {
             "run": record.id, "input": f"{self.store.batch_dir(record.id)}/input.jsonl", "input_format": "openai_batch",
             "openai_batch": {"model": name}, "output": self.store.runs, "engine": m.engine,
-            "infer": {"sampling": m.sampling.model_dump(), "limits": m.limits.model_dump()},
+            "infer": {"sampling": m.sampling.model_dump(), "limits": m.limits.model_dump(), **infer_keys(m.engine)},
             "judge": m.judge if m.judge is not None else NO_JUDGE,
             "strategy": m.strategy if m.judge is not None else "in_place",
             "max_rounds": m.max_rounds, "max_attempts": m.max_attempts if m.judge is not None else 1,

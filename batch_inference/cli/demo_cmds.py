@@ -60,13 +60,31 @@ def demo_spec(root: Path, model_dir: Path, input_path: Path, run: str) -> dict[s
     }
 
 
+def embed_demo_spec(root: Path, model_dir: Path, input_path: Path, run: str) -> dict[str, Any]:
+    """The ``--embed`` demo's spec: one vector per prompt on the tiny embedding model, no judge,
+    exported as Parquet (``run.result``: ``fixed_size_list<float32>[128]``)."""
+    return {
+        "run": run,
+        "input": str(input_path),
+        "output": str(root / "runs"),
+        "engine": {"kind": "transformers", "model": str(model_dir), "device": "cpu", "num_threads": 1},
+        "infer": {"task": "embed", "template": "{prompt}"},
+        "export": ["parquet"],
+        "shard_records": 60,
+        "chunk_size": 30,
+        "pool": {"launcher": "inprocess", "concurrency": 4},
+    }
+
+
 @click.command("demo")
 @click.option("--dir", "root", default=".demo", show_default=True, type=click.Path(file_okay=False, path_type=Path),
               help="where the model, input, runs and Dagster instance go")
 @click.option("--records", default=300, show_default=True, type=click.IntRange(1, 100_000), help="input records")
 @click.option("--run-name", "run_name", help="pipeline run name (default: demo-<UTC time>)")
 @click.option("--ephemeral", is_flag=True, help="use an in-memory Dagster instance instead of DIR/dagster_home")
-def demo(root: Path, records: int, run_name: str | None, ephemeral: bool) -> None:
+@click.option("--embed", is_flag=True, help="embed the prompts with the tiny embedding model instead (infer.task: embed), "
+                                            "exported as Parquet vectors")
+def demo(root: Path, records: int, run_name: str | None, ephemeral: bool, embed: bool) -> None:
     """Run a whole multi-round pipeline through the Dagster definitions, offline, and print its ledger."""
     import yaml
     from batch_inference.pipeline.report import output_console
@@ -74,18 +92,22 @@ def demo(root: Path, records: int, run_name: str | None, ephemeral: bool) -> Non
     console = output_console()
     _quiet_model_loading()
     root = root.resolve()
-    model_dir = root / "model"
+    model_dir = root / ("embed-model" if embed else "model")
     if not (model_dir / "config.json").exists():
-        from batch_inference.engines import make_tiny_model
+        from batch_inference.engines.tiny_model import make_tiny_embedding_model, make_tiny_model
 
-        console.print(f"building the tiny offline model in {model_dir}")
-        make_tiny_model(model_dir, seed=0)
+        console.print(f"building the tiny offline {'embedding ' if embed else ''}model in {model_dir}")
+        (make_tiny_embedding_model if embed else make_tiny_model)(model_dir, seed=0)
     input_path = root / "input" / "prompts.jsonl"
     write_demo_input(input_path, records)
     run = run_name or time.strftime("demo-%Y%m%d-%H%M%S", time.gmtime())
     spec_path = root / "spec.yaml"
-    spec_path.write_text(yaml.safe_dump(demo_spec(root, model_dir, input_path, run), sort_keys=False))
+    spec_path.write_text(yaml.safe_dump((embed_demo_spec if embed else demo_spec)(root, model_dir, input_path, run), sort_keys=False))
     summary = run_demo(root, spec_path, run, ephemeral=ephemeral, console=console)
+    if embed:
+        parquet = root / "runs" / run / "export" / "parquet"
+        console.print(f"vectors: {parquet} — load them with "
+                      f"pyarrow.parquet.read_table('{parquet}')['run'].combine_chunks().field('result') (fixed_size_list<float32>[128])")
     raise SystemExit(0 if summary.get("status") in ("converged", "exhausted") else 1)
 
 

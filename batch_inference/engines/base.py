@@ -91,6 +91,11 @@ class SamplingParams:
     # them fail the item alone (``penalties_error``) rather than answer unpenalised
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # An embedding request (``infer.task: embed``): the engine pools the prompt's hidden states
+    # into one vector and decodes nothing (sampling fields are unused; ``max_tokens`` costs nothing).
+    # ``dimensions``: keep the vector's first N (Matryoshka), only where the model allows it.
+    embed: bool = False
+    dimensions: int | None = None
 
     def __post_init__(self) -> None:
         if self.stop is not None and not isinstance(self.stop, tuple):
@@ -108,6 +113,8 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.dimensions is not None and (not self.embed or self.dimensions < 1):
+            raise ValueError(f"dimensions must be >= 1 and is for embedding requests only, got {self.dimensions}")
 
 
 @dataclass(frozen=True)
@@ -127,6 +134,8 @@ class Completion:
     # the request's stop string that ended the text (finish_reason "stop"); None: EOS, the
     # length limit, or no stop string matched. Anthropic's ``stop_sequence`` is this one.
     stop_sequence: str | None = None
+    # an embedding request's vector (``SamplingParams.embed``); ``text`` is then empty
+    embedding: tuple[float, ...] | None = None
 
     @classmethod
     def failed(cls, error: str, prompt_tokens: int = 0) -> Completion:

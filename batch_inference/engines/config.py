@@ -149,6 +149,18 @@ class TransformersOptions(BaseModel):
     lora: LoraOptions | None = Field(None, description="LoRA adapters on the base model (peft; adapters per row of a generate call)")
 
 
+class EmbeddingOptions(BaseModel):
+    """How an embedding engine (``engine.task: embed``) pools a prompt's hidden states into one
+    vector. None keeps the model's own choice: its sentence-transformers files
+    (``modules.json``, ``1_Pooling/config.json``, a ``Normalize`` module) as vLLM reads them,
+    else last-token pooling for a decoder and CLS for an encoder, normalised (vLLM's default)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pooling: Annotated[Literal["mean", "last", "cls"] | None, DECIDES] = Field(None, description="none: the model's own")
+    normalize: Annotated[bool | None, DECIDES] = Field(None, description="L2-normalise each vector; none: the model's own (default true)")
+
+
 # Engine kinds whose engines set ``structured_output = True``.
 STRUCTURED_OUTPUT_KINDS = frozenset({"vllm"})
 
@@ -159,6 +171,10 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kind: Annotated[Literal["transformers", "vllm", "simulated"], DECIDES]
+    # generate: a causal LM decodes text; embed: the model pools each prompt into one vector
+    # (engines.pooling; set for you by a spec's ``infer.task: embed``)
+    task: Annotated[Literal["generate", "embed"], DECIDES] = "generate"
+    embedding: EmbeddingOptions = Field(default_factory=EmbeddingOptions)
     model: Annotated[str | None, FOLDER, PATH] = Field(None, description="model directory (transformers, vllm)")
     dtype: Annotated[Literal["auto", "float32", "float16", "bfloat16"], DECIDES] = "auto"
     # the device the engine runs on decides (auto dtype: float32 on CPU, bfloat16 on GPU), but
@@ -192,4 +208,9 @@ class EngineConfig(BaseModel):
     def _needs_model(self) -> EngineConfig:
         if self.kind in ("transformers", "vllm") and not self.model:
             raise ValueError(f"engine kind {self.kind!r} needs 'model' (a model directory, e.g. from `batch-inference make-model DIR`)")
+        if self.task == "embed" and self.kind == "simulated":
+            raise ValueError("engine.task 'embed' needs a model that embeds: kind transformers or vllm "
+                             "(`batch-inference make-model DIR --embed` builds a tiny one)")
+        if self.task == "embed" and self.lora is not None:
+            raise ValueError(f"engine.{self.kind}.lora: adapters are served on generating engines, not on task 'embed'")
         return self

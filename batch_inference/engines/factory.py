@@ -18,6 +18,10 @@ def build_engine(config: EngineConfig | dict[str, Any]) -> Engine | StreamingEng
     drive it (``await engine.start()``); the pool's ``EngineHost`` does this.
     """
     cfg = config if isinstance(config, EngineConfig) else EngineConfig.model_validate(config)
+    if cfg.task == "embed":  # blocking on both kinds: an embedding has no decode for streaming to overlap
+        from batch_inference.engines.pooling import build_embed_engine
+
+        return build_embed_engine(cfg)
     if cfg.kind == "simulated":
         from batch_inference.engines import simulated
 

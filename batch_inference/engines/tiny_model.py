@@ -143,3 +143,51 @@ def make_tiny_adapter(base_dir: str | Path, out_dir: str | Path, *, rank: int = 
     }
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out
+
+
+EMBED_DIMENSIONS = (32, 64, 128)  # the Matryoshka sizes the tiny embedding model declares (its hidden size last)
+
+
+def make_tiny_embedding_model(out_dir: str | Path, *, seed: int = 0, layers: int = 2) -> Path:
+    """Write a tiny embedding model to ``out_dir``: the tiny Llama's base model (``LlamaModel``,
+    no LM head; vLLM serves that architecture as an embedding model) with the tiny tokenizer,
+    and sentence-transformers' pooling files (``modules.json``: mean pooling, then
+    ``Normalize``), which vLLM and ``engines.pooling`` both read as the model's own pooling.
+    ``matryoshka_dimensions`` lets a request ask for fewer ``dimensions`` (one of
+    ``EMBED_DIMENSIONS``). Same seed => same weights. Nothing is downloaded."""
+    import json
+
+    import torch
+    from transformers import LlamaConfig, LlamaModel
+    from transformers.utils import logging as hf_logging
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer()
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=EMBED_DIMENSIONS[-1], intermediate_size=256, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=MAX_POSITIONS,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False, torch_dtype="float32", matryoshka_dimensions=list(EMBED_DIMENSIONS),
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaModel(config)
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (out / "modules.json").write_text(json.dumps(modules, indent=2) + "\n")
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    (out / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": EMBED_DIMENSIONS[-1], "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
+         "pooling_mode_max_tokens": False, "pooling_mode_lasttoken": False}, indent=2) + "\n")
+    (out / "2_Normalize").mkdir(exist_ok=True)
+    return out

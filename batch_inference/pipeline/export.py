@@ -137,7 +137,7 @@ def export_openai_batch(run: PipelineRun, out: str | None = None, *, unfinished:
         usage = line["response"]["body"]["usage"]
         counts["output"] += 1
         counts["prompt_tokens"] += usage["prompt_tokens"]
-        counts["completion_tokens"] += usage["completion_tokens"]
+        counts["completion_tokens"] += usage.get("completion_tokens", 0)  # an embeddings body has none
         if seen is not None:
             seen.add(line["custom_id"])
         return line

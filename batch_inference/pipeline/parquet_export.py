@@ -12,7 +12,10 @@ column), so the run's fields never collide with the input's:
 
 - ``status``: ``approved``, ``exhausted`` (rejected in every round), ``max_attempts``
   (in-place retry gave up), ``failed`` (the record's own permanent error, or a quarantined shard);
-- ``result``: the approved text, else null;
+- ``result``: the approved text, else null; for an embedding run (``infer.task: embed``) the
+  approved vector as ``fixed_size_list<float32>[N]`` (``list<float32>`` when records asked for
+  different ``dimensions``), which ``numpy.stack(column.to_numpy(zero_copy_only=False))`` or
+  ``column.flatten().to_numpy().reshape(-1, N)`` loads as a matrix;
 - ``error``: why a record was not approved (null when it was);
 - ``attempts``: the attempts the record was given;
 - ``finish_reason``, ``prompt_tokens``, ``completion_tokens``: of the record's last generation
@@ -57,6 +60,20 @@ RUN_COLUMN = pa.struct([
     ("status", pa.string()), ("result", pa.string()), ("error", pa.string()), ("attempts", pa.int32()),
     ("finish_reason", pa.string()), ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()), ("cached", pa.bool_()),
 ])
+
+
+def run_column(result: pa.DataType = pa.string()) -> pa.StructType:
+    """``RUN_COLUMN`` with its ``result`` of another type (an embedding run's vectors)."""
+    return pa.struct([pa.field("result", result) if f.name == "result" else f for f in RUN_COLUMN])
+
+
+def vector_type(run: PipelineRun) -> pa.DataType:
+    """The Arrow type of an embedding run's approved vectors: ``fixed_size_list<float32>[N]`` when
+    they all have N dimensions (one pass over the results), else ``list<float32>``."""
+    sizes = {len(row["result"]) for row in _rows((run.layout.results,), run.storage_options) if isinstance(row.get("result"), list)}
+    return pa.list_(pa.float32(), sizes.pop()) if len(sizes) == 1 else pa.list_(pa.float32())
+
+
 SORT_RUN_BYTES = 64 << 20  # rows held in memory while they are put back in input order
 _NO_POSITION = (1 << 63) - 1  # a record sharded before positions were recorded: after those that have one
 
@@ -176,7 +193,7 @@ def export_parquet(run: PipelineRun, out: str | None = None, *, rows_per_file: i
     own_id = spec.id_field == "id" and "id" not in columns.names  # the ids sharding assigned
     schema = columns.append(pa.field("id", pa.string())) if own_id else columns
     run_name = run_column_name(schema.names)
-    schema = schema.append(pa.field(run_name, RUN_COLUMN))
+    schema = schema.append(pa.field(run_name, run_column(vector_type(run)) if spec.infer.task == "embed" else RUN_COLUMN))
     by_status: dict[str, int] = {}
 
     # a null in a non-text id column got its row's number as id at sharding: exported as the null it was
@@ -211,4 +228,4 @@ def export_parquet(run: PipelineRun, out: str | None = None, *, rows_per_file: i
                                 wall_s=time.perf_counter() - t0, malformed=account.malformed, notes=account.notes())
 
 
-__all__ = ["RUN_COLUMN", "ParquetExportSummary", "export_parquet", "input_schema", "input_view", "run_column_name"]
+__all__ = ["RUN_COLUMN", "run_column", "vector_type", "ParquetExportSummary", "export_parquet", "input_schema", "input_view", "run_column_name"]

@@ -319,7 +319,8 @@ def preflight(spec: PipelineSpec, *, full: bool = False, sharded: str | None = N
     return Plan(
         run=spec.run, input=spec.input, input_format=fmt, format_detected=detected,
         engine=f"{spec.engine.kind}{':' + spec.engine.model if spec.engine.model else ''}",
-        strategy=spec.strategy, prompt=spec.infer.source, chat=chat or judge_chat,
+        strategy=spec.strategy, prompt=spec.infer.source + (" -> one vector a record (infer.task: embed)" if spec.infer.task == "embed" else ""),
+        chat=chat or judge_chat,
         constrained=spec.infer.constrained or (spec.judge.kind == "llm" and spec.judge.parse == "json"),
         judge=judge_text, checked_records=len(sample), records=n_records, shards=n_shards, record_errors=record_errors,
         account=account, field_notes=census.notes() if census is not None else [], id_field=spec.id_field,

@@ -38,7 +38,8 @@ class RecordFormat:
 
 def openai_reader(spec: PipelineSpec) -> OpenAIBatchReader:
     """The converter for this run: the models it answers, whether its engine constrains output."""
-    return OpenAIBatchReader(models=spec.accepted_models(), constrains=spec.engine.structured_output)
+    return OpenAIBatchReader(models=spec.accepted_models(), constrains=spec.engine.structured_output,
+                             embeds=spec.infer.task == "embed")
 
 
 NATIVE = RecordFormat("jsonl")

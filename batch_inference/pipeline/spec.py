@@ -127,6 +127,22 @@ class PipelineSpec(_Strict):
         return data
 
     @model_validator(mode="after")
+    def _check_embed(self) -> PipelineSpec:
+        """``infer.task: embed`` runs the engine as an embedding model (``engine.task`` follows
+        it unless set), and nothing judges a vector: a judge there is refused here, at validate."""
+        if self.infer.task == "embed":
+            if self.judged:
+                raise ValueError(f"judge: a {self.judge.kind} judge reads generated text, and an embedding run (infer.task: embed) "
+                                 "generates none; leave judge out (every vector is approved as computed)")
+            if "task" not in self.engine.model_fields_set:
+                self.engine = EngineConfig.model_validate({**self.engine.model_dump(exclude_unset=True), "task": "embed"})
+            elif self.engine.task != "embed":
+                raise ValueError("engine.task: 'generate' cannot embed; infer.task 'embed' needs engine.task 'embed' (or leave it out)")
+        elif self.engine.task == "embed":
+            raise ValueError("engine.task 'embed' only embeds: set infer.task: embed (an embedding engine generates no text)")
+        return self
+
+    @model_validator(mode="after")
     def _check_structured_output(self) -> PipelineSpec:
         """Constrained output only where the engine constrains: never a run labelled constrained that is not."""
         wants = [(key, engine_key, engine) for key, engine_key, engine, on in (

@@ -171,15 +171,20 @@ class RequestMemo:
                 w.set_exception(Orphaned())
 
     def _remember(self, key: bytes, result: Completion) -> None:
-        size = len(result.text) + _ENTRY_OVERHEAD
+        size = _size(result)
         if size > self.max_bytes:
             return
         self._done[key] = result
         self._bytes += size
         while self._bytes > self.max_bytes:
             _, old = self._done.popitem(last=False)
-            self._bytes -= len(old.text) + _ENTRY_OVERHEAD
+            self._bytes -= _size(old)
 
     def stats(self) -> dict[str, Any]:
         return {"led": self.led, "joined": self.joined, "replayed": self.replayed, "orphaned": self.orphaned,
                 "in_flight": len(self._flights), "results": len(self._done), "bytes": self._bytes}
+
+
+def _size(result: Completion) -> int:
+    """What a remembered result holds, roughly in bytes (an embedding: 8 a float)."""
+    return len(result.text) + 8 * len(result.embedding or ()) + _ENTRY_OVERHEAD

@@ -17,7 +17,7 @@ class GenRequest:
 
     ``prompt`` is the engine's ``Tokens`` from the shard task's one ``encode`` (text or
     chat messages are encoded by the engine itself). ``cost`` is prompt tokens plus
-    ``max_tokens``: the KV cache grows with every decoded token, so the budget must count
+    ``max_tokens`` (prompt tokens alone for an embedding request): the KV cache grows with every decoded token, so the budget must count
     them. For task accounting the batcher's inference function fills ``engine_s`` (this
     request's token-weighted share of its batch's engine time) and ``fill`` (its batch's
     cost / budget); the streaming gate fills ``engine_s`` (its fair share of the engine's
@@ -32,7 +32,8 @@ class GenRequest:
     cost: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.cost = self.prompt_tokens + self.params.max_tokens
+        # an embedding request decodes nothing: its prompt is all it costs
+        self.cost = self.prompt_tokens + (0 if self.params.embed else self.params.max_tokens)
 
     def estimate_tokens(self) -> int:
         return self.cost

@@ -256,7 +256,8 @@ def _mtime(info: Mapping[str, Any]) -> float:
 def _encode(key: str, c: Completion) -> bytes:
     return json.dumps({"key": key, "text": c.text, "prompt_tokens": c.prompt_tokens,
                        "completion_tokens": c.completion_tokens, "finish_reason": c.finish_reason,
-                       **({"stop_sequence": c.stop_sequence} if c.stop_sequence is not None else {})},
+                       **({"stop_sequence": c.stop_sequence} if c.stop_sequence is not None else {}),
+                       **({"embedding": list(c.embedding)} if c.embedding is not None else {})},
                       ensure_ascii=False).encode("utf-8", "surrogatepass")
 
 
@@ -268,7 +269,8 @@ def _decode(key: str, blob: bytes) -> Completion | None:
             return None
         return Completion(text=data["text"], prompt_tokens=int(data["prompt_tokens"]),
                           completion_tokens=int(data["completion_tokens"]), finish_reason=data["finish_reason"], from_cache=True,
-                          stop_sequence=data.get("stop_sequence"))
+                          stop_sequence=data.get("stop_sequence"),
+                          embedding=tuple(float(x) for x in data["embedding"]) if data.get("embedding") is not None else None)
     except (ValueError, TypeError, KeyError, AttributeError):
         return None
 

@@ -128,7 +128,7 @@ class Sample:
     base: dict[str, Any]
     prior: int
     attempt: int
-    result: str | None
+    result: str | list[float] | None  # text, or an embedding's vector
     verdict: Verdict | None = None
     last_error: str | None = None  # the last attempt's retryable error (a failed batch, an engine_error)
     row: dict[str, Any] | None = None  # set once the sample is finished
@@ -223,7 +223,7 @@ class RetryTask:
             elif res.error is not None:  # permanent: every attempt would fail the same way
                 s.failed(self.ckpt, res.error)
             else:
-                s.result, s.last_error = res.text, None
+                s.result, s.last_error = list(res.embedding) if res.embedding is not None else res.text, None  # an embedding's vector
                 s.usage = {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens}
                 s.finish_reason = res.finish_reason
                 s.stop_sequence = res.stop_sequence

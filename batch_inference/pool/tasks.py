@@ -45,7 +45,8 @@ async def run_infer(ctx: TaskContext) -> dict[str, int]:
             for record, n, res in zip(chunk, prior, results):
                 row = {**strip_results(record), "attempts": n + 1}
                 if isinstance(res, Completion) and res.error is None:
-                    row.update(result=res.text, error=None, finish_reason=res.finish_reason,
+                    result = list(res.embedding) if res.embedding is not None else res.text  # an embedding's vector
+                    row.update(result=result, error=None, finish_reason=res.finish_reason,
                                usage={"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens})
                     if res.from_cache:  # answered from an earlier run's identical request (pool.result_cache)
                         row["cached"] = True
@@ -85,7 +86,8 @@ async def run_judge(ctx: TaskContext) -> dict[str, int]:
         rejected = await stack.enter_async_context(ctx.file(spec.outputs["rejected"]).writer())
         review = await stack.enter_async_context(ctx.file(review_url).writer()) if review_url else None
         async for chunk in ctx.chunks():
-            ok = [r for r in chunk if r.get("error") is None and isinstance(r.get("result"), str)]
+            # a result is text, or an embedding's vector (judged by kind none only: the spec refuses other judges)
+            ok = [r for r in chunk if r.get("error") is None and isinstance(r.get("result"), (str, list))]
             verdicts = await judging.verdicts(ok, [r["result"] for r in ok], [prior_attempts(r) for r in ok])
             by_id = {id(r): v for r, v in zip(ok, verdicts)}
             yes, no, ask = [], [], []

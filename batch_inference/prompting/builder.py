@@ -162,6 +162,8 @@ class RequestBuilder:
 
     def build(self, record: dict[str, Any], attempt: int) -> Request:
         prompt = self.prompt(record)
+        if self.config.task == "embed":  # no sampling: the vector depends on the prompt alone
+            return Request(prompt, SamplingParams(embed=True, dimensions=self._dimensions(record), seed=None))
         params, base_seed = self._params(record, attempt)
         return Request(prompt, params, explicit_seed=base_seed is not None or params.temperature == 0)
 
@@ -208,6 +210,15 @@ class RequestBuilder:
             raise RequestError(ErrorKind.BAD_SAMPLING, rid, f"{field}.stop has {len(stop)} strings > limits.stop {limits.stop}")
         seed = v.pop("seed", self.base_seed)
         return {k: (tuple(stop) if k == "stop" and stop is not None else v[k]) for k in v}, seed
+
+    def _dimensions(self, record: dict[str, Any]) -> int | None:
+        """An embedding's ``dimensions``: the record's own (an OpenAI embeddings body's), else the spec's."""
+        if "dimensions" not in record or record["dimensions"] is None:
+            return self.config.dimensions
+        value = record["dimensions"]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise RequestError(ErrorKind.BAD_REQUEST, record.get("id"), f"dimensions {value!r}: must be an integer >= 1")
+        return value
 
     def _adapter(self, record: dict[str, Any], rid: Any) -> str | None:
         """The record's own adapter (null: the base model) among the spec's, else the spec's."""

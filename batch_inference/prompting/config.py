@@ -139,6 +139,10 @@ class InferConfig(_Wire):
     null_fields: Literal["error", "empty"] = Field(
         "error", description="a template field that is null: error (its record fails missing_field, as a missing one does) "
                              "or empty (renders as ''); never the string 'None'")
+    task: Literal["generate", "embed"] = Field(
+        "generate", description="generate: text from the prompt; embed: one vector per prompt (result: a list of floats), no decoding")
+    dimensions: int | None = Field(None, ge=1, description="embed: keep each vector's first N (Matryoshka models only); "
+                                                            "a record's own 'dimensions' field overrides it")
 
     @model_validator(mode="after")
     def _check(self) -> InferConfig:
@@ -148,6 +152,12 @@ class InferConfig(_Wire):
             raise ValueError("'system' applies to chat prompts: use 'messages' (or records with messages) instead of 'template'")
         if self.sampling.max_tokens > self.limits.max_tokens:
             raise ValueError(f"sampling.max_tokens {self.sampling.max_tokens} > limits.max_tokens {self.limits.max_tokens}")
+        if self.task == "embed" and self.constrained:
+            raise ValueError("response_format constrains generated text: an embedding (task: embed) generates none")
+        if self.task == "embed" and self.adapter is not None:
+            raise ValueError("adapter: an embedding engine serves no LoRA adapters (task: embed)")
+        if self.task != "embed" and self.dimensions is not None:
+            raise ValueError("dimensions is for embeddings: set task: embed, or leave dimensions out")
         return self
 
     @property

@@ -31,9 +31,11 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from batch_inference.prompting import embeddings
+from batch_inference.prompting.embeddings import EmbeddingsBody, EmbeddingsLine
 from batch_inference.rows import ErrorKind
 
-ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", embeddings.URL: "embeddings"}
 SAMPLING_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "n",
                    "presence_penalty", "frequency_penalty")
 # Body fields that say something about the request, not how to answer it: accepted, ignored.
@@ -123,9 +125,12 @@ def _finish(record: dict[str, Any], url: str, body: _Body) -> dict[str, Any]:
 
 
 # One request line of an OpenAI Batch input file: ``{custom_id, method, url, body}``, read by its url.
-BatchLine = ChatLine | CompletionsLine
-LINES: dict[str, type[ChatLine] | type[CompletionsLine]] = {"/v1/chat/completions": ChatLine, "/v1/completions": CompletionsLine}
-BODIES: dict[str, type[ChatBody] | type[CompletionsBody]] = {"/v1/chat/completions": ChatBody, "/v1/completions": CompletionsBody}
+# (``/v1/embeddings``: ``prompting.embeddings``, which reads and answers those bodies.)
+BatchLine = ChatLine | CompletionsLine | EmbeddingsLine
+LINES: dict[str, type[BatchLine]] = {"/v1/chat/completions": ChatLine, "/v1/completions": CompletionsLine,
+                                     embeddings.URL: EmbeddingsLine}
+BODIES: dict[str, type[ChatBody] | type[CompletionsBody] | type[EmbeddingsBody]] = {
+    "/v1/chat/completions": ChatBody, "/v1/completions": CompletionsBody, embeddings.URL: EmbeddingsBody}
 
 
 def refused_fields(extra: dict[str, Any], url: str) -> list[tuple[str, str]]:
@@ -184,8 +189,8 @@ def _what(error: Any, raw: dict[str, Any]) -> str:
     return f"{'.'.join(loc)}: {error['msg']}"
 
 
-def check_line(raw: dict[str, Any], *, models: frozenset[str] | None = None,
-               constrains: bool = False) -> tuple[ChatLine | CompletionsLine | None, list[tuple[str | None, str]]]:
+def check_line(raw: dict[str, Any], *, models: frozenset[str] | None = None, constrains: bool = False,
+               embeds: bool = False) -> tuple[BatchLine | None, list[tuple[str | None, str]]]:
     """A request line read as its typed ``BatchLine``, and ``(param, why)`` for each thing in it
     this pipeline cannot honour (None: it is no request line this pipeline reads at all).
 
@@ -209,6 +214,10 @@ def check_line(raw: dict[str, Any], *, models: frozenset[str] | None = None,
         problems.append(("model", f"body.model {body.model!r} is not served by this run (accepted: {', '.join(sorted(models))}); "
                                   f"to answer it, list it in the spec's openai_batch.model_aliases, or set "
                                   f"openai_batch.check_model: false to answer every model"))
+    if isinstance(line, EmbeddingsLine) != embeds:
+        problems.append(("url", f"url {line.url!r}: this run {'embeds (infer.task: embed): only /v1/embeddings' if embeds else 'generates text: /v1/embeddings needs infer.task: embed'}"))
+    if isinstance(line, EmbeddingsLine) and (refusal := line.refusal()) is not None:
+        problems.append((refusal.param, str(refusal)))
     if isinstance(body, ChatBody) and body.response_format is not None and not constrains:
         fmt = body.response_format
         if not (isinstance(fmt, dict) and fmt.get("type") == "text"):
@@ -234,6 +243,7 @@ class OpenAIBatchReader:
 
     models: frozenset[str] | None = None
     constrains: bool = False
+    embeds: bool = False  # the run embeds (infer.task: embed): its lines are /v1/embeddings, and only those
     problems: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     endpoints: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -252,11 +262,11 @@ class OpenAIBatchReader:
         self.problems[what].extend(examples[: EXAMPLES - len(self.problems[what])])
         self.units[what] = unit
 
-    def line(self, raw: dict[str, Any], pos: int) -> ChatLine | CompletionsLine | None:
+    def line(self, raw: dict[str, Any], pos: int) -> BatchLine | None:
         """The typed line (``pos``: its 0-based line number), its problems collected; None when
         it is not a request line this run can read (its problems say why)."""
         self.endpoints[str(raw.get("url"))] += 1
-        line, problems = check_line(raw, models=self.models, constrains=self.constrains)
+        line, problems = check_line(raw, models=self.models, constrains=self.constrains, embeds=self.embeds)
         for _, why in problems:
             self._problem(why, line.custom_id if line is not None else _example(raw, pos))
         return line
@@ -286,7 +296,8 @@ def _hex(*parts: str, n: int = 24) -> str:
 
 
 def output_line(row: dict[str, Any], *, run: str, model: str, created: int, judged: bool = False) -> dict[str, Any]:
-    """An answered request: ``response.body`` is a chat.completion (or text_completion).
+    """An answered request: ``response.body`` is a chat.completion (or text_completion, or an
+    embeddings list: ``prompting.embeddings.response_body``).
 
     ``judged``: the answer was approved by a judge of the user's (the API server's per-model
     ``judge``), so the line also says which attempt was approved, beyond OpenAI's fields:
@@ -295,6 +306,8 @@ def output_line(row: dict[str, Any], *, run: str, model: str, created: int, judg
     cid = str(row["id"])
     openai = row.get("openai") or {}
     url = openai.get("url") or ("/v1/completions" if "prompt" in row and "messages" not in row else "/v1/chat/completions")
+    if url == embeddings.URL:
+        return _line(cid, run, embeddings.response_body(row, model=model))
     usage = row.get("usage") or {}
     prompt_tokens = int(usage.get("prompt_tokens") or 0)
     completion_tokens = int(usage.get("completion_tokens") or 0)
@@ -315,12 +328,17 @@ def output_line(row: dict[str, Any], *, run: str, model: str, created: int, judg
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                   "total_tokens": prompt_tokens + completion_tokens},
     }
-    line = {"id": f"batch_req_{_hex(run, 'req', cid)}", "custom_id": cid,
-            "response": {"status_code": 200, "request_id": f"req_{_hex(run, 'id', cid)}", "body": body},
-            "error": None}
+    line = _line(cid, run, body)
     if judged:
         line["judge"] = {"attempt": int(row.get("attempts") or 1), "round": row.get("round"), "verdict": row.get("verdict")}
     return line
+
+
+def _line(cid: str, run: str, body: dict[str, Any]) -> dict[str, Any]:
+    """An answered request's output line around its response ``body``."""
+    return {"id": f"batch_req_{_hex(run, 'req', cid)}", "custom_id": cid,
+            "response": {"status_code": 200, "request_id": f"req_{_hex(run, 'id', cid)}", "body": body},
+            "error": None}
 
 
 def request_error_line(custom_id: str, *, run: str, message: str, param: str | None = None) -> dict[str, Any]:

@@ -140,5 +140,5 @@ def test_responses_bodies_map_to_the_pipelines_chat_request() -> None:
 
 
 def test_every_endpoint_is_one_registry_entry_with_its_own_url() -> None:
-    assert set(ENDPOINTS) == {"/v1/chat/completions", "/v1/completions", "/v1/responses"}
+    assert set(ENDPOINTS) == {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings"}
     assert all(url == e.url for url, e in ENDPOINTS.items())

@@ -102,7 +102,7 @@ def test_keys_ids_errors_and_file_delete(tmp_path: Path) -> None:
         assert too_big.value.status_code == 413
         f = c.files.create(file=("b.jsonl", jsonl([chat_line("a", "x")])), purpose="batch")
         with pytest.raises(openai.BadRequestError) as info:
-            c.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+            c.batches.create(input_file_id=f.id, endpoint="/v1/moderations", completion_window="24h")  # type: ignore[arg-type]
         assert "endpoint" in info.value.message
         with pytest.raises(openai.BadRequestError) as info:
             c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="1h")  # type: ignore[arg-type]

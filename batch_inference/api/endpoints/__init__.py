@@ -6,13 +6,14 @@ pipeline's request, the pipeline's answer -> the response body) and one line bel
 
 from __future__ import annotations
 
-from batch_inference.api.endpoints import chat, completions, responses
+from batch_inference.api.endpoints import chat, completions, embeddings, responses
 from batch_inference.api.endpoints.base import Answered, Endpoint, Refused
 
 ENDPOINTS: dict[str, Endpoint] = {e.url: e for e in (
     chat.ENDPOINT,
     completions.ENDPOINT,
     responses.ENDPOINT,
+    embeddings.ENDPOINT,
 )}
 
 __all__ = ["ENDPOINTS", "Answered", "Endpoint", "Refused"]
