@@ -9,6 +9,10 @@ Five workload shapes, built in code, each a few hundred records on the tiny mode
   request extending the one before, interleaved turn by turn;
 - ``repeats``: exact repeats at greedy sampling, interleaved;
 - ``control``: distinct prompts, nothing shared;
+- ``short_questions`` / ``mid_questions``: short (~170-token) / mid (~700-token) documents
+  asked 6 questions each, 20% of the records exact repeats of others, in random order;
+  ``short_repeats``: distinct prompts of 100-700 tokens, 4 exact copies each, interleaved
+  (issue 41's short requests: run them with ``--output`` 1-16 and a few thousand ``--records``);
 - ``preamble_docs``: a ~2.4 KB instruction preamble every record has (longer than a prefix
   family's name was allowed to be: 512 tokens of 4 characters), then one of 30 short
   documents and a question about it, interleaved. It runs on a pool of **2 local workers**
@@ -80,6 +84,8 @@ REPORTS = Path(__file__).resolve().parent / "reports"
 VOCAB = ("the quick brown fox jumps over a lazy dog while seven wizards quietly box near rivers "
          "mountains and old cities under pale sky bright cold warm river stone field house light").split()
 SHAPES = ("docs_questions", "few_shot", "multi_turn", "repeats", "control", "preamble_docs")
+# short requests (issue 41): prompts of 100-700 tokens, run with --output 1-16 and a few thousand --records
+SHORT_SHAPES = ("short_questions", "mid_questions", "short_repeats")
 POOL_SHAPES = ("preamble_docs",)  # measured on 2 local workers, affinity on and off
 CPU_BLOCK = 128
 
@@ -121,6 +127,17 @@ def build(shape: str, n: int, rng: random.Random) -> list[dict[str, Any]]:
         docs = [f"Document {d}: {words(rng, 90)}" for d in range(max(1, n // questions))]
         asks = [f"Question {q}: {words(rng, 5)}?" for q in range(questions)]
         recs = [{"prompt": f"{preamble}{doc}\n\n{ask}\nAnswer:"} for ask in asks for doc in docs]
+    elif shape in ("short_questions", "mid_questions"):  # short (~170) / mid (~700-token) documents x 6 questions, 20% exact repeats
+        questions, size = 6, 45 if shape == "short_questions" else 220
+        docs = [f"Document {d}: {words(rng, size)}" for d in range(max(1, round(n / questions / 1.2)))]
+        asks = [f"Question {q}: {words(rng, 5)}?" for q in range(questions)]
+        recs = [{"prompt": f"{doc}\n\n{ask}\nAnswer:"} for ask in asks for doc in docs]
+        recs += [dict(r) for r in rng.sample(recs, n - len(recs))] if n > len(recs) else []  # the repeats, interleaved below
+        rng.shuffle(recs)
+    elif shape == "short_repeats":  # distinct prompts of 100-700 tokens, 4 exact copies each, interleaved
+        copies = 4
+        distinct = [f"Request {i}: {words(rng, rng.randint(30, 220))}\nAnswer:" for i in range(max(1, n // copies))]
+        recs = [{"prompt": p} for _ in range(copies) for p in distinct]
     else:
         raise ValueError(shape)
     return [{"id": f"r{i:06d}", **r} for i, r in enumerate(recs)]
@@ -208,12 +225,12 @@ class RawProcess:
 
 
 def pipeline_spec(model: str, blocks: int, root: Path, run: str, data: Path, n: int, output: int, prefix: bool,
-                  stop: list[str] | None = None) -> Any:
+                  stop: list[str] | None = None, signature: str | None = None) -> Any:
     sampling = {"max_tokens": output, "temperature": 0.0, **({"stop": list(stop)} if stop else {})}
     return _raw_vllm.pipeline_spec(
         engine=engine_config(model, blocks), root=root, run=run, data=data, shard_records=max(1, n // 4),
         infer={"sampling": sampling},  # the record's own prompt / messages
-        launcher="inprocess", layout={"prefix": prefix})
+        launcher="inprocess", layout={"prefix": prefix, **({"signature": signature} if signature else {})})
 
 
 async def run_pipeline_once(spec: Any, pool: Any, counters: StepCounters) -> dict[str, Any]:
@@ -318,7 +335,7 @@ async def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict
                         res["records"] = len(records)  # the limit answers every record (duplicates from one request)
                     else:
                         spec = pipeline_spec(model, args.blocks, root, f"{shape}-{rep}-{path}", data, len(records), args.output,
-                                             prefix=path == "on", stop=args.stop)
+                                             prefix=path == "on", stop=args.stop, signature=args.signature)
                         res = await run_pipeline_once(spec, pool, counters)
                     decoded = res["tokens"] if args.stop else len(records) * args.output  # the limit decodes each distinct request once
                     res.update(records_s=res["records"] / res["seconds"], tok_s=decoded / res["seconds"], load=[before, load()],
@@ -521,6 +538,9 @@ def main() -> None:
     ap = shape_arguments(__doc__, "workload_aware.md")
     ap.add_argument("--stop", action="append", help="a stop string every record gets (repeatable): at most --output tokens, "
                     "no min_tokens, on every path")
+    ap.add_argument("--signature", choices=("auto", "tokens", "text"), help="the pipeline's layout.signature (default: "
+                    "main's, auto); tokens: the model's tokenizer, where the text pass's 4 characters a token misjudge "
+                    "the tiny model's ~1.7")
     args = ap.parse_args()
     if args.raw_server:
         return raw_server(args.model, args.blocks)

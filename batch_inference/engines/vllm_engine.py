@@ -315,6 +315,12 @@ class VllmStreamingEngine:
         self.prefix_block_size = prefix_block_size(vllm_config)
         self.name = f"vllm:{cfg.model}"
         self._ids = itertools.count()
+        from vllm import SamplingParams as VllmSamplingParams  # resolved once: vllm's lazy module attributes cost per lookup
+        from vllm.sampling_params import RequestOutputKind
+
+        self._sampling_class = VllmSamplingParams
+        self._final_only = RequestOutputKind.FINAL_ONLY
+        self._sampling_kwargs: dict[SamplingParams, dict[str, Any]] = {}
 
     def prefix_signature(self, tokens: Tokens) -> bytes:
         """The prompt's cacheable blocks as vLLM's prefix cache keys them (``engines.blocks``)."""
@@ -359,11 +365,34 @@ class VllmStreamingEngine:
     async def start(self) -> None:
         """Nothing to bind eagerly: AsyncLLM starts its output handler on the first request."""
 
+    def _vllm_sampling(self, params: SamplingParams) -> Any:
+        """A fresh ``vllm.SamplingParams`` for one request (vLLM updates its request's copy).
+
+        FINAL_ONLY: one output per request, its completion (no per-token deltas to process).
+        Without stop strings or a response format nothing needs the text while decoding:
+        the ids are decoded once at the end instead of incrementally every step on the
+        event loop. ``skip_clone``: vLLM's input processing copies the params it is given
+        (a deep copy, ~45 ``deepcopy`` calls a request on the event loop); this object is
+        the request's own (its ``stop`` list too), so a shallow copy is as safe; a response
+        format's params are deep-copied as before. The keyword arguments are built once per
+        distinct ``params`` (a shard's requests share one).
+        """
+        if params.response_format is not None:  # its StructuredOutputsParams is vLLM's to update: a deep copy each
+            return self._sampling_class(**vllm_sampling_kwargs(params), output_kind=self._final_only, detokenize=True)
+        kwargs = self._sampling_kwargs.get(params)
+        if kwargs is None:
+            detokenize = bool(params.stop)
+            kwargs = {**vllm_sampling_kwargs(params), "output_kind": self._final_only, "detokenize": detokenize,
+                      "skip_clone": True}
+            if len(self._sampling_kwargs) >= 1024:  # bounded: per-record seeds make every params distinct
+                self._sampling_kwargs.clear()
+            self._sampling_kwargs[params] = kwargs
+        if "stop" in kwargs:  # the request's own list
+            return self._sampling_class(**{**kwargs, "stop": list(kwargs["stop"])})
+        return self._sampling_class(**kwargs)
+
     async def complete(self, prompt: Prompt | Tokens, params: SamplingParams) -> Completion:
         """``Tokens`` run as they are; a text or chat prompt is encoded here first (on the loop)."""
-        from vllm import SamplingParams as VllmSamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         if self._llm.errored:
             raise EngineDeadError(f"{self.name}: the vLLM engine core is dead")
         tokens = prompt if isinstance(prompt, Tokens) else encode_prompt(self.tokenizer, prompt)
@@ -375,12 +404,8 @@ class VllmStreamingEngine:
             return errors[0]
         if err := adapter_error(params.adapter, tuple(self._lora)):
             return Completion.failed(err, prompt_tokens=len(ids))
-        # FINAL_ONLY: one output per request, its completion (no per-token deltas to process).
-        # Without stop strings nothing needs the text while decoding: decode the ids once at
-        # the end instead of detokenizing incrementally every step on the event loop.
-        detokenize = bool(params.stop) or params.response_format is not None
-        sampling = VllmSamplingParams(**vllm_sampling_kwargs(params), output_kind=RequestOutputKind.FINAL_ONLY,
-                                      detokenize=detokenize)
+        sampling = self._vllm_sampling(params)
+        detokenize = sampling.detokenize
         final = None
         try:
             async for output in self._llm.generate(self._tokens_input(_as_list(ids)), sampling, f"bi-{next(self._ids)}",

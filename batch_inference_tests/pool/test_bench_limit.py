@@ -69,3 +69,23 @@ def test_the_stop_string_variant_asks_every_path_for_at_most_the_output_and_the_
     wa.write_input(data, [{"id": "r0", "prompt": "hi"}], 32)
     assert orjson.loads(data.read_bytes())["sampling"] == {"max_tokens": 32, "min_tokens": 32}
     assert wa.texts_digest(["a", None]) == wa.texts_digest(["a", None]) != wa.texts_digest(["a", ""])
+
+
+def test_the_short_request_shapes_have_the_records_asked_for_with_exact_repeats_and_short_prompts(tmp_path: Path) -> None:
+    """Issue 41's short shapes: documents x 6 questions with 20% exact repeats, and 4 copies of
+    100-700-token prompts; ``--signature`` reaches the pipeline's ``layout.signature``."""
+    import random
+
+    wa = pytest.importorskip("workload_aware")
+    for shape, distinct in (("short_questions", 2400), ("mid_questions", 2400), ("short_repeats", 720)):
+        recs = wa.build(shape, 2880, random.Random(1))
+        prompts = [r["prompt"] for r in recs]
+        assert len(recs) == 2880 and len({r["id"] for r in recs}) == 2880 and len(set(prompts)) == distinct, shape
+    short = wa.build("short_questions", 2880, random.Random(1))
+    assert max(len(r["prompt"]) for r in short) < 600  # ~170 tokens of the tiny model (~1.7 characters a token)
+    (tmp_path / "m").mkdir()
+    data = tmp_path / "in.jsonl"
+    wa.write_input(data, short[:4], 4)
+    spec = wa.pipeline_spec(str(tmp_path / "m"), 100, tmp_path, "r", data, 4, 4, prefix=True, signature="tokens")
+    assert spec.layout.signature == "tokens"
+    assert wa.pipeline_spec(str(tmp_path / "m"), 100, tmp_path, "r", data, 4, 4, prefix=True).layout.signature == "auto"

@@ -176,3 +176,25 @@ async def test_prefix_cache_hits_come_from_vllms_own_counters(host: EngineHost, 
     sketch = DistinctBlocks.from_text(result.prefix_blocks or "")
     assert sketch.estimate() == 2 and result.prefix_block_size == block
     assert result.prefix_tail_tokens == prompt_tokens - 6 * 2 * block
+
+
+async def test_requests_reach_the_engine_without_a_deep_copy_of_their_params(host: EngineHost, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's input processing deep-copies the params it is given unless they say
+    ``skip_clone`` (~45 ``deepcopy`` calls a request on the event loop, issue 41); ours are
+    each request's own, so none is made (stop strings against raw ``LLM.generate``: test_stop_strings)."""
+    import vllm.sampling_params as vsp
+
+    copies = 0
+    deepcopy = vsp.copy.deepcopy
+
+    def counting(x: object, *args: object, **kwargs: object) -> object:
+        nonlocal copies
+        copies += isinstance(x, vsp.SamplingParams)
+        return deepcopy(x, *args, **kwargs)
+
+    monkeypatch.setattr(vsp.copy, "deepcopy", counting)
+    stop = SamplingParams(max_tokens=8, temperature=0.0, stop=("ugh",))
+    done = await generate(host, ["Hello there", "Hello there", "Good morning"], [stop, stop, fixed(3)])
+    assert copies == 0
+    assert all(c.error is None for c in done)
+    assert done[0].text == done[1].text and "ugh" not in done[0].text and done[2].completion_tokens == 3
