@@ -151,7 +151,9 @@ class DagsterBatches:
         defs, instance = self.definitions(model, spec_data), self.instance()
         with self._pools[model].hosting(batch_id, bridge):
             if not already_started(instance, k, batch_id):
-                config = start_run_config(None, run=batch_id, input=input_url, output=spec_data["output"], k=k)
+                # no plan at the start: a batch's first shard waits for nothing; the server estimates
+                # each batch's finish from its pool's measured rate (api/admission.py) instead
+                config = start_run_config(None, run=batch_id, input=input_url, output=spec_data["output"], plan=False, k=k)
                 result = defs.resolve_job_def(k.name("start_pipeline_run")).execute_in_process(
                     run_config=config, instance=instance, raise_on_error=False, tags={"batch_inference/batch": batch_id})
                 if not result.success:

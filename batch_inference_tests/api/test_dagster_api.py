@@ -45,6 +45,11 @@ def test_each_batch_is_a_dagster_run_of_the_pipeline_with_its_lineage(tmp_path: 
         for key in (k.source, k.sharded, k.tail_retry, k.results):
             mats = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=key, asset_partitions=[batch.id]), limit=5)
             assert len(mats.records) == 1, key
+        # the start prices nothing for a batch (no plan before its first shard): the server estimates its finish itself
+        source = instance.fetch_materializations(dg.AssetRecordsFilter(asset_key=k.source, asset_partitions=[batch.id]), limit=1)
+        started = source.records[0].asset_materialization
+        assert started is not None and "preflight" in started.metadata
+        assert not [name for name in started.metadata if name.startswith("plan")], sorted(started.metadata)
         checks = instance.event_log_storage.get_asset_check_execution_history(
             dg.AssetCheckKey(k.results, "conservation"), limit=5)
         assert checks and checks[0].status.value == "SUCCEEDED"

@@ -71,7 +71,12 @@ start_pipeline_run = build_start_job(DEFAULT)  # the project's own pipeline: spe
 
 
 def start_run_config(spec_path: str | None, *, run: str | None = None, input: str | None = None,
-                     output: str | None = None, k: PipelineKeys = DEFAULT) -> dict:
-    """The run config of pipeline ``k``'s ``start_pipeline_run`` (for schedules, the sensor, the CLI and tests)."""
-    cfg = {key: v for key, v in {"spec_path": spec_path, "run": run, "input": input, "output": output}.items() if v is not None}
+                     output: str | None = None, plan: bool | None = None, k: PipelineKeys = DEFAULT) -> dict:
+    """The run config of pipeline ``k``'s ``start_pipeline_run`` (for schedules, the sensor, the CLI and tests).
+
+    ``plan``: price the run at its start (``planning.plan``: sizing, the layout's timing, a
+    simulation) before its first shard; None keeps the job's default (on). A caller that
+    starts many small runs and estimates them itself (the Batch API server) turns it off."""
+    cfg = {key: v for key, v in {"spec_path": spec_path, "run": run, "input": input, "output": output,
+                                 "plan": plan}.items() if v is not None}
     return {"ops": {k.name("start_run"): {"config": cfg}}}
