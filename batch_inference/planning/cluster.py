@@ -50,6 +50,10 @@ class Overheads:
     recompact_records_per_s: float = 110_000.0
     object_s: float = 0.3
     reshard_records_per_s: float = 110_000.0
+    # the run's finalize: its conservation check streams every input and terminal id through
+    # hashed buckets on the driver's local disk, one core, the pool still held
+    # (bench/reports/scale_10m.md: ~20,000 input records/s at 1M on a loaded 2-core machine; 0: not modelled)
+    finalize_records_per_s: float = 20_000.0
     layout_record_s: float = 0.0
     layout_serial_record_s: float = 0.0
     layout_workers: int = 1
