@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -49,6 +51,7 @@ from batch_inference.engines.config import SimulatedOptions  # noqa: E402
 from batch_inference.engines.decode_model import run_continuous  # noqa: E402
 from batch_inference.engines.simulated import DecodeStreamingEngine, simulated_completion  # noqa: E402
 from batch_inference.pipeline import Ledger, PipelineSpec, RunLayout, run_pipeline  # noqa: E402
+from batch_inference.pipeline.runner import open_runner  # noqa: E402
 from batch_inference.pool.launchers.local import LocalLauncher  # noqa: E402
 
 REPORT = Path(__file__).resolve().parent / "reports" / "gpu_speed.md"
@@ -132,6 +135,8 @@ async def alone(shape: Shape, prompts: list[str]) -> dict[str, float]:
             slots.release()
 
     loop = asyncio.get_running_loop()
+    me = psutil.Process()
+    cpu0 = cpu_s(me)
     t0 = loop.time()
     tasks = []
     for text in prompts:
@@ -139,12 +144,13 @@ async def alone(shape: Shape, prompts: list[str]) -> dict[str, float]:
         tasks.append(asyncio.create_task(one(text)))
     await asyncio.gather(*tasks)
     wall = loop.time() - t0
+    cpu_us = 1e6 * (cpu_s(me) - cpu0) / len(prompts)
     modelled = eng.busy_s
     await eng.aclose()
-    return {"tok_s": tokens / wall, "req_s": len(prompts) / wall, "tokens": tokens, "wall_s": wall, "busy_s": modelled}
+    return {"tok_s": tokens / wall, "req_s": len(prompts) / wall, "tokens": tokens, "wall_s": wall, "busy_s": modelled, "cpu_us": cpu_us}
 
 
-async def pipeline(shape: Shape, prompts: list[str], base: Path, tag: str) -> dict[str, float]:
+async def pipeline(shape: Shape, prompts: list[str], base: Path, tag: str, shards: int) -> dict[str, float]:
     src = base / f"{tag}.jsonl"
     with open(src, "wb") as f:
         f.write(b"".join(orjson.dumps({"id": f"r{i}", "prompt": t}) + b"\n" for i, t in enumerate(prompts)))
@@ -154,19 +160,41 @@ async def pipeline(shape: Shape, prompts: list[str], base: Path, tag: str) -> di
         "engine": {"kind": "simulated", "max_model_len": MAX_MODEL_LEN, "simulated": shape.options()},
         "infer": {"template": "{prompt}", "sampling": {"max_tokens": shape.max_tokens, "temperature": 0.0}},
         "strategy": "rounds", "max_rounds": 1, "layout": {"prefix": False},
+        # ``shards`` shard tasks, 10 at a time on the worker (its default concurrency), as a long
+        # run keeps them: one task alone waits for each chunk's last request (a barrier per chunk)
+        "shard_records": max(1, -(-shape.records // shards)),
         "pool": {"launcher": "local", "replicas": 1, "retries": 0, "name": run, "idle_ttl_s": None},
     })
-    t0 = time.perf_counter()
+    me = psutil.Process()
     try:
-        summary = await run_pipeline(spec)
+        async with open_runner(spec) as runner:  # the worker started first: its CPU over the run alone is counted
+            workers0, driver0 = children_cpu_s(me), cpu_s(me)
+            t0 = time.perf_counter()
+            summary = await run_pipeline(spec, runner=runner)
+            wall = time.perf_counter() - t0
+            workers1, driver1 = children_cpu_s(me), cpu_s(me)
     finally:
         await asyncio.to_thread(LocalLauncher(None, name=run).down)
-    wall = time.perf_counter() - t0
     assert summary.conservation.ok and summary.approved == shape.records, summary
     infer = Ledger(RunLayout(spec.output, spec.run)).view().rounds[0].infer
     assert infer is not None
     return {"tok_s": infer.tokens_out / infer.wall_s, "req_s": shape.records / infer.wall_s, "tokens": infer.tokens_out,
-            "infer_s": infer.wall_s, "busy_s": infer.engine_busy_s, "run_wall_s": wall, "run_tok_s": infer.tokens_out / wall}
+            "infer_s": infer.wall_s, "busy_s": infer.engine_busy_s, "run_wall_s": wall, "run_tok_s": infer.tokens_out / wall,
+            "worker_cpu_us": 1e6 * (workers1 - workers0) / shape.records, "driver_cpu_us": 1e6 * (driver1 - driver0) / shape.records}
+
+
+def cpu_s(p: psutil.Process) -> float:
+    t = p.cpu_times()
+    return t.user + t.system
+
+
+def children_cpu_s(p: psutil.Process) -> float:
+    """CPU seconds of this process's live children (the local pool's worker)."""
+    total = 0.0
+    for c in p.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            total += cpu_s(c)
+    return total
 
 
 async def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -180,7 +208,7 @@ async def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             ide = ideal(shape, prompts)
             load0 = os.getloadavg()[0]
             a = await alone(shape, prompts)
-            pipe = await pipeline(shape, prompts, base, f"{k}")
+            pipe = await pipeline(shape, prompts, base, f"{k}", args.shards)
             assert a["tokens"] == pipe["tokens"] == ide["tokens"], (a["tokens"], pipe["tokens"], ide["tokens"])
             row = {"shape": shape.name, "profile": shape.profile, "records": shape.records,
                    "prompt_tokens": list(shape.prompt_tokens), "output_mean": shape.output_mean, "max_tokens": shape.max_tokens,
@@ -197,13 +225,14 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, took: float) ->
     lines = [
         "# The pipeline at GPU speed: one worker against a simulated H200",
         "",
-        f"`python bench/gpu_speed.py{f' --scale {args.scale}' if args.scale != 1 else ''}{f' --only {args.only}' if args.only else ''}{' --no-sweep' if args.no_sweep else ''}` on "
+        f"`python bench/gpu_speed.py{f' --scale {args.scale}' if args.scale != 1 else ''}{f' --only {args.only}' if args.only else ''}{' --no-sweep' if args.no_sweep else ''}{f' --shards {args.shards}' if args.shards != 20 else ''}` on "
         f"{platform.node()} ({os.cpu_count()} CPUs, shared), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; took {took:.0f} s. "
         "Real time: the simulated continuous engine sleeps each modelled step on the worker's event loop, so every "
         "figure depends on this machine's load (1-min load average per row).",
         "",
         "Output tok/s. *alone*: the engine model driven directly in one process, kept full (at most `capacity()` = "
-        "2 x max_num_seqs in flight). *pipeline*: `run_pipeline`, a local pool of one worker, its infer phase "
+        "2 x max_num_seqs in flight). *pipeline*: `run_pipeline`, a local pool of one worker "
+        f"(the records in {args.shards} shards, 10 tasks at a time), its infer phase "
         "(the ledger's tokens and wall); *whole run*: the same tokens over the whole `run_pipeline` (preflight, "
         "shard step, the worker's start, finalize). *ideal*: the same requests in virtual time (no Python at all). "
         "Output tokens are the same on every side (outputs depend on the prompt alone).",
@@ -217,10 +246,19 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, took: float) ->
             f"| {r['shape']} | {r['profile']} | {r['records']:,} | {p[0]}-{p[1]} | {r['output_mean']} / {r['max_tokens']} | "
             f"{r['ideal']['tok_s']:,.0f} | {r['alone']['tok_s']:,.0f} | {r['pipeline']['tok_s']:,.0f} | **{r['ratio']:.3f}** | "
             f"{r['ratio_ideal']:.3f} | {r['pipeline']['run_tok_s']:,.0f} | {r['pipeline']['req_s']:,.0f} | {r['load'][0]} / {r['load'][1]} |")
-    lines += ["", "Engine request rates (requests/s): ideal / alone / pipeline.", "",
-              "| shape | profile | ideal | alone | pipeline |", "|---|---|---|---|---|"]
-    lines += [f"| {r['shape']} | {r['profile']} | {r['ideal']['req_s']:,.0f} | {r['alone']['req_s']:,.0f} | "
-              f"{r['pipeline']['req_s']:,.0f} |" for r in rows]
+    lines += ["", "Requests/s (ideal / alone / pipeline), and CPU µs a request: the engine model alone (its process: "
+              "answers, scheduler, step loop), the pipeline's worker (the same engine model + the worker's task path: "
+              "reading, rendering, the StreamGate, writing) and the driver. CPU time is what the load does not change "
+              "much: one core at 100% feeds 1e6 / (worker µs a request) requests/s.", "",
+              "| shape | profile | ideal req/s | alone req/s | pipeline req/s | alone CPU µs/req | worker CPU µs/req | "
+              "worker - alone µs/req | driver CPU µs/req | one worker core feeds req/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        a, p = r["alone"], r["pipeline"]
+        if "cpu_us" not in a:
+            continue
+        lines.append(f"| {r['shape']} | {r['profile']} | {r['ideal']['req_s']:,.0f} | {a['req_s']:,.0f} | {p['req_s']:,.0f} | "
+                     f"{a['cpu_us']:.0f} | {p['worker_cpu_us']:.0f} | {p['worker_cpu_us'] - a['cpu_us']:.0f} | "
+                     f"{p['driver_cpu_us']:.0f} | {1e6 / p['worker_cpu_us']:,.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -229,10 +267,15 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0, help="records x this (0.25: a quick look)")
     ap.add_argument("--only", default=None, help="shapes whose name starts with this (short, long, sweep)")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--shards", type=int, default=20, help="shard tasks a run's records are cut into (10 run at once)")
     ap.add_argument("--report", type=Path, default=REPORT)
+    ap.add_argument("--render", action="store_true", help="rebuild the report from its .json (no measurement)")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    rows = asyncio.run(measure(args))
+    if args.render:
+        rows = json.loads(args.report.with_suffix(".json").read_text())
+    else:
+        rows = asyncio.run(measure(args))
     text = render(rows, args, time.perf_counter() - t0)
     args.report.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     args.report.write_text(text)
