@@ -134,19 +134,26 @@ class RssSampler:
         return peaks
 
 
-def measured(fn: Any) -> tuple[Any, float, int, int]:
-    """``fn()``'s result, seconds, Python heap peak (tracemalloc) and the driver's RSS growth."""
+def measured(fn: Any, *, heap: bool) -> tuple[Any, float, int, int]:
+    """``fn()``'s result, seconds, Python heap peak and the driver's peak RSS growth over it.
+
+    ``heap`` traces the heap (tracemalloc), which slows allocation-heavy code several times:
+    then the seconds are not the figure (0 returned for them)."""
     me = psutil.Process()
     rss0 = me.memory_info().rss
-    tracemalloc.start()
+    sampler = RssSampler(0.2)
+    if heap:
+        tracemalloc.start()
     t0 = time.perf_counter()
     try:
-        out = fn()
-        seconds = time.perf_counter() - t0
-        peak = tracemalloc.get_traced_memory()[1]
+        with sampler:
+            out = fn()
+        seconds = 0.0 if heap else time.perf_counter() - t0
+        peak = tracemalloc.get_traced_memory()[1] if heap else 0
     finally:
-        tracemalloc.stop()
-    return out, seconds, peak, me.memory_info().rss - rss0
+        if heap:
+            tracemalloc.stop()
+    return out, seconds, peak, max([s[1] for s in sampler.samples] + [me.memory_info().rss]) - rss0
 
 
 def bytes_under(root: Path) -> dict[str, int]:
@@ -182,11 +189,15 @@ async def measure(args: argparse.Namespace, base: Path) -> dict[str, Any]:
     assert summary.conservation.ok, summary.conservation
     assert summary.records == args.records and summary.approved == args.records, summary
     layout = RunLayout(spec.output, spec.run)
-    view, ledger_s, ledger_heap, ledger_rss = measured(lambda: Ledger(layout).view())
+    view, ledger_s, _, _ = measured(lambda: Ledger(layout).view(), heap=False)
+    _, _, ledger_heap, ledger_rss = measured(lambda: Ledger(layout).view(), heap=True)
     assert view.shard is not None and view.rounds and view.rounds[0].infer is not None
     pr = PipelineRun(spec)
-    report, cons_s, cons_heap, cons_rss = measured(
-        lambda: check_conservation(pr.terminal_sources(), input_records=args.records))
+    report, cons_s, _, cons_rss = measured(  # timed untraced; its heap traced on a smaller run (--conservation-heap)
+        lambda: check_conservation(pr.terminal_sources(), input_records=args.records), heap=False)
+    cons_heap = 0
+    if args.conservation_heap:
+        _, _, cons_heap, _ = measured(lambda: check_conservation(pr.terminal_sources(), input_records=args.records), heap=True)
     assert report.ok
     written = bytes_under(Path(layout.root))
     rss = [s[1] for s in sampler.samples]
@@ -208,7 +219,7 @@ async def measure(args: argparse.Namespace, base: Path) -> dict[str, Any]:
         "samples": len(rss),
         "ledger_view_s": round(ledger_s, 3), "ledger_view_heap_mb": round(ledger_heap / 2**20, 2),
         "ledger_view_rss_growth_mb": round(ledger_rss / 2**20, 1),
-        "conservation_s": round(cons_s, 1), "conservation_heap_mb": round(cons_heap / 2**20, 2),
+        "conservation_s": round(cons_s, 1), "conservation_heap_mb": round(cons_heap / 2**20, 2) if cons_heap else None,
         "conservation_rss_growth_mb": round(cons_rss / 2**20, 1), "conservation_method": report.method,
         "bytes_written": sum(written.values()), "bytes_per_record": round(sum(written.values()) / args.records, 1),
         "bytes_by_folder": written,
@@ -244,14 +255,14 @@ def render(rows: list[dict[str, Any]]) -> str:
             f"{r['workers_rss_peak_mb'] or 0:.0f} | {r['load_before'][0]} / {r['load_after'][0]} | {r['when']} |")
     lines += [
         "",
-        "| records | ledger view s | its heap peak MB | conservation check s | its heap peak MB | its RSS growth MB | bytes written / record | by folder (bytes / record) |",
+        "| records | ledger view s | its heap peak MB | conservation check s | its heap peak MB (traced run) | its peak RSS growth MB | bytes written / record | by folder (bytes / record) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         folders = ", ".join(f"{k} {v / r['records']:.0f}" for k, v in sorted(r["bytes_by_folder"].items(), key=lambda kv: -kv[1]))
         lines.append(
             f"| {r['records']:,} | {r['ledger_view_s']:.3f} | {r['ledger_view_heap_mb']:.2f} | {r['conservation_s']:.1f} | "
-            f"{r['conservation_heap_mb']:.2f} | {r['conservation_rss_growth_mb']:.1f} | {r['bytes_per_record']:.0f} | {folders} |")
+            f"{r['conservation_heap_mb'] or '-'} | {r['conservation_rss_growth_mb']:.1f} | {r['bytes_per_record']:.0f} | {folders} |")
     if len(rows) > 1:
         lo, hi = rows[0], rows[-1]
         lines += ["", f"Driver RSS peak, {hi['records']:,} / {lo['records']:,} records: "
@@ -269,6 +280,8 @@ def main() -> None:
     ap.add_argument("--sample-s", type=float, default=0.5)
     ap.add_argument("--workdir", type=Path, default=None, help="where the input and the run go (default: a temp folder)")
     ap.add_argument("--keep", action="store_true", help="keep the input and the run's folder")
+    ap.add_argument("--conservation-heap", action="store_true",
+                    help="also trace the conservation check's heap (tracemalloc: several times its time again)")
     ap.add_argument("--report", type=Path, default=REPORT)
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="bi-scale-", dir=args.workdir))
