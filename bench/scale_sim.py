@@ -488,7 +488,9 @@ def main() -> None:
         f"per phase a Dagster run + step pod launch {o.phase_launch_s:.0f} s and S3 LIST {o.list_page_s} s per 1,000 objects; "
         f"per round the sensor tick {o.round_gap_s:.0f} s and a serial recompaction at {o.recompact_records_per_s:,.0f} records/s "
         f"+ {o.object_s} s per shard written; resharding the input once at {o.reshard_records_per_s:,.0f} records/s (CPU, before "
-        f"the GPUs are held); preempted replicas return after {o.restart_s:.0f} s; retries {o.retries}.",
+        f"the GPUs are held); the run's finalize (its conservation check over every record, the GPUs held) at "
+        f"{o.finalize_records_per_s:,.0f} records/s (bench/reports/scale_10m.md); preempted replicas return after "
+        f"{o.restart_s:.0f} s; retries {o.retries}.",
         "",
     ]
     capacity_section(lines, w, rates, old)

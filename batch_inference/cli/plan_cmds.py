@@ -52,7 +52,7 @@ def profile(spec_path: Path, records: int, out: Path) -> None:
 @click.option("--gpu-hour-price", "price", type=float, help="price of one GPU-hour, for the cost column")
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="an engine profile from `batch-inference profile` (default: a calibrated decode-step profile)")
-@click.option("--engine-profile", "gpu_profile", help="calibrated decode-step profile (h200-llama-8b, h100-llama-8b, vllm-cpu-tiny)")
+@click.option("--engine-profile", "gpu_profile", help="calibrated decode-step profile (h200-llama-8b, h200-llama-1b, h100-llama-8b, vllm-cpu-tiny)")
 @click.option("--approval", type=float, help="P(approved) per attempt (default: measured by the profile, else 0.5)")
 @click.option("--records", type=int, help="input size (default: the manifest, a count, or an estimate from a sample)")
 @click.option("--json", "as_json", is_flag=True, help="print the plan as JSON")

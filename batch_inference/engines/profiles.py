@@ -104,6 +104,36 @@ PROFILES: dict[str, DecodeProfile] = {
         hardware="one NVIDIA H200 GPU per replica",
         model="Llama-3.1-8B bf16 (vLLM)",
     ),
+    # Llama-3.2-1B bf16 on one H200: the h200-llama-8b arithmetic at the small model's sizes, no
+    # figure fitted (no published vLLM figure for a ~1B model on one H200/H100 with its workload
+    # stated was found; bench/reports/gpu_speed.md). The model (config.json): 1.24B parameters,
+    # 16 layers, 8 KV heads x head_dim 64, tied embeddings.
+    # - step_s: 2.47 GB of weights read once per step at ~80% of 4.8 TB/s = 0.64 ms, plus the
+    #   8B profile's ~0.8 ms of scheduling, sampling and launches: 1.45 ms.
+    # - decode_token_s: the 8B profile's fitted 16 us per decoding sequence scaled by FLOPs per
+    #   token (2 x 1.24B / 2 x 8.03B = 0.154): 2.5 us; prefill_token_s: half, as in the 8B profile.
+    # - kv_token_s: 2 (K, V) x 16 layers x 8 heads x 64 x 2 bytes = 32 KiB per token read at ~80%
+    #   of 4.8 TB/s: 8.5 ns.
+    # - kv_capacity_tokens: 0.9 x 141 GB - 2.5 GB weights - ~4 GB activations ~ 120 GB / 32 KiB
+    #   ~ 3.6M tokens; vLLM V1's defaults for a >= 70 GiB GPU (max_num_seqs 1024,
+    #   max_num_batched_tokens 16384).
+    # On vLLM's throughput shape (1,000 ShareGPT-like prompts at once, ~220 in / ~200 out) it gives
+    # ~64,700 output tok/s, 4.3x the 8B profile's ~14,900 (bench/reports/gpu_speed.md): per step the
+    # fixed cost and attention's KV reads weigh more than the weights, and a request costs the engine
+    # ~5x less, so the pipeline's own cost per request shows first on a small model.
+    "h200-llama-1b": DecodeProfile(
+        name="h200-llama-1b",
+        step_s=1.45e-3,
+        decode_token_s=2.5e-6,
+        prefill_token_s=1.25e-6,
+        kv_token_s=8.5e-9,
+        kv_capacity_tokens=3_600_000,
+        max_num_seqs=1024,
+        max_num_batched_tokens=16_384,
+        source="first-principles H200 + Llama-3.2-1B bf16; per-token cost scaled by FLOPs from the 8B profile's fitted figure",
+        hardware="one NVIDIA H200 GPU per replica",
+        model="Llama-3.2-1B bf16 (vLLM)",
+    ),
     # The same arithmetic at H100 SXM figures (80 GB HBM3, 3.35 TB/s): the calibration check.
     "h100-llama-8b": DecodeProfile(
         name="h100-llama-8b",

@@ -50,6 +50,11 @@ class Overheads:
     recompact_records_per_s: float = 110_000.0
     object_s: float = 0.3
     reshard_records_per_s: float = 110_000.0
+    # the run's finalize: its conservation check streams every input and terminal id through
+    # hashed buckets on the driver's local disk, one core, the pool still held
+    # (bench/reports/scale_10m.md: 80,000 input records/s at 10M at load ~4, 24,000 inside the run at load ~8,
+    # on a shared 2-core machine; 0: not modelled)
+    finalize_records_per_s: float = 80_000.0
     layout_record_s: float = 0.0
     layout_serial_record_s: float = 0.0
     layout_workers: int = 1

@@ -334,8 +334,10 @@ async def _simulate(spec: PipelineSpec, w: Workload, rates: EngineRates, cluster
         unfinished = done - ok + (records - done - tail.quarantined_records)
         attempts["infer"] += done * e
         attempts["judge"] += done * e
-    await asyncio.sleep(o.phase_launch_s)  # results + finalize
-    rounds.append(RoundRecord("results + finalize", approved_total, 0, o.phase_launch_s, 0.0, o.phase_launch_s))
+    # results + finalize: a step's launch, then the conservation check over every record (the pool held)
+    finalize_s = o.phase_launch_s + (w.records / o.finalize_records_per_s if o.finalize_records_per_s > 0 else 0.0)
+    await asyncio.sleep(finalize_s)
+    rounds.append(RoundRecord("results + finalize", approved_total, 0, finalize_s, 0.0, finalize_s))
     wall = loop.time() - t_start
     await sim.stop()
     held = loop.time() - t_gpu

@@ -150,6 +150,8 @@ class PoolClient:
         odd_left = [extra]
 
         def room(e: str) -> int:
+            if e not in base:  # no free slot: it takes none of the fresh tasks (a family's full worker)
+                return 0
             return base[e] - given[e] + (1 if odd_left[0] > 0 and e in odd and given[e] <= base[e] else 0)
 
         def place(i: int, e: str) -> None:

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from batch_inference.engines import EngineConfig, EngineDeadError, SamplingParams, SimulatedOptions, build_engine, is_streaming
 from batch_inference.engines.base import Engine
-from batch_inference.engines.decode_model import DecodeScheduler
+from batch_inference.engines.decode_model import DecodeScheduler, run_continuous
 from batch_inference.engines.lengths import draw_output_tokens, record_rng
 from batch_inference.engines.profiles import PROFILES, DecodeProfile
 from batch_inference.engines.simulated import DecodeBatchEngine, DecodeStreamingEngine, LinearSimulatedEngine
@@ -128,6 +128,22 @@ def test_calibrated_tiny_profile_reproduces_the_measured_vllm_cpu_figures() -> N
     assert sum(out256) / blocking_time(profile, out256, 32) == pytest.approx(5_284, rel=0.03)
     out192 = [draw_output_tokens(record_rng("cal", i), "geometric", 134, max_tokens=192) for i in range(2000)]
     assert 10_000 < sum(out192) / continuous_time(profile, out192, prompt=100) < 11_000
+
+
+def test_h200_1b_profile_is_the_8b_arithmetic_at_the_small_models_sizes() -> None:
+    """profiles.PROFILES["h200-llama-1b"], re-derived from its docstring's figures (nothing fitted)."""
+    small, big = PROFILES["h200-llama-1b"], PROFILES["h200-llama-8b"]
+    hbm = 0.8 * 4.8e12  # bytes/s read at ~80% of the H200's bandwidth
+    assert small.step_s == pytest.approx(2.47e9 / hbm + 0.8e-3, rel=0.02)  # bf16 weights once a step + scheduling
+    assert small.kv_token_s == pytest.approx(2 * 16 * 8 * 64 * 2 / hbm, rel=0.02)  # 32 KiB of KV a token
+    assert small.decode_token_s == pytest.approx(big.decode_token_s * 1.24 / 8.03, rel=0.02)  # FLOPs a token
+    assert small.prefill_token_s == small.decode_token_s / 2
+    assert (small.max_num_seqs, small.max_num_batched_tokens) == (big.max_num_seqs, big.max_num_batched_tokens)
+    # vLLM's throughput shape (~220 in, ~200 out, 1,000 prompts at once): ~4.3x the 8B model's output tok/s
+    reqs = [(draw_output_tokens(record_rng("sharegpt", "p", i), "geometric", 220, max_tokens=8192),
+             draw_output_tokens(record_rng("sharegpt", i), "geometric", 200, max_tokens=1024)) for i in range(1000)]
+    ratio = run_continuous(small, reqs).tokens_per_s / run_continuous(big, reqs).tokens_per_s
+    assert 4.0 < ratio < 4.6
 
 
 # -- output lengths --------------------------------------------------------------

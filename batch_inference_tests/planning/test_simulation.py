@@ -61,6 +61,17 @@ def test_one_pass_follows_the_capacity_math() -> None:
     assert res.model_calls == pytest.approx(400_000 * RATES.calls_per_record)
 
 
+def test_finalize_checks_conservation_over_every_record_with_the_pool_held() -> None:
+    """``Overheads.finalize_records_per_s``: the run's conservation check, one pass over every
+    record on the driver (bench/reports/scale_10m.md), after the last phase, every GPU still held."""
+    w = Workload(records=400_000, approval=0.9)
+    base = Overheads(phase_launch_s=0, task_s=0, driver_task_s=0, list_page_s=0, progress_read_s=0)
+    plain = simulate(spec(), w, RATES, phases="one_round", overheads=dataclasses.replace(base, finalize_records_per_s=0))
+    checked = simulate(spec(), w, RATES, phases="one_round", overheads=dataclasses.replace(base, finalize_records_per_s=20_000))
+    assert checked.wall_s - plain.wall_s == pytest.approx(400_000 / 20_000)
+    assert checked.gpu_s - plain.gpu_s == pytest.approx(4 * 400_000 / 20_000)  # 4 replicas held through it
+    assert next(r for r in checked.rounds if r.name == "results + finalize").wall_s == pytest.approx(20)
+
 def test_the_judge_step_reads_the_infer_phases_progress_records_first() -> None:
     """``Overheads.progress_read_s`` per shard before each judge phase (the driver's ledger read,
     bench/reports/ledger_overhead.md), none before an infer phase."""

@@ -242,3 +242,15 @@ async def test_no_worker_reachable_for_longer_than_the_bound_fails_the_task_nami
         with pytest.raises(TaskFailed) as info:
             await pool.run_task(SPEC)
     assert any(dead in e for e in info.value.errors) and "no worker could be reached" in info.value.errors[-1]
+
+
+async def test_a_task_whose_familys_worker_is_full_goes_to_a_worker_with_room(serve) -> None:
+    # the family's worker had no free slot, so it was not among the workers sharing the fresh
+    # tasks: placing the task raised KeyError in the event loop's callback and it waited forever
+    workers = [Scripted(n, [], delay_s=0.5) for n in "ab"]
+    urls = [await serve(w) for w in workers]
+    async with PoolClient(urls, concurrency=1) as pool:
+        first = asyncio.create_task(pool.run_task(_family_spec(0, "f")))
+        await asyncio.sleep(0.1)  # placed: its worker is the family's, and now full
+        second = await asyncio.wait_for(pool.run_task(_family_spec(1, "f")), 5)
+        assert second.worker != (await first).worker
