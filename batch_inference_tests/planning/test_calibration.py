@@ -111,7 +111,9 @@ def test_a_profile_measures_engine_work_whatever_the_result_cache_holds(tmp_path
     assert entries(warm_cache) == before  # nothing read (a hit refreshes its mtime) and nothing added
     cold = run_measure_profile(spec(cold_cache), records=80, workdir=str(tmp_path / "work-cold"))
     assert entries(cold_cache) == {}
-    for measured in ("infer_s", "judge_s", "tail_attempt_s"):  # the same engine, within a generous factor
+    # the same engine, within a generous factor (not judge_s: this spec's rule judge takes ~0.1 ms a
+    # record, which the cache never touches and a loaded machine's noise swamps)
+    for measured in ("infer_s", "tail_attempt_s"):
         assert getattr(cold, measured) / 3 <= getattr(warm, measured) <= getattr(cold, measured) * 3, measured
     # an in-place attempt infers a record (and judges it): never priced at a cache read's cost
     assert warm.tail_attempt_s >= 0.5 * warm.infer_s and cold.tail_attempt_s >= 0.5 * cold.infer_s
