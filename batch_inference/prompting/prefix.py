@@ -35,8 +35,10 @@ submission order and figures that predict the cache (``lru_blocks_computed``, ``
 from __future__ import annotations
 
 import array
+import itertools
 import logging
 import math
+import os
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal, NamedTuple, Protocol
@@ -52,7 +54,8 @@ SignatureKind = Literal["auto", "tokens", "text"]
 VLLM_GPU_BLOCK_SIZE = 16  # vLLM's default block size on CUDA
 VLLM_CPU_BLOCK_SIZE = 128  # vLLM-CPU's block size
 SIMULATED_CHARS_PER_TOKEN = 4  # engines.simulated: one token per 4 characters
-CALIBRATION_PROMPTS = 256  # prompts a run's characters a token are measured on (a few ms of tokenising)
+CALIBRATION_PROMPTS = 256  # prompts a run's characters a token are measured on, at most ...
+CALIBRATION_CHARS = 65_536  # ... and characters (at least one prompt): ~10-30 ms of tokenising
 MIN_CHARS_PER_TOKEN = 0.5  # the measured figure is kept within [MIN, MAX]_CHARS_PER_TOKEN
 # A tokenizer is given at most this many characters per token it is asked for: a rendered
 # prompt is cut there before tokenising (the blocks past max_blocks are dropped anyway).
@@ -226,11 +229,11 @@ class PlainTextTokens:
     role markers and turns are tokens the text cannot place, so chat keeps the tokenizer.
     """
 
-    def __init__(self, engine: EngineConfig, chars: float = SIMULATED_CHARS_PER_TOKEN, chat: PrefixTokenizer | None = None) -> None:
+    def __init__(self, engine: EngineConfig, chars: float = SIMULATED_CHARS_PER_TOKEN) -> None:
         self.engine = engine
         self.text = CharTokens(chars)
         self.name = f"text for plain prompts ({chars:g} characters a token), {engine.model}'s tokenizer for chat"
-        self._chat = chat  # the model's tokenizer, when the run loaded it already (to measure ``chars``)
+        self._chat: PrefixTokenizer | None = None
 
     def __getstate__(self) -> dict[str, Any]:  # a layout worker process loads its own tokenizer, when it meets chat
         return {**self.__dict__, "_chat": None}
@@ -259,16 +262,25 @@ class PlainTextTokens:
 
 
 def chars_per_token(tokenizer: Any, prompts: Sequence[Prompt]) -> float | None:
-    """Characters a token of a Hugging Face ``tokenizer`` over the first ``CALIBRATION_PROMPTS``
-    of ``prompts`` (their text, as ``CharTokens`` reads it), rounded to 0.01 and kept within
+    """Characters a token of ``tokenizer`` (a Hugging Face tokenizer, or a ``tokenizers.Tokenizer``)
+    over the first prompts of ``prompts`` (``CALIBRATION_PROMPTS`` and ``CALIBRATION_CHARS`` at
+    most; their text, as ``CharTokens`` reads it), rounded to 0.01 and kept within
     ``MIN_CHARS_PER_TOKEN``..``MAX_CHARS_PER_TOKEN``; None when there is no text to measure."""
-    texts = [t for t in (prompt_text(p) for p in prompts[:CALIBRATION_PROMPTS]) if t]
+    texts: list[str] = []
+    chars = 0
+    for text in itertools.islice((prompt_text(p) for p in prompts), CALIBRATION_PROMPTS):
+        if text and (not texts or chars + len(text) <= CALIBRATION_CHARS):
+            texts.append(text)
+            chars += len(text)
     if not texts:
         return None
-    tokens = sum(map(len, tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]))
+    if callable(tokenizer):
+        tokens = sum(map(len, tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]))
+    else:  # tokenizers.Tokenizer: special tokens added by default, as the engine adds them
+        tokens = sum(len(e.ids) for e in tokenizer.encode_batch(texts))
     if not tokens:
         return None
-    return round(min(MAX_CHARS_PER_TOKEN, max(MIN_CHARS_PER_TOKEN, sum(map(len, texts)) / tokens)), 2)
+    return round(min(MAX_CHARS_PER_TOKEN, max(MIN_CHARS_PER_TOKEN, chars / tokens)), 2)
 
 
 def prompt_order_key(prompt: Prompt) -> tuple[int, Any]:
@@ -307,6 +319,21 @@ def _load_tokenizer(engine: EngineConfig) -> Any | None:
         return None
 
 
+def _measuring_tokenizer(engine: EngineConfig) -> Any | None:
+    """A tokenizer to measure characters a token with, without a per-record tokenizer: a local
+    model's ``tokenizer.json`` through ``tokenizers`` (~15 ms to import and load, where
+    transformers takes seconds to import on a driver that has not), else the model's own."""
+    path = os.path.join(engine.model, "tokenizer.json")
+    if os.path.isfile(path):
+        try:
+            from tokenizers import Tokenizer
+
+            return Tokenizer.from_file(path)
+        except Exception as exc:  # noqa: BLE001 - a file tokenizers cannot read: the model's own loader
+            log.debug("prefix signatures: %s through tokenizers: %s", path, exc)
+    return _load_tokenizer(engine)
+
+
 def prefix_tokenizer(engine: EngineConfig, kind: SignatureKind = "tokens", *, sample: Sequence[Prompt] = (),
                      chars: float | None = None) -> PrefixTokenizer:
     """The tokens a signature is made of, for this engine.
@@ -316,26 +343,23 @@ def prefix_tokenizer(engine: EngineConfig, kind: SignatureKind = "tokens", *, sa
     ``text``: characters (no tokenizer per record). ``auto``: text for plain prompts, the
     model's tokenizer for chat (``PlainTextTokens``). Text's characters a token are
     ``chars`` when given (a figure the run recorded), else measured with the model's
-    tokenizer on ``sample`` (``chars_per_token``; loading it once), else 4 (no sample, no
-    tokenizer here); the simulated engine's are 4 (its tokenizer).
+    tokenizer on ``sample`` (``chars_per_token``, ``_measuring_tokenizer``), else 4 (no
+    sample, no tokenizer here); the simulated engine's are 4 (its tokenizer).
     """
     if engine.kind == "simulated":
         return CharTokens(SIMULATED_CHARS_PER_TOKEN)
-    tokenizer = None
-    if kind == "tokens" or (chars is None and sample):
-        tokenizer = _load_tokenizer(engine)
-    if chars is None and tokenizer is not None and sample:
-        chars = chars_per_token(tokenizer, sample)
-        log.info("prefix signatures: %s makes %s characters a token on %d of the run's prompts", engine.model, chars,
-                 min(len(sample), CALIBRATION_PROMPTS))
+    tokenizer = _load_tokenizer(engine) if kind == "tokens" else None
+    if chars is None and sample:
+        measuring = tokenizer if tokenizer is not None else _measuring_tokenizer(engine)
+        if measuring is not None:
+            chars = chars_per_token(measuring, sample)
+            log.info("prefix signatures: %s makes %s characters a token on the run's first prompts", engine.model, chars)
     chars = chars or SIMULATED_CHARS_PER_TOKEN
     if kind == "text" or (kind == "tokens" and tokenizer is None):
         return CharTokens(chars)
-    model_tokens = None if tokenizer is None else HFTokens(tokenizer, name=f"{engine.model}'s tokenizer", text_chars=chars)
     if kind == "auto":
-        return PlainTextTokens(engine, chars, model_tokens)
-    assert model_tokens is not None
-    return model_tokens
+        return PlainTextTokens(engine, chars)  # the model's tokenizer loaded at the first chat prompt
+    return HFTokens(tokenizer, name=f"{engine.model}'s tokenizer", text_chars=chars)
 
 
 def text_tokens(tokenizer: PrefixTokenizer) -> CharTokens:
