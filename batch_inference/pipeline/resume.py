@@ -23,16 +23,16 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from batch_inference.engines.base import Prompt
 from batch_inference.pipeline import inputs, passes, placement
 from batch_inference.pipeline.accounting import EXAMPLES, InputAccount, line_name
 from batch_inference.pipeline.layout import RunLayout
 from batch_inference.pipeline.ledger import Ledger
 from batch_inference.pipeline.spec import PipelineSpec, SpecChanged, result_changes
 from batch_inference.pipeline.summaries import LayoutSummary, ShardSummary
-from batch_inference.prompting.openai_batch import OpenAIBatchReader
-from batch_inference.engines.base import Prompt
 from batch_inference.prompting import RequestBuilder
-from batch_inference.prompting.prefix import CALIBRATION_PROMPTS, PrefixSigner
+from batch_inference.prompting.openai_batch import OpenAIBatchReader
+from batch_inference.prompting.prefix import CALIBRATION_PROMPTS, SIMULATED_CHARS_PER_TOKEN, PrefixSigner
 from batch_inference.storage import JsonlDir, ReshardReport
 
 if TYPE_CHECKING:
@@ -212,12 +212,13 @@ class Resume:
     def signer(self) -> PrefixSigner:
         """The layout's signer: the shard step's, recompaction's and the dispatch's, one a run
         (blocking: its tokenizer's load). Its text's characters a token are the ones the shard
-        step's layout recorded, else measured on the first records of ``sharded/`` (the input's
-        order: a shard step that starts again reshards it, and measures the same records)."""
+        step's layout recorded (4 in a ledger from before the figure was recorded), else
+        measured on the first records of ``sharded/`` (the input's order: a shard step that
+        starts again reshards it, and measures the same records)."""
         with self._signer_lock:
             if self._signer is None:
                 laid = (self.ledger.read(RunLayout.SHARD) or {}).get("layout") or {}
-                chars = float(laid.get("chars_per_token") or 0) or None
+                chars = float(laid.get("chars_per_token") or SIMULATED_CHARS_PER_TOKEN) if laid else None
                 sample = [] if chars is not None or not self.spec.layout.prefix else self._sample_prompts()
                 self._signer = layout_signer(self.spec, sample=sample, chars=chars)
             return self._signer

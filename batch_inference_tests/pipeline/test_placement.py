@@ -511,6 +511,13 @@ async def test_short_documents_share_blocks_at_the_models_characters_a_token(tmp
     sigs = [s.blocks for s in signer.sign([placement_mod.record_prompt(builder, r) for r in rows])]
     assert sigs == sorted(sigs)  # laid out in the order this signer signs
     assert sum(shared_blocks(a, b) == 0 for a, b in zip(sigs, sigs[1:])) == len(docs) - 1  # each document's records together
+    # a ledger from before the figure was recorded was laid out at 4 characters a token: signed so again
+    shard = later.ledger.read(RunLayout.SHARD)
+    del shard["layout"]["chars_per_token"]
+    later.ledger.write(RunLayout.SHARD, shard)
+    from batch_inference.prompting.prefix import text_tokens
+
+    assert text_tokens(PipelineRun(spec).ctx.signer().tokenizer).chars == 4
 
 
 async def test_nothing_shared_at_the_models_characters_a_token_keeps_input_order(tmp_path: Path,
