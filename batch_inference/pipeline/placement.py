@@ -62,7 +62,7 @@ from batch_inference.pipeline.prefix_pass import (
 )
 from batch_inference.pipeline.summaries import LayoutSummary
 from batch_inference.prompting import InferConfig, RequestBuilder
-from batch_inference.prompting.prefix import CharTokens, PlainTextTokens, PrefixSigner, shared_blocks
+from batch_inference.prompting.prefix import CharTokens, PlainTextTokens, PrefixSigner, shared_blocks, text_tokens
 from batch_inference.storage import JsonlDir, JsonlFile
 from batch_inference.storage._io import ShardStats
 from batch_inference.storage.sort import ExternalSort
@@ -174,7 +174,8 @@ def layout_by_prefix(
 ) -> LayoutSummary:
     """Rewrite the JsonlDir at ``url`` in prefix order, when that pays (blocking: a CPU pass).
 
-    First a cheap pass signs every record by its text (``CharTokens``: no tokenizer) and
+    First a cheap pass signs every record by its text (``CharTokens``: no tokenizer; at the
+    characters a token the signer's text was measured at, ``prompting.prefix.text_tokens``) and
     sorts the signatures alone: when prefix order would not share ``min_gain`` more, it
     stops there and the directory keeps its order (no record tokenised). Otherwise, with a
     tokenizer-backed ``signer``, a second pass signs every record by the engine's tokens and
@@ -203,7 +204,8 @@ def layout_by_prefix(
     t0 = time.perf_counter()
     by_text = isinstance(signer.tokenizer, CharTokens)
     auto = isinstance(signer.tokenizer, PlainTextTokens)  # plain prompts by text: signed as the gate signs them
-    gate_signer = signer if by_text else PrefixSigner(CharTokens(), block_size=signer.block_size, max_blocks=signer.max_blocks)
+    gate_signer = signer if by_text else PrefixSigner(text_tokens(signer.tokenizer), block_size=signer.block_size,
+                                                      max_blocks=signer.max_blocks)  # text at the model's characters a token
     sign_s = 0.0
     cuts_shared = 0
     n_workers = layout_workers(workers, man.records, len(man.shards),
@@ -244,6 +246,7 @@ def layout_by_prefix(
         shared_input=final.shared_input, shared_sorted=final.shared_sorted, gain=round(final.gain, 4),
         sign_s=round(sign_s, 3), sort_s=round(time.perf_counter() - t0 - sign_s, 3), runs=runs, merge_levels=levels,
         text_gain=round(gate.gain, 4), cuts_shared=cuts_shared, common_blocks=final.common, workers=n_workers,
+        chars_per_token=gate_signer.tokenizer.chars,  # type: ignore[attr-defined]  # the gate's: CharTokens
     )
     log.info("layout %s: %s (%d records, %d blocks, signing %.1f s on %d process%s, sorting %.1f s)",
              d.url, reason, summary.records, summary.blocks, summary.sign_s, n_workers, "es" if n_workers > 1 else "",

@@ -12,23 +12,27 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import logging
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from batch_inference.engines.base import Prompt
 from batch_inference.pipeline import inputs, passes, placement
 from batch_inference.pipeline.accounting import EXAMPLES, InputAccount, line_name
 from batch_inference.pipeline.layout import RunLayout
 from batch_inference.pipeline.ledger import Ledger
 from batch_inference.pipeline.spec import PipelineSpec, SpecChanged, result_changes
 from batch_inference.pipeline.summaries import LayoutSummary, ShardSummary
+from batch_inference.prompting import RequestBuilder
 from batch_inference.prompting.openai_batch import OpenAIBatchReader
-from batch_inference.prompting.prefix import PrefixSigner
+from batch_inference.prompting.prefix import CALIBRATION_PROMPTS, SIMULATED_CHARS_PER_TOKEN, PrefixSigner
 from batch_inference.storage import JsonlDir, ReshardReport
 
 if TYPE_CHECKING:
@@ -54,6 +58,8 @@ class Resume:
         self.layout = layout
         self.ledger = ledger
         self.storage_options = spec.storage_options or None
+        self._signer: PrefixSigner | None = None
+        self._signer_lock = threading.Lock()  # the shard step's thread and the dispatch may ask at once
 
     def check_spec(self) -> None:
         """Refuse to go on under a spec whose result-deciding keys changed since the run
@@ -204,8 +210,31 @@ class Resume:
         return report, fmt
 
     def signer(self) -> PrefixSigner:
-        """The layout's signer: the shard step's and recompaction's."""
-        return layout_signer(self.spec)
+        """The layout's signer: the shard step's, recompaction's and the dispatch's, one a run
+        (blocking: its tokenizer's load). Its text's characters a token are the ones the shard
+        step's layout recorded (4 in a ledger from before the figure was recorded), else
+        measured on the first records of ``sharded/`` (the input's order: a shard step that
+        starts again reshards it, and measures the same records)."""
+        with self._signer_lock:
+            if self._signer is None:
+                laid = (self.ledger.read(RunLayout.SHARD) or {}).get("layout") or {}
+                chars = float(laid.get("chars_per_token") or SIMULATED_CHARS_PER_TOKEN) if laid else None
+                sample = [] if chars is not None or not self.spec.layout.prefix else self._sample_prompts()
+                self._signer = layout_signer(self.spec, sample=sample, chars=chars)
+            return self._signer
+
+    def _sample_prompts(self) -> list[Prompt]:
+        """The prompts of the first ``CALIBRATION_PROMPTS`` records of ``sharded/`` (none before it is written)."""
+        d = JsonlDir(self.layout.sharded, storage_options=self.storage_options)
+        if d.manifest() is None:
+            return []
+        builder = RequestBuilder(self.spec.request_infer)
+        lines = d.iter_parsed_lines_sync()
+        try:
+            return [p for rec, _ in itertools.islice(lines, CALIBRATION_PROMPTS)
+                    if (p := placement.record_prompt(builder, rec)) is not None]
+        finally:
+            lines.close()
 
     def _lay_out(self, on_shard: Callable[[dict[str, Any], int], None] | None = None) -> LayoutSummary:
         """``sharded/`` in prefix order (``pipeline.placement``; blocking); ``on_shard``: each
@@ -218,7 +247,9 @@ class Resume:
         )
 
 
-def layout_signer(spec: PipelineSpec) -> PrefixSigner:
-    """The signer a run's layout pass signs records with (the plan prices the pass with it too)."""
+def layout_signer(spec: PipelineSpec, *, sample: Sequence[Prompt] = (), chars: float | None = None) -> PrefixSigner:
+    """The signer a run's layout pass signs records with (the plan prices the pass with it too);
+    its text's characters a token are ``chars``, else measured on ``sample`` (``prompting.prefix``)."""
     p = spec.layout
-    return PrefixSigner.for_engine(spec.engine, kind=p.signature, block_size=p.block_size, prefix_tokens=p.prefix_tokens)
+    return PrefixSigner.for_engine(spec.engine, kind=p.signature, block_size=p.block_size, prefix_tokens=p.prefix_tokens,
+                                   sample=sample, chars=chars)

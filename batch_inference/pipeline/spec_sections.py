@@ -165,7 +165,8 @@ class LayoutSpec(_Strict):
     prefix: bool = Field(True, description="prefix-aware layout at sharding + cache-friendly submission order in workers")
     signature: Literal["auto", "tokens", "text"] = Field(
         "auto", description="auto: plain prompts by text, chat by the model's tokenizer; tokens: the model's tokenizer "
-                            "(vLLM's blocks exactly); text: 4 characters a token, no tokenizer")
+                            "(vLLM's blocks exactly); text: every record by text, at the model's characters a token (measured once "
+                            "on a sample of the run's prompts), no tokenizer per record")
     block_size: int | None = Field(None, ge=1, description="tokens a block (default: the engine's, vLLM 16 on GPU, 128 on CPU)")
     prefix_tokens: int = Field(2048, ge=1, description="tokens of each request its signature covers")
     min_gain: float = Field(0.01, ge=0.0, le=1.0,

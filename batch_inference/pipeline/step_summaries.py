@@ -113,6 +113,9 @@ class LayoutSummary(_Summary):
     cuts_shared: int = 0
     common_blocks: int = 0  # leading blocks every record shares (a preamble): families lie past them
     workers: int = 1  # processes the passes signed in (placement.layout_workers)
+    # the text pass's characters a token (measured with the model's tokenizer on a sample of the
+    # run's prompts; 4 for the simulated engine): a resumed run's signer signs text at this figure
+    chars_per_token: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -37,9 +37,11 @@ from typing import Any
 
 import orjson
 
-from batch_inference.pipeline.placement import layout_by_prefix, layout_workers
+from batch_inference.pipeline.placement import layout_by_prefix, layout_workers, record_prompt
 from batch_inference.pipeline.resume import layout_signer
 from batch_inference.pipeline.spec import PipelineSpec
+from batch_inference.prompting import RequestBuilder
+from batch_inference.prompting.prefix import CALIBRATION_PROMPTS
 from batch_inference.storage import JsonlDir
 
 
@@ -74,7 +76,9 @@ def measure_layout(spec: PipelineSpec, sample: list[dict[str, Any]], *, applies:
     if not spec.layout.prefix or not sample:
         return None
     sample = sample[:SAMPLE_RECORDS]
-    signer = layout_signer(spec)  # the tokenizer's load is the run's once, not a record's
+    builder = RequestBuilder(spec.request_infer)
+    prompts = [p for rec in sample[:CALIBRATION_PROMPTS] if (p := record_prompt(builder, rec)) is not None]
+    signer = layout_signer(spec, sample=prompts)  # the tokenizer's load is the run's once, not a record's
     p = spec.layout
     folder = tempfile.mkdtemp(prefix="bi-plan-layout-")
     try:

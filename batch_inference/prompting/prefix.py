@@ -17,7 +17,11 @@ Tokens come from a ``PrefixTokenizer``:
   ``engines.chat.prompt_text`` writes it). With 4 characters it is the simulated
   engine's tokenizer (``engines.simulated.simulated_token_count``); for a real model it
   is the cheap path: a shared text prefix is a shared token prefix, so it groups the same
-  families at a fraction of the cost (no tokenizer call);
+  families at a fraction of the cost (no tokenizer call per record). Its characters a
+  token are the model's, measured once a run on a sample of the run's prompts
+  (``chars_per_token``): a block of text is then about a block of the model's tokens, so
+  the text pass sees the blocks the engine's cache will share (at a constant 4, a tiny
+  model's ~1.7 put a 128-token block of ~220 characters under one 512-character text block);
 - ``PlainTextTokens`` (``layout.signature: auto``, the default): plain prompts by text,
   chat by the model's tokenizer (a chat template's turns are tokens text cannot place).
 
@@ -31,7 +35,10 @@ submission order and figures that predict the cache (``lru_blocks_computed``, ``
 from __future__ import annotations
 
 import array
+import itertools
 import logging
+import math
+import os
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal, NamedTuple, Protocol
@@ -47,6 +54,9 @@ SignatureKind = Literal["auto", "tokens", "text"]
 VLLM_GPU_BLOCK_SIZE = 16  # vLLM's default block size on CUDA
 VLLM_CPU_BLOCK_SIZE = 128  # vLLM-CPU's block size
 SIMULATED_CHARS_PER_TOKEN = 4  # engines.simulated: one token per 4 characters
+CALIBRATION_PROMPTS = 256  # prompts a run's characters a token are measured on, at most ...
+CALIBRATION_CHARS = 65_536  # ... and characters (at least one prompt): ~10-30 ms of tokenising
+MIN_CHARS_PER_TOKEN = 0.5  # the measured figure is kept within [MIN, MAX]_CHARS_PER_TOKEN
 # A tokenizer is given at most this many characters per token it is asked for: a rendered
 # prompt is cut there before tokenising (the blocks past max_blocks are dropped anyway).
 MAX_CHARS_PER_TOKEN = 8
@@ -120,13 +130,18 @@ def family_key(blocks: bytes, common: int) -> str | None:
 
 class Packed(NamedTuple):
     """A prompt's first tokens packed as bytes, ``width`` bytes a token (each prompt's own:
-    ``PlainTextTokens`` packs text and token ids side by side), how many tokens were made
-    (all of the prompt's unless ``cut``), and whether the text was cut before tokenising."""
+    ``PlainTextTokens`` packs text and token ids side by side; text's is 4 bytes a character
+    times its characters a token, not always whole), how many tokens were made (all of the
+    prompt's unless ``cut``), and whether the text was cut before tokenising."""
 
     data: bytes
     tokens: int
-    width: int
+    width: float
     cut: bool = False
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes of ``block_size`` tokens: whole 4-byte units (a token id, a UTF-32 character)."""
+        return 4 * max(1, round(block_size * self.width / 4))
 
 
 class PrefixTokenizer(Protocol):
@@ -138,20 +153,23 @@ class PrefixTokenizer(Protocol):
 
 
 class CharTokens:
-    """``chars`` characters of the prompt's text per token (UTF-32: 4 bytes a character)."""
+    """``chars`` characters of the prompt's text per token (UTF-32: 4 bytes a character;
+    ``chars`` need not be whole: a block of ``b`` tokens is ``round(b x chars)`` characters)."""
 
-    def __init__(self, chars: int = SIMULATED_CHARS_PER_TOKEN) -> None:
+    def __init__(self, chars: float = SIMULATED_CHARS_PER_TOKEN) -> None:
+        if chars <= 0:
+            raise ValueError(f"characters a token must be > 0, got {chars}")
         self.chars = chars
         self.width = 4 * chars
-        self.name = f"text ({chars} characters a token)"
+        self.name = f"text ({chars:g} characters a token)"
 
     def pack(self, prompts: Sequence[Prompt], max_tokens: int | None) -> list[Packed]:
         out = []
         for p in prompts:
             text = prompt_text(p)
-            n = max(1, -(-len(text) // self.chars))
+            n = max(1, math.ceil(len(text) / self.chars))
             if max_tokens is not None:
-                text = text[:max_tokens * self.chars]
+                text = text[:math.ceil(max_tokens * self.chars)]
             out.append(Packed(text.encode("utf-32-le"), n, self.width))
         return out
 
@@ -169,9 +187,10 @@ class HFTokens:
 
     width = 4
 
-    def __init__(self, tokenizer: Any, name: str = "tokenizer") -> None:
+    def __init__(self, tokenizer: Any, name: str = "tokenizer", text_chars: float = SIMULATED_CHARS_PER_TOKEN) -> None:
         self.tokenizer = tokenizer
         self.name = name
+        self.text_chars = text_chars  # the text pass's estimate of this tokenizer (``chars_per_token``)
 
     def _render(self, p: Prompt) -> tuple[str, bool]:
         if isinstance(p, ChatPrompt):
@@ -210,10 +229,10 @@ class PlainTextTokens:
     role markers and turns are tokens the text cannot place, so chat keeps the tokenizer.
     """
 
-    def __init__(self, engine: EngineConfig) -> None:
+    def __init__(self, engine: EngineConfig, chars: float = SIMULATED_CHARS_PER_TOKEN) -> None:
         self.engine = engine
-        self.text = CharTokens(SIMULATED_CHARS_PER_TOKEN)
-        self.name = f"text for plain prompts ({SIMULATED_CHARS_PER_TOKEN} characters a token), {engine.model}'s tokenizer for chat"
+        self.text = CharTokens(chars)
+        self.name = f"text for plain prompts ({chars:g} characters a token), {engine.model}'s tokenizer for chat"
         self._chat: PrefixTokenizer | None = None
 
     def __getstate__(self) -> dict[str, Any]:  # a layout worker process loads its own tokenizer, when it meets chat
@@ -242,6 +261,28 @@ class PlainTextTokens:
         return out
 
 
+def chars_per_token(tokenizer: Any, prompts: Sequence[Prompt]) -> float | None:
+    """Characters a token of ``tokenizer`` (a Hugging Face tokenizer, or a ``tokenizers.Tokenizer``)
+    over the first prompts of ``prompts`` (``CALIBRATION_PROMPTS`` and ``CALIBRATION_CHARS`` at
+    most; their text, as ``CharTokens`` reads it), rounded to 0.01 and kept within
+    ``MIN_CHARS_PER_TOKEN``..``MAX_CHARS_PER_TOKEN``; None when there is no text to measure."""
+    texts: list[str] = []
+    chars = 0
+    for text in itertools.islice((prompt_text(p) for p in prompts), CALIBRATION_PROMPTS):
+        if text and (not texts or chars + len(text) <= CALIBRATION_CHARS):
+            texts.append(text)
+            chars += len(text)
+    if not texts:
+        return None
+    if callable(tokenizer):
+        tokens = sum(map(len, tokenizer(texts, add_special_tokens=True, verbose=False)["input_ids"]))
+    else:  # tokenizers.Tokenizer: special tokens added by default, as the engine adds them
+        tokens = sum(len(e.ids) for e in tokenizer.encode_batch(texts))
+    if not tokens:
+        return None
+    return round(min(MAX_CHARS_PER_TOKEN, max(MIN_CHARS_PER_TOKEN, chars / tokens)), 2)
+
+
 def prompt_order_key(prompt: Prompt) -> tuple[int, Any]:
     """A sort key that puts prompts sharing a prefix next to each other without tokenising:
     text sorts as a string, chat as its (role, content) turns (text before chat). A shared
@@ -264,29 +305,71 @@ def default_block_size(engine: EngineConfig) -> int:
     return VLLM_GPU_BLOCK_SIZE
 
 
-def prefix_tokenizer(engine: EngineConfig, kind: SignatureKind = "tokens") -> PrefixTokenizer:
-    """The tokens a signature is made of, for this engine.
-
-    ``tokens``: the simulated engine's 4 characters a token, or the model's own tokenizer
-    (``transformers.AutoTokenizer``; where transformers is not installed, the text path,
-    logged). ``text``: characters, 4 a token (no tokenizer). ``auto``: text for plain
-    prompts, the model's tokenizer for chat (``PlainTextTokens``).
-    """
-    if kind == "text" or engine.kind == "simulated":
-        return CharTokens(SIMULATED_CHARS_PER_TOKEN)
-    if kind == "auto":
-        return PlainTextTokens(engine)
+def _load_tokenizer(engine: EngineConfig) -> Any | None:
+    """The model's Hugging Face tokenizer, or None (logged) where it cannot be loaded here."""
     try:
         from transformers import AutoTokenizer
     except ImportError:
         log.warning("prefix signatures: transformers is not installed here; signing %s's prompts by text instead", engine.model)
-        return CharTokens(SIMULATED_CHARS_PER_TOKEN)
+        return None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(engine.model)
+        return AutoTokenizer.from_pretrained(engine.model)
     except Exception as exc:  # a model only the workers can reach: order by text, say so
         log.warning("prefix signatures: cannot load %s's tokenizer here (%s); signing its prompts by text instead", engine.model, exc)
+        return None
+
+
+def _measuring_tokenizer(engine: EngineConfig) -> Any | None:
+    """A tokenizer to measure characters a token with, without a per-record tokenizer: a local
+    model's ``tokenizer.json`` through ``tokenizers`` (~15 ms to import and load, where
+    transformers takes seconds to import on a driver that has not), else the model's own."""
+    path = os.path.join(engine.model, "tokenizer.json")
+    if os.path.isfile(path):
+        try:
+            from tokenizers import Tokenizer
+
+            return Tokenizer.from_file(path)
+        except Exception as exc:  # noqa: BLE001 - a file tokenizers cannot read: the model's own loader
+            log.debug("prefix signatures: %s through tokenizers: %s", path, exc)
+    return _load_tokenizer(engine)
+
+
+def prefix_tokenizer(engine: EngineConfig, kind: SignatureKind = "tokens", *, sample: Sequence[Prompt] = (),
+                     chars: float | None = None) -> PrefixTokenizer:
+    """The tokens a signature is made of, for this engine.
+
+    ``tokens``: the simulated engine's 4 characters a token, or the model's own tokenizer
+    (``transformers.AutoTokenizer``; where it cannot be loaded, the text path, logged).
+    ``text``: characters (no tokenizer per record). ``auto``: text for plain prompts, the
+    model's tokenizer for chat (``PlainTextTokens``). Text's characters a token are
+    ``chars`` when given (a figure the run recorded), else measured with the model's
+    tokenizer on ``sample`` (``chars_per_token``, ``_measuring_tokenizer``), else 4 (no
+    sample, no tokenizer here); the simulated engine's are 4 (its tokenizer).
+    """
+    if engine.kind == "simulated":
         return CharTokens(SIMULATED_CHARS_PER_TOKEN)
-    return HFTokens(tokenizer, name=f"{engine.model}'s tokenizer")
+    tokenizer = _load_tokenizer(engine) if kind == "tokens" else None
+    if chars is None and sample:
+        measuring = tokenizer if tokenizer is not None else _measuring_tokenizer(engine)
+        if measuring is not None:
+            chars = chars_per_token(measuring, sample)
+            log.info("prefix signatures: %s makes %s characters a token on the run's first prompts", engine.model, chars)
+    chars = chars or SIMULATED_CHARS_PER_TOKEN
+    if kind == "text" or (kind == "tokens" and tokenizer is None):
+        return CharTokens(chars)
+    if kind == "auto":
+        return PlainTextTokens(engine, chars)  # the model's tokenizer loaded at the first chat prompt
+    return HFTokens(tokenizer, name=f"{engine.model}'s tokenizer", text_chars=chars)
+
+
+def text_tokens(tokenizer: PrefixTokenizer) -> CharTokens:
+    """The text a signer's first, cheap pass signs by (``pipeline.placement``'s gate): the
+    text tokens themselves, or text at the characters a token measured for the tokenizer."""
+    if isinstance(tokenizer, CharTokens):
+        return tokenizer
+    if isinstance(tokenizer, PlainTextTokens):
+        return tokenizer.text
+    return CharTokens(getattr(tokenizer, "text_chars", SIMULATED_CHARS_PER_TOKEN))
 
 
 class PrefixSigner:
@@ -301,9 +384,11 @@ class PrefixSigner:
 
     @classmethod
     def for_engine(cls, engine: EngineConfig, *, kind: SignatureKind = "tokens", block_size: int | None = None,
-                   prefix_tokens: int = 2048) -> PrefixSigner:
+                   prefix_tokens: int = 2048, sample: Sequence[Prompt] = (), chars: float | None = None) -> PrefixSigner:
+        """``sample``/``chars``: text's characters a token (``prefix_tokenizer``)."""
         size = block_size or default_block_size(engine)
-        return cls(prefix_tokenizer(engine, kind), block_size=size, max_blocks=max(1, prefix_tokens // size))
+        return cls(prefix_tokenizer(engine, kind, sample=sample, chars=chars), block_size=size,
+                   max_blocks=max(1, prefix_tokens // size))
 
     @property
     def max_tokens(self) -> int:
@@ -315,7 +400,7 @@ class PrefixSigner:
         out = [EMPTY] * len(prompts)
         packed = self.tokenizer.pack([prompts[i] for i in live], self.max_tokens)  # type: ignore[misc]
         for i, p in zip(live, packed):
-            blocks = chain_hashes(p.data, self.block_size * p.width, self.max_blocks)
+            blocks = chain_hashes(p.data, p.block_bytes(self.block_size), self.max_blocks)
             if p.cut and p.tokens - len(blocks) // BLOCK_HASH_BYTES * self.block_size < CUT_MARGIN_TOKENS:
                 blocks = blocks[:-BLOCK_HASH_BYTES]  # its tokens end near the cut: they may differ from the engine's
             out[i] = Signature(blocks, p.tokens)

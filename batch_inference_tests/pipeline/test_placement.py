@@ -483,3 +483,52 @@ async def test_the_pass_spread_over_processes_writes_the_serial_pass_bytes(tmp_p
     same = ("records", "blocks", "shared_input", "shared_sorted", "gain", "text_gain", "cuts_shared", "common_blocks")
     assert {k: getattr(parallel, k) for k in same} == {k: getattr(serial, k) for k in same}
     assert parallel.runs >= 3  # each worker spilled runs of its own, which the merge took
+
+
+@pytest.mark.parametrize("signature", ["auto", "tokens"])
+async def test_short_documents_share_blocks_at_the_models_characters_a_token(tmp_path: Path, tiny_model_dir: Path,
+                                                                             signature: str) -> None:
+    """Documents of ~380 characters x questions, 128-token blocks (vLLM-CPU's): under the tiny
+    model's tokenizer (~1.4 characters a token) a document is two full blocks, under one
+    512-character block of text at a constant 4 characters a token. The text pass signs at
+    the model's characters a token, measured on the run's prompts, so the layout finds the
+    shared blocks and applies, with either signature; a later process (a resumed run) signs
+    with the same figure, so recompaction and the dispatch meet the layout's families."""
+    rng = random.Random(41)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(60)) for _ in range(12)]
+    recs = [{"doc": d, "q": f"question {q} on this?"} for q in range(6) for d in docs]
+    engine = {"kind": "transformers", "model": str(tiny_model_dir), "device": "cpu"}
+    spec = spec_for(tmp_path, write(tmp_path / "short.jsonl", recs), run=f"short-{signature}", prefix=True, engine=engine,
+                    layout={"prefix": True, "signature": signature, "block_size": 128})
+    p = (await PipelineRun(spec).shard()).layout
+    assert p is not None and p.applied and p.blocks >= len(recs), p
+    assert 1.0 < p.chars_per_token < 2.0 and p.gain > 0.5
+    later = PipelineRun(spec).ctx  # a new process's context: the figure comes from the ledger
+    signer = later.signer()
+    assert later.layout_common(signer) == p.common_blocks  # same signature: the layout's families
+    builder = RequestBuilder(spec.infer)
+    rows = list(JsonlDir(RunLayout(spec.output, spec.run).sharded).iter_records_sync())
+    sigs = [s.blocks for s in signer.sign([placement_mod.record_prompt(builder, r) for r in rows])]
+    assert sigs == sorted(sigs)  # laid out in the order this signer signs
+    assert sum(shared_blocks(a, b) == 0 for a, b in zip(sigs, sigs[1:])) == len(docs) - 1  # each document's records together
+    # a ledger from before the figure was recorded was laid out at 4 characters a token: signed so again
+    shard = later.ledger.read(RunLayout.SHARD)
+    del shard["layout"]["chars_per_token"]
+    later.ledger.write(RunLayout.SHARD, shard)
+    from batch_inference.prompting.prefix import text_tokens
+
+    assert text_tokens(PipelineRun(spec).ctx.signer().tokenizer).chars == 4
+
+
+async def test_nothing_shared_at_the_models_characters_a_token_keeps_input_order(tmp_path: Path,
+                                                                                 tiny_model_dir: Path) -> None:
+    """Distinct short prompts (nothing shared past a few words): measured at the model's
+    characters a token the text pass still finds nothing to gain, and the input keeps its order."""
+    rng = random.Random(43)
+    recs = [{"doc": f"{rng.randrange(10**9)} " + " ".join(rng.choice(WORDS) for _ in range(60)), "q": "alone?"}
+            for _ in range(60)]
+    engine = {"kind": "transformers", "model": str(tiny_model_dir), "device": "cpu"}
+    spec = spec_for(tmp_path, write(tmp_path / "control.jsonl", recs), run="control-short", prefix=True, engine=engine,
+                    layout={"prefix": True, "block_size": 128})
+    p = (await PipelineRun(spec).shard()).layout
+    assert p is not None and not p.applied and p.blocks > 0 and p.text_gain == 0.0, p

@@ -18,11 +18,14 @@ from batch_inference.prompting.prefix import (
     PrefixSigner,
     block_keys,
     chain_hashes,
+    chars_per_token,
     default_block_size,
     distinct_blocks,
     lru_blocks_computed,
+    prefix_tokenizer,
     prompt_order_key,
     shared_blocks,
+    text_tokens,
 )
 
 
@@ -162,3 +165,46 @@ def test_prompt_order_key_groups_shared_prefixes() -> None:
 def test_signer_refuses_empty_blocks(bad: tuple[int, int]) -> None:
     with pytest.raises(ValueError):
         PrefixSigner(CharTokens(), block_size=bad[0], max_blocks=bad[1])
+
+
+class _PairTokenizer:
+    """A tokenizer of 2 characters a token (a tiny model's tokenizer makes ~1.4-1.7)."""
+
+    chat_template = None
+
+    def __call__(self, texts: list[str], add_special_tokens: bool = True, verbose: bool = True) -> dict:
+        return {"input_ids": [[hash(t[i:i + 2]) & 0xFFFF for i in range(0, len(t), 2)] for t in texts]}
+
+
+def test_text_at_the_measured_characters_a_token_sees_the_models_blocks() -> None:
+    """A ~300-character document is more than one 128-token block for a tokenizer of 2
+    characters a token, and under one text block at 4: text signed at the figure measured
+    with the tokenizer shares the document's block between its questions."""
+    rng = random.Random(5)
+    docs = ["".join(rng.choice("abcdefgh ") for _ in range(300)) for _ in range(3)]
+    prompts = [f"{d}\nQuestion {q}?" for d in docs for q in range(4)]
+    chars = chars_per_token(_PairTokenizer(), prompts)
+    assert chars == 2.0
+    assert chars_per_token(_PairTokenizer(), []) is None
+    at_four = PrefixSigner(CharTokens(), block_size=128, max_blocks=16).sign(prompts)
+    measured = PrefixSigner(CharTokens(chars), block_size=128, max_blocks=16).sign(prompts)
+    assert all(s.n_blocks == 0 for s in at_four)
+    assert [s.n_blocks for s in measured] == [1] * len(prompts)
+    assert shared_blocks(measured[0].blocks, measured[1].blocks) == 1 and shared_blocks(measured[0].blocks, measured[4].blocks) == 0
+    # a fraction of a character a token: a block is round(block_size x chars) characters
+    (sig,) = PrefixSigner(CharTokens(1.5), block_size=4, max_blocks=8).sign(["abcdefghijkl"])
+    assert sig.blocks == chain_hashes("abcdefghijkl".encode("utf-32-le"), 6 * 4) and sig.tokens == 8
+
+
+def test_each_signature_kind_signs_text_at_the_models_measured_figure(tiny_model_dir) -> None:
+    """``text``, ``auto`` and ``tokens`` alike: text's characters a token are the model's,
+    measured on the run's prompts (or the figure a run recorded); the simulated engine's are 4."""
+    engine = EngineConfig(kind="transformers", model=str(tiny_model_dir), device="cpu")
+    sample = [f"Document {i}: " + "alpha bravo charlie delta echo foxtrot " * 8 for i in range(20)]
+    figures = {kind: text_tokens(prefix_tokenizer(engine, kind, sample=sample)).chars for kind in ("text", "auto", "tokens")}
+    assert len(set(figures.values())) == 1 and 1.0 < figures["text"] < 2.5, figures
+    assert isinstance(prefix_tokenizer(engine, "tokens", sample=sample), HFTokens)
+    assert text_tokens(prefix_tokenizer(engine, "auto", chars=1.7)).chars == 1.7  # a recorded figure: not measured again
+    assert text_tokens(prefix_tokenizer(engine, "auto")).chars == 4  # nothing to measure on
+    simulated = EngineConfig(kind="simulated")
+    assert text_tokens(prefix_tokenizer(simulated, "auto", sample=sample)).chars == 4
