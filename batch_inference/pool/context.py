@@ -126,6 +126,7 @@ class TaskContext:
     schema_invalid: int = 0  # constrained completions that failed their format (counted in the task's counts)
     _cache: ResultCache | None = field(default=None, init=False, repr=False)
     _progress_failed: bool = field(default=False, init=False, repr=False)
+    _cache_write: asyncio.Future[None] | None = field(default=None, init=False, repr=False)  # the last chunk's, chained
 
     @property
     def result_cache(self) -> ResultCache | None:
@@ -272,8 +273,8 @@ class TaskContext:
             for i, result in zip(orphans, again):
                 out[i] = result
         if cache is not None and cache_keys:
-            await self._to_cache(cache, {key: c for i, key in cache_keys.items()
-                                         if isinstance(c := out[i], Completion) and c.error is None and not c.from_cache})
+            self._to_cache(cache, {key: c for i, key in cache_keys.items()
+                                   if isinstance(c := out[i], Completion) and c.error is None and not c.from_cache})
         return out
 
     async def _from_cache(self, cache: ResultCache, requests: Sequence[Request | BaseException], attempts: Sequence[int] | None,
@@ -311,14 +312,34 @@ class TaskContext:
             out[i] = self.checked_completion(requests[i].params, completion)  # type: ignore[union-attr]
         return [i for i in live if i not in hits], {i: k for i, k in keys.items() if i not in hits}
 
-    async def _to_cache(self, cache: ResultCache, entries: dict[str, Completion]) -> None:
-        """Store the chunk's computed results (one bulk write); a failed write costs reuse only."""
-        if not entries:
-            return
+    def _to_cache(self, cache: ResultCache, entries: dict[str, Completion]) -> None:
+        """Store the chunk's computed results (one bulk write) behind its back: the chunk's
+        answers go on (its rows, the task's next chunk) while the write runs, one chunk's write
+        at a time, in order; the task's result waits for them all (``settle_cache_writes``).
+        A write in the chunk's path held every chunk of every task at its end for its whole
+        write: thousands of small files, a thread fighting the event loop for the GIL."""
+        if entries:
+            self._cache_write = asyncio.ensure_future(self._put_cache(cache, entries, self._cache_write))
+
+    async def _put_cache(self, cache: ResultCache, entries: dict[str, Completion], before: asyncio.Future[None] | None) -> None:
+        """One chunk's write, after the one before it; a failed write costs reuse only."""
+        if before is not None:
+            await before
         try:
             await cache.put_many(entries)
         except Exception as exc:
             self.warnings.append(f"result cache write to {cache.url} failed ({rows.error_text(exc)}): {len(entries)} result(s) not kept")
+
+    async def settle_cache_writes(self) -> None:
+        """Wait for the task's result cache writes: a finished task's results are in the cache."""
+        if self._cache_write is not None:
+            await self._cache_write
+
+    def drop_cache_writes(self) -> None:
+        """A task that ends early (failed, cancelled) stops its writes not yet begun (a write's
+        thread, once begun, finishes its entries: every one it writes is whole)."""
+        if self._cache_write is not None and not self._cache_write.done():
+            self._cache_write.cancel()
 
     def checked_completion(self, params: SamplingParams, completion: Completion) -> Completion:
         """``checked_completion``, counting the completions that failed their format (``schema_invalid``)."""

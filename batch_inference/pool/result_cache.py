@@ -187,12 +187,21 @@ class ResultCache:
         if not blobs:
             return
         if self.local:
+            # the fewest system calls an entry: its folder made when missing (no makedirs stat
+            # first), its file written unbuffered; a thread writing thousands of them fights the
+            # task's event loop for the GIL at every call
+            pid, made = os.getpid(), set()
             for path, blob in blobs.items():
-                parent = path.rsplit("/", 1)[0]
-                os.makedirs(parent, exist_ok=True)
-                tmp = f"{parent}/.{os.path.basename(path)}.{os.getpid()}.{time.monotonic_ns()}{TEMP_SUFFIX}"
-                with open(tmp, "wb") as f:
-                    f.write(blob)
+                parent, name = path.rsplit("/", 1)
+                if parent not in made:
+                    _make_folder(parent)
+                    made.add(parent)
+                tmp = f"{parent}/.{name}.{pid}.{time.monotonic_ns()}{TEMP_SUFFIX}"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # open()'s mode
+                try:
+                    os.write(fd, blob)  # an entry is a few hundred bytes: one write
+                finally:
+                    os.close(fd)
                 os.replace(tmp, path)  # atomic: a reader sees the whole entry or none
         else:
             self.fs.pipe(blobs)  # one PUT per entry, run concurrently; an object store PUT is atomic
@@ -235,6 +244,16 @@ class ResultCache:
 
     async def put_many(self, entries: Mapping[str, Completion]) -> None:
         await asyncio.to_thread(self.put_many_sync, entries)
+
+
+def _make_folder(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)`` with one call when only the last level is missing."""
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        os.makedirs(path, exist_ok=True)
 
 
 def _is_temporary(path: str) -> bool:

@@ -233,6 +233,7 @@ class WorkerRuntime:
                           judge_runner=self.judge_runner)
         try:
             counts = await run_task(ctx)
+            await ctx.settle_cache_writes()
         except EngineDeadError as exc:
             self.counters["failed"] += 1
             self.mark_engine_dead(exc)
@@ -251,6 +252,7 @@ class WorkerRuntime:
             log.exception("task %s (%s %s) failed", spec.task_id, spec.kind, spec.input_url)
             raise
         finally:
+            ctx.drop_cache_writes()
             self.running.pop(spec.task_id, None)
             self.last_activity = time.monotonic()
             self._slot_freed.set()
