@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from batch_inference.engines.base import Completion, Prompt, SamplingParams, Tokens, expand_params, token_counts
 from batch_inference.engines.config import EmbeddingOptions, EngineConfig
@@ -98,6 +98,33 @@ def embedding_completion(vector: Sequence[float], prompt_tokens: int) -> Complet
                       embedding=tuple(float(x) for x in vector))
 
 
+class _EmbedShape(Protocol):
+    max_model_len: int
+    size: int
+    matryoshka: Any
+    name: str
+
+
+def checked_requests(prompts: Sequence[Prompt | Tokens], per_item: Sequence[SamplingParams],
+                     encode: Callable[[Prompt], Tokens | Completion], engine: _EmbedShape
+                     ) -> tuple[list[Completion | None], dict[int, list[int]]]:
+    """Each request encoded and checked (length, ``dimensions``) as both embedding engines do:
+    the failed ones' completions in place (a request that cannot run fails alone), and the token
+    ids of those that run, by index."""
+    out: list[Completion | None] = [None] * len(prompts)
+    ready: dict[int, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        tokens = prompt if isinstance(prompt, Tokens) else encode(prompt)
+        if isinstance(tokens, Completion):
+            out[i] = tokens
+        elif err := (embed_request_error(per_item[i], len(tokens.ids), engine.max_model_len)
+                     or dimensions_error(per_item[i].dimensions, engine.size, engine.matryoshka, engine.name)):
+            out[i] = Completion.failed(err, prompt_tokens=len(tokens.ids))
+        else:
+            ready[i] = list(tokens.ids)
+    return out, ready
+
+
 class TransformersEmbedEngine:
     """Blocking embeddings with ``AutoModel``: one padded forward per batch, pooled per row."""
 
@@ -153,17 +180,7 @@ class TransformersEmbedEngine:
         from batch_inference.engines.chat import encode_each
 
         per_item = expand_params(prompts, params)
-        out: list[Completion | None] = [None] * len(prompts)
-        ready: dict[int, list[int]] = {}
-        for i, prompt in enumerate(prompts):
-            tokens = prompt if isinstance(prompt, Tokens) else encode_each(self.tokenizer, [prompt])[0]
-            if isinstance(tokens, Completion):
-                out[i] = tokens
-            elif err := (embed_request_error(per_item[i], len(tokens.ids), self.max_model_len)
-                         or dimensions_error(per_item[i].dimensions, self.size, self.matryoshka, self.name)):
-                out[i] = Completion.failed(err, prompt_tokens=len(tokens.ids))
-            else:
-                ready[i] = list(tokens.ids)
+        out, ready = checked_requests(prompts, per_item, lambda p: encode_each(self.tokenizer, [p])[0], self)
         if ready:
             items = list(ready)
             for i, vector in zip(items, self._run([ready[i] for i in items], [per_item[i].dimensions for i in items])):
@@ -267,17 +284,7 @@ class VllmEmbedEngine:
         from vllm import PoolingParams
 
         per_item = expand_params(prompts, params)
-        out: list[Completion | None] = [None] * len(prompts)
-        ready: dict[int, list[int]] = {}
-        for i, prompt in enumerate(prompts):
-            tokens = prompt if isinstance(prompt, Tokens) else self.encode([prompt])[0]
-            if isinstance(tokens, Completion):
-                out[i] = tokens
-            elif err := (embed_request_error(per_item[i], len(tokens.ids), self.max_model_len)
-                         or dimensions_error(per_item[i].dimensions, self.size, self.matryoshka, self.name)):
-                out[i] = Completion.failed(err, prompt_tokens=len(tokens.ids))
-            else:
-                ready[i] = list(tokens.ids)
+        out, ready = checked_requests(prompts, per_item, lambda p: self.encode([p])[0], self)
         items = list(ready)
         if items:
             try:
