@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from batch_inference.registry import Registry
+
 
 @dataclass(frozen=True)
 class JudgeKind:
@@ -30,21 +32,18 @@ class JudgeKind:
     no_build: str = ""
 
 
-_KINDS: dict[str, JudgeKind] = {}
+_KINDS: Registry[JudgeKind] = Registry("judge kind", keep_builtins=False)
 _BUILTIN = ("llm", "rule", "human", "none")  # listed first, in this order (the spec's error names them so)
 
 
 def register_judge_kind(kind: JudgeKind) -> JudgeKind:
     """Add ``kind`` (a name already taken is an error: two files would claim one spec word)."""
-    if kind.name in _KINDS and _KINDS[kind.name] is not kind:
-        raise ValueError(f"judge kind {kind.name!r} is registered already")
-    _KINDS[kind.name] = kind
-    return kind
+    return _KINDS.add(kind)
 
 
 def unregister_judge_kind(name: str) -> None:
     """Remove a kind (tests that register one of their own)."""
-    _KINDS.pop(name, None)
+    _KINDS.remove(name)
 
 
 def judge_kind(name: str) -> JudgeKind:

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from batch_inference.pipeline.spec import PipelineSpec
 from batch_inference.prompting.openai_batch import OpenAIBatchReader, looks_like_openai_batch
+from batch_inference.registry import Registry
 
 
 class RecordReader(Protocol):
@@ -45,21 +46,17 @@ def openai_reader(spec: PipelineSpec) -> OpenAIBatchReader:
 NATIVE = RecordFormat("jsonl")
 OPENAI_BATCH = RecordFormat("openai_batch", looks_like=looks_like_openai_batch, reader=openai_reader, own_ids=True)
 
-_FORMATS: dict[str, RecordFormat] = {f.name: f for f in (NATIVE, OPENAI_BATCH)}
+_FORMATS: Registry[RecordFormat] = Registry("record format", (NATIVE, OPENAI_BATCH))
 
 
 def register_record_format(fmt: RecordFormat) -> RecordFormat:
     """Add a record format (a name already taken is an error)."""
-    if fmt.name in _FORMATS and _FORMATS[fmt.name] is not fmt:
-        raise ValueError(f"record format {fmt.name!r} is registered already")
-    _FORMATS[fmt.name] = fmt
-    return fmt
+    return _FORMATS.add(fmt)
 
 
 def unregister_record_format(name: str) -> None:
     """Remove a format (tests that register one of their own); the built-in ones stay."""
-    if name not in (NATIVE.name, OPENAI_BATCH.name):
-        _FORMATS.pop(name, None)
+    _FORMATS.remove(name)
 
 
 def record_format(name: str) -> RecordFormat:

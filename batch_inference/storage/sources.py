@@ -18,6 +18,7 @@ import re
 from collections import Counter
 from typing import Any
 
+from batch_inference.registry import Registry
 from batch_inference.storage import jsonl, parquet, urls
 from batch_inference.storage.directory import JsonlDir, natural_key
 from batch_inference.storage.errors import UnreadableInputError
@@ -26,22 +27,18 @@ from batch_inference.storage.formats import SourceFormat
 from batch_inference.storage.parquet import ParquetSource
 
 DEFAULT = jsonl.SOURCE.name  # a single file no format claims
-_FORMATS: dict[str, SourceFormat] = {f.name: f for f in (jsonl.SOURCE, parquet.SOURCE)}
+_FORMATS: Registry[SourceFormat] = Registry("input format", (jsonl.SOURCE, parquet.SOURCE))
 PARQUET_SUFFIXES = parquet.SOURCE.suffixes
 
 
 def register_source(fmt: SourceFormat) -> SourceFormat:
     """Add a stored format (a name already taken is an error: two readers would claim one input)."""
-    if fmt.name in _FORMATS and _FORMATS[fmt.name] is not fmt:
-        raise ValueError(f"input format {fmt.name!r} is registered already")
-    _FORMATS[fmt.name] = fmt
-    return fmt
+    return _FORMATS.add(fmt)
 
 
 def unregister_source(name: str) -> None:
     """Remove a format (tests that register one of their own); the built-in ones stay."""
-    if name not in (jsonl.SOURCE.name, parquet.SOURCE.name):
-        _FORMATS.pop(name, None)
+    _FORMATS.remove(name)
 
 
 def source_formats() -> tuple[SourceFormat, ...]:
