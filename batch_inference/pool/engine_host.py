@@ -39,6 +39,7 @@ from batch_inference.engines import (
     is_streaming,
 )
 from batch_inference.pool.dedup import DEFAULT_MEMO_BYTES, RequestMemo
+from batch_inference.pool.heap import freeze_static_heap
 from batch_inference.pool.request import GenRequest
 from batch_inference.pool.streaming import StreamGate
 
@@ -120,6 +121,7 @@ class EngineHost:
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.engine = await self._build()
         self.loads += 1
+        freeze_static_heap()  # the engine's modules and weights' Python side: never walked by a full GC again
         if is_streaming(self.engine):
             await self.engine.start()
             self.gate = StreamGate(self.engine, self.engine.capacity())

@@ -131,3 +131,41 @@ async def test_a_start_cancelled_while_the_engine_builds_closes_the_engine_it_bu
     assert engine.closed == 1
     assert host.engine is None and host.gate is None
     assert engine_threads(before) == []
+
+
+@pytest.mark.process
+def test_an_engine_host_freezes_the_process_heap_once_its_engine_is_up() -> None:
+    """The engine's long-lived objects are frozen out of the full GC's walks (pool.heap): in a
+    fresh process, nothing is frozen before the first host starts, everything alive after;
+    a second freeze leaves the frozen heap as it is, and cyclic garbage made later is still
+    collected."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent('''
+        import asyncio, gc, json
+        from batch_inference.pool.engine_host import EngineHost
+
+        class Cycle:
+            pass
+
+        async def main():
+            before = gc.get_freeze_count()
+            async with EngineHost({"kind": "simulated"}):
+                first = gc.get_freeze_count()
+            from batch_inference.pool.heap import freeze_static_heap
+            second = freeze_static_heap()  # frozen already: left as it is
+            a, b = Cycle(), Cycle()
+            a.other, b.other = b, a
+            del a, b
+            return {"before": before, "first": first, "second": second, "collected": gc.collect()}
+
+        print(json.dumps(asyncio.run(main())))
+    ''')
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    seen = __import__("json").loads(out.stdout.strip().splitlines()[-1])
+    assert seen["before"] == 0
+    assert seen["first"] > 10_000  # the interpreter's and the libraries' objects
+    assert seen["second"] is False
+    assert seen["collected"] >= 2  # the cycle made after the freeze
