@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from batch_inference.engines.base import ChatPrompt, Completion, Prompt, Tokens
@@ -27,31 +27,39 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 def encode_chat(tokenizer: Any, prompt: ChatPrompt) -> list[int]:
     """Token ids of ``prompt`` rendered by the tokenizer's chat template (generation prompt added)."""
+    return encode_prompts(tokenizer, [prompt])[0]
+
+
+def render_chat(tokenizer: Any, prompt: ChatPrompt) -> str:
+    """``prompt`` rendered by the tokenizer's chat template (generation prompt added), as text."""
     if not has_chat_template(tokenizer):
         raise ChatTemplateError(ErrorKind.CHAT_TEMPLATE_ERROR.tag("the model's tokenizer has no chat template "
                                                               "(chat messages need one; use a text `template` instead)"))
     try:
-        ids = tokenizer.apply_chat_template(prompt.as_dicts(), add_generation_prompt=True, tokenize=True)
+        return tokenizer.apply_chat_template(prompt.as_dicts(), add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # a template that raises for these messages fails this prompt only
         raise ChatTemplateError(ErrorKind.CHAT_TEMPLATE_ERROR.tag(f"{type(exc).__name__}: {exc}")) from exc
-    if isinstance(ids, Mapping):  # newer transformers return a BatchEncoding
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
 
 
 def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]:
-    """Token ids per prompt: text in one batched call (special tokens added), chats one by one.
+    """Token ids per prompt, in one batched tokenizer call: text with special tokens added,
+    chats rendered by the chat template first and added none (the template carries them:
+    the ids ``apply_chat_template(tokenize=True)`` gives, and vLLM's chat path). One call for
+    a chunk, not one a prompt: a Hugging Face tokenizer's per-call overhead is most of a
+    short prompt's encoding (bench/batch_api.py; docs/pipeline.md).
 
-    Raises for the whole list; engines that must fail one prompt alone call it per prompt.
+    Raises for the whole list; ``encode_each`` fails one prompt alone.
     """
     out: list[list[int] | None] = [None] * len(prompts)
     texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
     if texts:
         for i, ids in zip(texts, tokenizer([prompts[i] for i in texts], add_special_tokens=True)["input_ids"]):
             out[i] = list(ids)
-    for i, p in enumerate(prompts):
-        if isinstance(p, ChatPrompt):
-            out[i] = encode_chat(tokenizer, p)
+    chats = [i for i, p in enumerate(prompts) if isinstance(p, ChatPrompt)]
+    if chats:
+        rendered = [render_chat(tokenizer, prompts[i]) for i in chats]  # type: ignore[arg-type]
+        for i, ids in zip(chats, tokenizer(rendered, add_special_tokens=False)["input_ids"]):
+            out[i] = list(ids)
     return out  # type: ignore[return-value]
 
 

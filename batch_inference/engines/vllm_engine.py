@@ -49,7 +49,7 @@ from batch_inference.engines.base import (
     too_long_error,
 )
 from batch_inference.engines.blocks import ids_signature
-from batch_inference.engines.chat import TokenizerCopy, encode_chat, encode_error
+from batch_inference.engines.chat import TokenizerCopy, encode_chat, encode_each, encode_error
 from batch_inference.engines.config import EngineConfig
 from batch_inference.engines.lora import max_rank
 from batch_inference.rows import ErrorKind
@@ -188,6 +188,19 @@ def _tokens_input_factory() -> Any:
         return lambda ids: TokensPrompt(prompt_token_ids=ids)
 
 
+def cache_eos_token_id(llm: Any) -> None:
+    """vLLM's input processing reads the end-of-sequence id for every request
+    (``renderer.get_eos_token_id()``: transformers' ``__getattr__``, then
+    ``convert_tokens_to_ids`` through vLLM's tokenizer pool, on the event loop that feeds
+    the engine). The id is the tokenizer's and never changes: read once, returned after.
+    A release without that renderer method is left as it is."""
+    renderer = getattr(getattr(llm, "input_processor", None), "renderer", None)
+    if renderer is None or not callable(getattr(renderer, "get_eos_token_id", None)):
+        return
+    eos = renderer.get_eos_token_id()
+    renderer.get_eos_token_id = lambda: eos
+
+
 class VllmEngine:
     """Blocking offline vLLM; one ``LLM`` per worker process."""
 
@@ -217,7 +230,7 @@ class VllmEngine:
     def encode(self, prompts: Sequence[Prompt]) -> list[Tokens | Completion]:
         """On a copy of the tokenizer (never generate's: this runs on other threads)."""
         with self._counting as tokenizer:
-            return [encode_prompt(tokenizer, p) for p in prompts]
+            return encode_each(tokenizer, prompts)
 
     def count_tokens(self, prompts: list[Prompt]) -> list[int]:
         return token_counts(self.encode(prompts))
@@ -304,6 +317,7 @@ class VllmStreamingEngine:
         # them; the engine core, built logging stats, still sends its scheduler figures. Read
         # when the output handler starts, at the first request.
         self._llm.log_stats = False
+        cache_eos_token_id(self._llm)
         self._tokens_input = _tokens_input_factory()
         self._lora = lora_requests(cfg)
         self.tokenizer = self._llm.get_tokenizer()  # the event loop's: complete() and vLLM's detokenizer
@@ -357,7 +371,7 @@ class VllmStreamingEngine:
     def encode(self, prompts: Sequence[Prompt]) -> list[Tokens | Completion]:
         """On a copy of the tokenizer: the event loop (vLLM's detokenizer) uses the other."""
         with self._counting as tokenizer:
-            return [encode_prompt(tokenizer, p) for p in prompts]
+            return encode_each(tokenizer, prompts)
 
     def count_tokens(self, prompts: list[Prompt]) -> list[int]:
         return token_counts(self.encode(prompts))

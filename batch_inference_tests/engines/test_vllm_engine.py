@@ -9,7 +9,12 @@ from types import SimpleNamespace
 import pytest
 
 from batch_inference.engines import EngineDeadError, SamplingParams
-from batch_inference.engines.vllm_engine import completion_from_output, split_runnable, vllm_sampling_kwargs
+from batch_inference.engines.vllm_engine import (
+    cache_eos_token_id,
+    completion_from_output,
+    split_runnable,
+    vllm_sampling_kwargs,
+)
 
 
 def test_sampling_kwargs_are_explicit() -> None:
@@ -33,6 +38,23 @@ def test_penalties_reach_vllm_and_the_matched_stop_string_comes_back() -> None:
     assert completion_from_output(out("stop", 2)).stop_sequence is None  # a stop token id, not a string
 
 
+def test_the_end_of_sequence_id_vllm_reads_per_request_is_read_once() -> None:
+    """vLLM's input processing asks its renderer for the EOS id at every request; after
+    ``cache_eos_token_id`` the tokenizer is asked once, the same id returned every time."""
+    asked = []
+
+    class Renderer:
+        def get_eos_token_id(self) -> int:
+            asked.append(1)
+            return 2
+
+    llm = SimpleNamespace(input_processor=SimpleNamespace(renderer=Renderer()))
+    cache_eos_token_id(llm)
+    assert [llm.input_processor.renderer.get_eos_token_id() for _ in range(5)] == [2] * 5
+    assert len(asked) == 1
+    cache_eos_token_id(SimpleNamespace())  # a release without that renderer: left as it is
+
+
 def test_split_runnable_filters_overlong_and_empty() -> None:
     params = [SamplingParams(max_tokens=4)] * 3
     runnable, errors = split_runnable([[1, 2], [1] * 10, []], params, max_model_len=10)
@@ -50,6 +72,17 @@ def test_completion_from_output() -> None:
     assert completion_from_output(out("abort")).finish_reason == "error"
 
 
+class _CharTokenizer:
+    """One token per character, called as vLLM's tokenizers are (``TokenizerLike``): ``encode``
+    for one text, a call for a batch."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+    def __call__(self, texts: list[str], add_special_tokens: bool = True) -> dict[str, list[list[int]]]:
+        return {"input_ids": [self.encode(t) for t in texts]}
+
+
 class _FakeLLM:
     """Stands in for ``vllm.LLM`` to test our wiring (order, filtering, params) without vLLM."""
 
@@ -64,8 +97,8 @@ class _FakeLLM:
         self.calls: list[tuple[list, list]] = []
         self.lora_calls: list = []
 
-    def get_tokenizer(self) -> SimpleNamespace:
-        return SimpleNamespace(encode=lambda text: [ord(c) for c in text])  # one token per character
+    def get_tokenizer(self) -> _CharTokenizer:
+        return _CharTokenizer()
 
     def generate(self, prompts, sampling_params, use_tqdm=True, lora_request=None):
         self.lora_calls.append(lora_request)

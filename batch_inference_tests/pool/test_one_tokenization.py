@@ -55,7 +55,7 @@ def tasks(tmp_path: Path) -> list[tuple[TaskSpec, int]]:
 
 class CountingTokenizer:
     """A tokenizer proxy that counts the prompts it encodes (each text of a batched call, each
-    chat template rendered, each ``encode``); padding and decoding are not tokenisation."""
+    chat template rendered to tokens, each ``encode``); padding and decoding are not tokenisation."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -66,7 +66,8 @@ class CountingTokenizer:
         return self._inner(text, *args, **kwargs)
 
     def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
-        self.prompts += 1
+        if kwargs.get("tokenize", True):  # rendered to text only, its tokens come from a call
+            self.prompts += 1
         return self._inner.apply_chat_template(*args, **kwargs)
 
     def encode(self, *args: Any, **kwargs: Any) -> Any:
