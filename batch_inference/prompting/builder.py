@@ -11,6 +11,7 @@ All three are permanent: retrying the same record cannot fix it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 import hashlib
 from dataclasses import dataclass, replace
 from typing import Any
@@ -26,6 +27,7 @@ from batch_inference.rows import ErrorKind
 ROLES = ("system", "developer", "user", "assistant")
 SAMPLING_KEYS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "min_tokens", "n",
                  "presence_penalty", "frequency_penalty")
+_SAMPLING_KEY_SET = frozenset(SAMPLING_KEYS)
 REQUEST_ERROR_KINDS = (ErrorKind.BAD_MESSAGES, ErrorKind.BAD_SAMPLING, ErrorKind.BAD_REQUEST)
 
 _SEED_MODULUS = 2**31 - 1  # fits every engine's seed type (torch, numpy, vLLM)
@@ -41,6 +43,24 @@ def derive_seed(base: int | None, record_id: str, attempt: int) -> int:
 def _penalty(x: Any) -> bool:
     """OpenAI's range for presence_penalty and frequency_penalty."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and -2 <= x <= 2
+
+
+def sampling_checks(limits: Any) -> dict[str, tuple[Callable[[Any], bool], str]]:
+    """Each per-record sampling key's check and the bound its error names, within ``limits``
+    (built once per builder: a record's overrides are checked against it)."""
+    return {
+        "max_tokens": (lambda x: isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= limits.max_tokens,
+                       f"an integer in [1, limits.max_tokens {limits.max_tokens}]"),
+        "min_tokens": (lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0, "an integer >= 0"),
+        "temperature": (lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= limits.temperature,
+                        f"a number in [0, limits.temperature {limits.temperature:g}]"),
+        "top_p": (lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x <= 1, "a number in (0, 1]"),
+        "seed": (lambda x: x is None or (isinstance(x, int) and not isinstance(x, bool)), "an integer"),
+        "stop": (lambda x: x is None or isinstance(x, str) or (isinstance(x, list) and all(isinstance(s, str) for s in x)),
+                 "a string or a list of strings"),
+        "presence_penalty": (_penalty, "a number in [-2, 2]"),
+        "frequency_penalty": (_penalty, "a number in [-2, 2]"),
+    }
 
 
 class RequestError(ValueError):
@@ -117,6 +137,7 @@ class RequestBuilder:
         self.base = config.sampling.to_params()
         self.base_seed = config.sampling.seed
         self.response_format = config.response_format.to_format() if config.response_format else None
+        self._checks = sampling_checks(config.limits)
 
     @property
     def chat(self) -> bool | None:
@@ -175,8 +196,7 @@ class RequestBuilder:
         limits = self.config.limits
         if not isinstance(value, dict):
             raise RequestError(ErrorKind.BAD_SAMPLING, rid, f"{field!r} must be an object, got {type(value).__name__}")
-        unknown = sorted(set(value) - set(SAMPLING_KEYS))
-        if unknown:
+        if unknown := sorted(value.keys() - _SAMPLING_KEY_SET):
             raise RequestError(ErrorKind.BAD_SAMPLING, rid, f"{field}: unsupported keys {unknown} (supported: {', '.join(SAMPLING_KEYS)})")
         v = dict(value)
         n = v.pop("n", 1)
@@ -186,24 +206,9 @@ class RequestBuilder:
             if "max_tokens" in v and v["max_tokens"] != v["max_completion_tokens"]:
                 raise RequestError(ErrorKind.BAD_SAMPLING, rid, f"{field}: max_tokens and max_completion_tokens disagree")
             v["max_tokens"] = v.pop("max_completion_tokens")
-        checks = {
-            "max_tokens": lambda x: isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= limits.max_tokens,
-            "min_tokens": lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0,
-            "temperature": lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= limits.temperature,
-            "top_p": lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x <= 1,
-            "seed": lambda x: x is None or (isinstance(x, int) and not isinstance(x, bool)),
-            "stop": lambda x: x is None or isinstance(x, str) or (isinstance(x, list) and all(isinstance(s, str) for s in x)),
-            "presence_penalty": _penalty,
-            "frequency_penalty": _penalty,
-        }
-        bounds = {"max_tokens": f"an integer in [1, limits.max_tokens {limits.max_tokens}]",
-                  "min_tokens": "an integer >= 0",
-                  "temperature": f"a number in [0, limits.temperature {limits.temperature:g}]",
-                  "top_p": "a number in (0, 1]", "seed": "an integer", "stop": "a string or a list of strings",
-                  "presence_penalty": "a number in [-2, 2]", "frequency_penalty": "a number in [-2, 2]"}
-        for key, ok in checks.items():
+        for key, (ok, bound) in self._checks.items():
             if key in v and not ok(v[key]):
-                raise RequestError(ErrorKind.BAD_SAMPLING, rid, f"{field}.{key} is {v[key]!r}: must be {bounds[key]}")
+                raise RequestError(ErrorKind.BAD_SAMPLING, rid, f"{field}.{key} is {v[key]!r}: must be {bound}")
         stop = v.get("stop", self.base.stop)
         stop = [stop] if isinstance(stop, str) else stop
         if stop is not None and len(stop) > limits.stop:
