@@ -32,6 +32,7 @@ from batch_inference.pool.dedup import Orphaned, request_key
 from batch_inference.pool.engine_host import EngineHost
 from batch_inference.pool.protocol import TaskRunner, TaskSpec
 from batch_inference.pool.result_cache import ResultCache, cache_key
+from batch_inference.pool.slices import give_way
 from batch_inference.pool.request import GenRequest
 from batch_inference.prompting import Request, RequestBuilder, RequestError
 from batch_inference.prompting.prefix import prompt_order_key
@@ -213,7 +214,8 @@ class TaskContext:
         keys: dict[int, bytes] = {}  # leaders under a memo key
         waits: dict[int, asyncio.Future[Completion]] = {}  # every live request's future
         duplicates: set[int] = set()
-        for i in live:
+        for n, i in enumerate(live):
+            await give_way(n)
             r = requests[i]
             assert isinstance(r, Request)
             key = None if memo is None or scope is None else request_key(
@@ -252,7 +254,8 @@ class TaskContext:
             raise
         by_leader = dict(zip(leaders, gen))
         orphans: list[int] = []
-        for i, result in zip(order, done):
+        for n, (i, result) in enumerate(zip(order, done)):
+            await give_way(n)
             if isinstance(result, EngineDeadError):
                 raise result
             if isinstance(result, Orphaned):  # the request it waited on (or its own) went away

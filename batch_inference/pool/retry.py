@@ -32,6 +32,7 @@ from batch_inference.pool.constants import TAIL_CHUNKS_IN_FLIGHT
 from batch_inference.pool.context import TaskContext, attempt_request, error_text, prior_attempts
 from batch_inference.pool.judging import Judging, PoolJudging
 from batch_inference.pool.protocol import JUDGE_POOL_OUTPUT
+from batch_inference.pool.slices import give_way, map_sliced
 from batch_inference.prompting import RequestBuilder
 from batch_inference.rows import Status, permanent_error, strip_results
 from batch_inference.storage import CheckpointStore, JsonlWriter
@@ -209,9 +210,10 @@ class RetryTask:
 
     async def infer(self, wave: list[Sample]) -> None:
         """One generation for every sample of the wave (one submission)."""
-        prompts = [attempt_request(self.builder, s.record, s.attempts) for s in wave]
+        prompts = await map_sliced(lambda s: attempt_request(self.builder, s.record, s.attempts), wave)
         done = await self.ctx.generate(prompts, [s.attempts for s in wave])
-        for s, prompt, res in zip(wave, prompts, done):
+        for n, (s, prompt, res) in enumerate(zip(wave, prompts, done)):
+            await give_way(n)
             if isinstance(prompt, BaseException):
                 s.failed(self.ckpt, error_text(prompt))
             elif isinstance(res, BaseException) or (res.error is not None and permanent_error({"error": res.error}) is None):

@@ -19,6 +19,7 @@ from typing import Any
 
 from batch_inference.engines import Completion, EngineDeadError, StreamingEngine
 from batch_inference.pool.request import GenRequest
+from batch_inference.pool.slices import give_way
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +87,7 @@ class StreamGate:
         futures: list[asyncio.Future[Completion]] = []
         try:
             for request in requests:
+                await give_way(len(futures))  # a chunk's launches in slices: the engine's outputs get their turn
                 await self._slots.acquire()
                 if self.dead is not None:
                     self._slots.release()

@@ -28,6 +28,7 @@ from batch_inference.pool.protocol import (
     REVIEW_OUTPUT,
 )
 from batch_inference.pool.retry import run_retry
+from batch_inference.pool.slices import give_way, map_sliced
 from batch_inference.prompting import RequestBuilder
 from batch_inference.rows import ErrorKind, Status, strip_results
 
@@ -40,9 +41,11 @@ async def run_infer(ctx: TaskContext) -> dict[str, int]:
     async with ctx.file(spec.outputs["output"]).writer() as out:
         async for chunk in ctx.chunks():
             prior = [prior_attempts(r) for r in chunk]
-            results = await ctx.generate([attempt_request(builder, r, n) for r, n in zip(chunk, prior)], prior)
+            requests = await map_sliced(lambda rn: attempt_request(builder, *rn), list(zip(chunk, prior)))
+            results = await ctx.generate(requests, prior)
             rows = []
             for record, n, res in zip(chunk, prior, results):
+                await give_way(len(rows))
                 row = {**strip_results(record), "attempts": n + 1}
                 if isinstance(res, Completion) and res.error is None:
                     result = list(res.embedding) if res.embedding is not None else res.text  # an embedding's vector
