@@ -9,6 +9,8 @@ ways, one after the other (one engine at a time):
   chat template, as the pipeline renders them), the engine built with the pipeline's own
   ``engine_kwargs`` in a helper process (``_raw_vllm.RawProcess``); timed after a warm-up
   ``generate`` of a few other prompts: the engine alone.
+- ``raw_chat``: ``LLM.chat`` of the requests' messages in the same kind of helper: the chat
+  template and tokenising inside the timer, as a user without this server runs them.
 - ``api``: ``api serve`` in a child process on 127.0.0.1; a warm-up batch of a few other
   requests opens the model's pool (the engine load: a server keeps its pool between
   batches), then the timed batch: ``files.create`` -> ``batches.create`` -> polling
@@ -112,6 +114,16 @@ def raw_server(model: str, max_model_len: int) -> None:
     builder = RequestBuilder(InferConfig())
 
     def handle(job: dict[str, Any]) -> dict[str, Any]:
+        if job.get("chat"):  # LLM.chat: the chat template and tokenising inside the timer
+            sampling = VllmSamplingParams(max_tokens=job["output"], temperature=0.0)
+            conversations = [x["body"]["messages"] for x in job["lines"]]
+            cpu0 = cpu_seconds(os.getpid())
+            t = time.perf_counter()
+            outs = llm.chat(conversations, sampling_params=sampling, use_tqdm=False)
+            seconds = time.perf_counter() - t
+            return {"seconds": seconds, "cpu_s": cpu_spent(cpu0, cpu_seconds(os.getpid())), "load_s": load_s, "requests": len(outs),
+                    "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+                    "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
         records = [{"id": x["custom_id"], "messages": x["body"]["messages"]} for x in job["lines"]]
         ids = encode_prompts(tok, [builder.prompt(r) for r in records])
         sampling = VllmSamplingParams(max_tokens=job["output"], temperature=0.0)
@@ -125,12 +137,13 @@ def raw_server(model: str, max_model_len: int) -> None:
     serve(handle)
 
 
-def run_raw(args: argparse.Namespace, model: str, lines: list[dict[str, Any]]) -> dict[str, Any]:
+def run_raw(args: argparse.Namespace, model: str, lines: list[dict[str, Any]], chat: bool = False) -> dict[str, Any]:
+    """``LLM.generate`` of pre-rendered token ids, or (``chat``) ``LLM.chat`` of the messages."""
     raw = _raw_vllm.RawProcess(__file__, ["--model", model, "--max-model-len", str(args.max_model_len)])
     try:
-        raw.request({"lines": request_lines(WARMUP, args.output, tag="warm"), "output": args.output})
+        raw.request({"lines": request_lines(WARMUP, args.output, tag="warm"), "output": args.output, "chat": chat})
         before = load()
-        res = raw.request({"lines": lines, "output": args.output})
+        res = raw.request({"lines": lines, "output": args.output, "chat": chat})
         res["load"] = [before, load()]
         return res
     finally:
@@ -280,6 +293,10 @@ def run_cli(args: argparse.Namespace, model: str, root: Path, data: Path) -> dic
 RATIOS = {  # label, the paths it needs, the ratio
     "api_vs_raw": ("API end to end / raw generate (both warm)", ("api", "raw"), lambda x: x["api"]["seconds"] / x["raw"]["seconds"]),
     "api_run_vs_raw": ("API pipeline run wall / raw generate", ("api", "raw"), lambda x: x["api"]["run_wall_s"] / x["raw"]["seconds"]),
+    "api_run_vs_raw_chat": ("API pipeline run wall / raw `LLM.chat` (the chat template inside its timer)", ("api", "raw_chat"),
+                            lambda x: x["api"]["run_wall_s"] / x["raw_chat"]["seconds"]),
+    "raw_chat_vs_raw": ("raw `LLM.chat` / raw generate of pre-rendered ids", ("raw_chat", "raw"),
+                        lambda x: x["raw_chat"]["seconds"] / x["raw"]["seconds"]),
     "api_own": ("API end to end / its run wall (the server's own part: upload, validation, delivery, polling)", ("api",),
                 lambda x: x["api"]["seconds"] / x["api"]["run_wall_s"]),
     "cli_vs_raw_cold": ("CLI end to end / (raw engine load + generate) (both cold)", ("cli", "raw"),
@@ -298,6 +315,9 @@ def path_rows(i: int, x: dict[str, Any], n: int) -> list[str]:
     if (raw := x.get("raw")) is not None:
         out.append(f"| {i} | raw `LLM.generate` (warm engine) | {raw['seconds']:.2f} | {n / raw['seconds']:.0f} | - | "
                    f"{raw['prompt_tokens']} | {raw['output_tokens']} | {raw['load']} |")
+    if (chat := x.get("raw_chat")) is not None:
+        out.append(f"| {i} | raw `LLM.chat` (warm engine; chat template in the timer) | {chat['seconds']:.2f} | {n / chat['seconds']:.0f} | - | "
+                   f"{chat['prompt_tokens']} | {chat['output_tokens']} | {chat['load']} |")
     if (api := x.get("api")) is not None:
         out.append(f"| {i} | API, warm pool (upload -> completed -> output read) | {api['seconds']:.2f} | {n / api['seconds']:.0f} | "
                    f"{api['run_wall_s']:.2f} | {api['prompt_tokens']} | {api['output_tokens']} | {api['load']} |")
@@ -315,6 +335,10 @@ def repeat_note(i: int, x: dict[str, Any], poll_s: float) -> str:
         answered.append(f"raw {raw['requests']}")
         if (cpu := raw.get("cpu_s")) is not None:
             parts.append(f"raw CPU over its generate: front end {cpu['front']:.2f} s, engine core and worker {cpu['engine']:.2f} s")
+    if (chat := x.get("raw_chat")) is not None:
+        answered.append(f"raw LLM.chat {chat['requests']}")
+        if (cpu := chat.get("cpu_s")) is not None:
+            parts.append(f"raw LLM.chat CPU: front end {cpu['front']:.2f} s, engine core and worker {cpu['engine']:.2f} s")
     if (api := x.get("api")) is not None:
         parts.append(f"API first batch {api['warmup_s']:.1f} s; timed batch: upload {api['upload_s']:.2f} s, create to completed "
                      f"{api['to_completed_s']:.2f} s (validating {api['validating_s']} s, in_progress {api['in_progress_s']} s, "
@@ -364,7 +388,7 @@ def report(args: argparse.Namespace, reps: list[dict[str, Any]], wall: float, be
     lines.append("")
     for i, x in enumerate(reps):
         lines += [repeat_note(i, x, args.poll_s), ""]
-    paths = [p for p in ("api", "cli") if p in ran]
+    paths = [p for p in ("api", "cli", "raw_chat") if p in ran]
     if "raw" in ran and paths:
         same = all(x[p]["prompt_tokens"] == x["raw"]["prompt_tokens"] and x[p]["output_tokens"] == x["raw"]["output_tokens"]
                    for x in reps for p in paths)
@@ -392,6 +416,8 @@ def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict[str, 
             print(f"[batch_api] repeat {rep}: {path} ...", file=sys.stderr, flush=True)
             if path == "raw":
                 res["raw"] = run_raw(args, model, lines)
+            elif path == "raw_chat":
+                res["raw_chat"] = run_raw(args, model, lines, chat=True)
             elif path == "api":
                 res["api"] = run_api(args, model, where, lines)
             else:

@@ -45,3 +45,13 @@ def test_run_phases_reads_the_shard_step_and_the_tail_from_the_ledger(tmp_path: 
     (ledger / "tail.json").write_text(json.dumps({"wall_s": 8.5, "engine_busy_s": 8.0, "longest_task_s": 8.4}))
     got = batch_api.run_phases(tmp_path, "b1")
     assert got == {"shard_s": 1.0, "infer_s": 8.5, "engine_busy_s": 8.0, "longest_task_s": 8.4, "rest_s": pytest.approx(0.5)}
+
+
+def test_report_with_raw_chat_gives_the_api_against_llm_chat() -> None:
+    """``raw_chat`` (LLM.chat: the chat template inside its timer) beside the pre-rendered raw path."""
+    chat = {**RAW, "seconds": 7.5, "cpu_s": {"front": 1.5, "engine": 12.0}}
+    text = batch_api.report(args("raw,raw_chat,api"), [{"order": "raw,raw_chat,api", "raw": RAW, "raw_chat": chat, "api": API}],
+                            60.0, 1.0, 1.2)
+    assert "API pipeline run wall / raw `LLM.chat` (the chat template inside its timer) | 1.00 |" in text
+    assert "raw `LLM.chat` / raw generate of pre-rendered ids | 1.07 |" in text
+    assert "raw LLM.chat CPU: front end 1.50 s" in text and "agree on every path" in text
