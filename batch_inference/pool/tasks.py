@@ -94,7 +94,8 @@ async def run_judge(ctx: TaskContext) -> dict[str, int]:
             verdicts = await judging.verdicts(ok, [r["result"] for r in ok], [prior_attempts(r) for r in ok])
             by_id = {id(r): v for r, v in zip(ok, verdicts)}
             yes, no, ask = [], [], []
-            for row in chunk:
+            for n, row in enumerate(chunk):
+                await give_way(n)
                 verdict = by_id.get(id(row))
                 if verdict is None:
                     reason = ErrorKind.INFERENCE_ERROR.tag(row.get("error") or "no result")
