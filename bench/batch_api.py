@@ -153,12 +153,23 @@ def run_raw(args: argparse.Namespace, model: str, lines: list[dict[str, Any]], c
 # --------------------------------------------------------------------------- api
 
 
+def api_model(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The API config's one model: the raw path's engine, and the chunk size and in-flight bound asked for."""
+    engine = engine_config(model, args.max_model_len)
+    if in_flight := getattr(args, "api_max_in_flight", None):
+        engine["vllm"]["max_in_flight"] = in_flight
+    out: dict[str, Any] = {"engine": engine, "limits": {"max_tokens": args.output}}
+    if chunk := getattr(args, "api_chunk_size", None):
+        out["chunk_size"] = chunk
+    return out
+
+
 def write_api_config(root: Path, model: str, args: argparse.Namespace) -> Path:
     import yaml
 
     (root / "api-tokens").write_text(TOKEN + "\n")
     cfg = {"storage": str(root / "api-data"), "tokens_file": str(root / "api-tokens"), "tick_s": 0.5,
-           "models": {"tiny": {"engine": engine_config(model, args.max_model_len), "limits": {"max_tokens": args.output}}},
+           "models": {"tiny": api_model(model, args)},
            "limits": {"max_lines": max(50_000, args.records)}}
     path = root / "api.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -437,6 +448,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--model", default=None, help="a model folder (default: the tiny model, built here)")
     p.add_argument("--report", default=None)
+    p.add_argument("--api-chunk-size", type=int, default=None, help="the API model's chunk_size (default: the API's)")
+    p.add_argument("--api-max-in-flight", type=int, default=None, help="the API model's engine vllm.max_in_flight (default: 2 x max_num_seqs)")
     p.add_argument("--raw-server", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.raw_server:
