@@ -214,24 +214,24 @@ class TaskContext:
         keys: dict[int, bytes] = {}  # leaders under a memo key
         waits: dict[int, asyncio.Future[Completion]] = {}  # every live request's future
         duplicates: set[int] = set()
-        for n, i in enumerate(live):
-            await give_way(n)
-            r = requests[i]
-            assert isinstance(r, Request)
-            key = None if memo is None or scope is None else request_key(
-                scope, r.prompt, r.params, attempts[i] if attempts is not None else 0, greedy_ignores_seed=ignores_seed)
-            hit = None if key is None or memo is None else memo.answer(key)
-            if hit is None:
-                leaders.append(i)
-                if key is not None and memo is not None:
-                    keys[i] = key
-                    waits[i] = memo.lead(key)
-            elif isinstance(hit, Completion):
-                out[i] = self._duplicate(r, hit)
-            else:
-                duplicates.add(i)
-                waits[i] = hit
-        try:
+        try:  # a cancel at a slice boundary or in the submit abandons the leads made so far
+            for n, i in enumerate(live):
+                await give_way(n)
+                r = requests[i]
+                assert isinstance(r, Request)
+                key = None if memo is None or scope is None else request_key(
+                    scope, r.prompt, r.params, attempts[i] if attempts is not None else 0, greedy_ignores_seed=ignores_seed)
+                hit = None if key is None or memo is None else memo.answer(key)
+                if hit is None:
+                    leaders.append(i)
+                    if key is not None and memo is not None:
+                        keys[i] = key
+                        waits[i] = memo.lead(key)
+                elif isinstance(hit, Completion):
+                    out[i] = self._duplicate(r, hit)
+                else:
+                    duplicates.add(i)
+                    waits[i] = hit
             gen, engine_futures = await self._submit([requests[i] for i in leaders])  # type: ignore[misc]
         except BaseException:
             for i in leaders:

@@ -214,3 +214,30 @@ async def test_a_duplicate_whose_leader_failed_runs_on_its_own(tmp_path: Path, i
     assert "engine_error" in rows["a"]["error"]  # the leader keeps its own failure
     assert rows["b"]["result"] and rows["c"]["result"] == rows["b"]["result"]  # never inherited
     assert result.counts == {"ok": 2, "error": 1}
+
+
+async def test_a_generate_cancelled_between_slices_leaves_no_lead_behind(tmp_path: Path, inprocess_pool) -> None:
+    """``TaskContext.generate`` gives the loop back every ``pool.slices.SLICE`` requests while it
+    registers its leads with the memo; cancelled there (or in the submit), every lead it made is
+    abandoned, so a retried task's identical request runs instead of waiting on a flight that no
+    engine future will ever settle."""
+    from batch_inference.pool.context import TaskContext
+    from batch_inference.pool.slices import SLICE
+    from batch_inference.prompting import RequestBuilder
+
+    slow = {"kind": "simulated", "simulated": {"latency_a_s": 0.05, "latency_b_s": 0.0, "greedy": "prompt"}}
+    spec = _infer("t", tmp_path / "in.jsonl", tmp_path / "out.jsonl", scope="run/r00/infer")
+    builder = RequestBuilder(GREEDY)
+    requests = [builder.build({"id": f"r{i}", "q": f"question {i}"}, 0) for i in range(3 * SLICE)]
+    async with inprocess_pool(slow) as pool:
+        memo = pool.host.memo
+        for yields in range(1, 6):  # cancelled at a different suspension point each time
+            run = asyncio.create_task(TaskContext(spec, pool.host).generate(requests, [0] * len(requests)))
+            for _ in range(yields):
+                await asyncio.sleep(0)
+            run.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await run
+            assert memo.stats()["in_flight"] == 0, yields
+        done = await asyncio.wait_for(TaskContext(spec, pool.host).generate(requests[:4], [0] * 4), 30)
+        assert all(isinstance(c, Completion) and c.error is None for c in done)
