@@ -113,26 +113,24 @@ def raw_server(model: str, max_model_len: int) -> None:
     tok = llm.get_tokenizer()
     builder = RequestBuilder(InferConfig())
 
-    def handle(job: dict[str, Any]) -> dict[str, Any]:
-        if job.get("chat"):  # LLM.chat: the chat template and tokenising inside the timer
-            sampling = VllmSamplingParams(max_tokens=job["output"], temperature=0.0)
-            conversations = [x["body"]["messages"] for x in job["lines"]]
-            cpu0 = cpu_seconds(os.getpid())
-            t = time.perf_counter()
-            outs = llm.chat(conversations, sampling_params=sampling, use_tqdm=False)
-            seconds = time.perf_counter() - t
-            return {"seconds": seconds, "cpu_s": cpu_spent(cpu0, cpu_seconds(os.getpid())), "load_s": load_s, "requests": len(outs),
-                    "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
-                    "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
-        records = [{"id": x["custom_id"], "messages": x["body"]["messages"]} for x in job["lines"]]
-        ids = encode_prompts(tok, [builder.prompt(r) for r in records])
-        sampling = VllmSamplingParams(max_tokens=job["output"], temperature=0.0)
+    def timed(call: Any) -> dict[str, Any]:
+        """``call()``'s wall and this process's CPU over it, and the counts of the outputs it returned."""
         cpu0 = cpu_seconds(os.getpid())
         t = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=x) for x in ids], sampling_params=sampling, use_tqdm=False)
+        outs = call()
         seconds = time.perf_counter() - t
         return {"seconds": seconds, "cpu_s": cpu_spent(cpu0, cpu_seconds(os.getpid())), "load_s": load_s, "requests": len(outs),
-                "prompt_tokens": sum(map(len, ids)), "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+                "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+                "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+
+    def handle(job: dict[str, Any]) -> dict[str, Any]:
+        sampling = VllmSamplingParams(max_tokens=job["output"], temperature=0.0)
+        if job.get("chat"):  # LLM.chat: the chat template and tokenising inside the timer
+            conversations = [x["body"]["messages"] for x in job["lines"]]
+            return timed(lambda: llm.chat(conversations, sampling_params=sampling, use_tqdm=False))
+        records = [{"id": x["custom_id"], "messages": x["body"]["messages"]} for x in job["lines"]]
+        prompts = [TokensPrompt(prompt_token_ids=x) for x in encode_prompts(tok, [builder.prompt(r) for r in records])]
+        return timed(lambda: llm.generate(prompts, sampling_params=sampling, use_tqdm=False))
 
     serve(handle)
 
@@ -320,21 +318,22 @@ RATIOS = {  # label, the paths it needs, the ratio
 }
 
 
+PATH_LABELS = {  # each path's row label, in table order
+    "raw": "raw `LLM.generate` (warm engine)",
+    "raw_chat": "raw `LLM.chat` (warm engine; chat template in the timer)",
+    "api": "API, warm pool (upload -> completed -> output read)",
+    "cli": "CLI `batch-inference run` (cold: process, engine load)",
+}
+
+
 def path_rows(i: int, x: dict[str, Any], n: int) -> list[str]:
     """Repeat ``i``'s table rows, one per path it ran."""
     out = []
-    if (raw := x.get("raw")) is not None:
-        out.append(f"| {i} | raw `LLM.generate` (warm engine) | {raw['seconds']:.2f} | {n / raw['seconds']:.0f} | - | "
-                   f"{raw['prompt_tokens']} | {raw['output_tokens']} | {raw['load']} |")
-    if (chat := x.get("raw_chat")) is not None:
-        out.append(f"| {i} | raw `LLM.chat` (warm engine; chat template in the timer) | {chat['seconds']:.2f} | {n / chat['seconds']:.0f} | - | "
-                   f"{chat['prompt_tokens']} | {chat['output_tokens']} | {chat['load']} |")
-    if (api := x.get("api")) is not None:
-        out.append(f"| {i} | API, warm pool (upload -> completed -> output read) | {api['seconds']:.2f} | {n / api['seconds']:.0f} | "
-                   f"{api['run_wall_s']:.2f} | {api['prompt_tokens']} | {api['output_tokens']} | {api['load']} |")
-    if (cli := x.get("cli")) is not None:
-        out.append(f"| {i} | CLI `batch-inference run` (cold: process, engine load) | {cli['seconds']:.2f} | {n / cli['seconds']:.0f} | "
-                   f"{cli['run_wall_s']:.2f} | {cli['prompt_tokens']} | {cli['output_tokens']} | {cli['load']} |")
+    for path, label in PATH_LABELS.items():
+        if (res := x.get(path)) is not None:
+            wall = f"{res['run_wall_s']:.2f}" if "run_wall_s" in res else "-"  # the pipeline paths' own run wall
+            out.append(f"| {i} | {label} | {res['seconds']:.2f} | {n / res['seconds']:.0f} | {wall} | "
+                       f"{res['prompt_tokens']} | {res['output_tokens']} | {res['load']} |")
     return out
 
 

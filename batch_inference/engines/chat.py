@@ -50,16 +50,13 @@ def encode_prompts(tokenizer: Any, prompts: Sequence[Prompt]) -> list[list[int]]
 
     Raises for the whole list; ``encode_each`` fails one prompt alone.
     """
+    texts = [(i, p) for i, p in enumerate(prompts) if isinstance(p, str)]
+    chats = [(i, render_chat(tokenizer, p)) for i, p in enumerate(prompts) if isinstance(p, ChatPrompt)]
     out: list[list[int] | None] = [None] * len(prompts)
-    texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
-    if texts:
-        for i, ids in zip(texts, tokenizer([prompts[i] for i in texts], add_special_tokens=True)["input_ids"]):
-            out[i] = list(ids)
-    chats = [i for i, p in enumerate(prompts) if isinstance(p, ChatPrompt)]
-    if chats:
-        rendered = [render_chat(tokenizer, prompts[i]) for i in chats]  # type: ignore[arg-type]
-        for i, ids in zip(chats, tokenizer(rendered, add_special_tokens=False)["input_ids"]):
-            out[i] = list(ids)
+    for group, special_tokens in ((texts, True), (chats, False)):
+        if group:
+            for (i, _), ids in zip(group, tokenizer([t for _, t in group], add_special_tokens=special_tokens)["input_ids"]):
+                out[i] = list(ids)
     return out  # type: ignore[return-value]
 
 

@@ -31,9 +31,9 @@ from batch_inference.engines.structured import format_error
 from batch_inference.pool.dedup import Orphaned, request_key
 from batch_inference.pool.engine_host import EngineHost
 from batch_inference.pool.protocol import TaskRunner, TaskSpec
+from batch_inference.pool.request import GenRequest
 from batch_inference.pool.result_cache import ResultCache, cache_key
 from batch_inference.pool.slices import give_way
-from batch_inference.pool.request import GenRequest
 from batch_inference.prompting import Request, RequestBuilder, RequestError
 from batch_inference.prompting.prefix import prompt_order_key
 from batch_inference.rows import ErrorKind

@@ -11,8 +11,8 @@ All three are permanent: retrying the same record cannot fix it.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
