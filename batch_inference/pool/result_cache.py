@@ -12,24 +12,27 @@ content fingerprint of the model's and every adapter's files hashed whole,
 A changed weight or adapter file changes every key: it never hits. A model known by a hub
 id alone (no pinned commit) has no identity: its requests are never cached.
 
-Layout, under the run's output root (``<output>/_result_cache`` unless the spec says):
-one small JSON object per key, ``<k[:2]>/<k[2:4]>/<k>.json``, written once and never
-changed (content-addressed: two workers writing the same key write the same answer, the
-last one wins and both are right). A read that is not a whole entry of its own key (a torn
-local write, foreign damage) is a miss, never an error. Lookups go in bulk: a task looks up
-a whole chunk's keys with one ``fs.cat`` of their paths, which s3fs (and every async
-fsspec store) runs concurrently, and writes a chunk's new entries with one ``fs.pipe``.
+Layout, under the run's output root (``<output>/_result_cache`` unless the spec says). On
+local disk: one SQLite file, ``entries.sqlite3`` (``pool.result_db``): a chunk's lookups are
+one indexed query per 500 keys, its new entries one transaction; a file per entry cost 0.23-0.38 ms
+of CPU a request (``bench/result_cache_writes.py``). On an object store: one small JSON object per key,
+``<k[:2]>/<k[2:4]>/<k>.json``, looked up with one ``fs.cat`` of a chunk's paths (s3fs and
+every async fsspec store run them concurrently) and written with one ``fs.pipe``; each PUT is
+atomic. Entries are content-addressed: two workers writing the same key write the same
+answer, the last one wins and both are right. An entry that is not whole, or not its own
+key's (a torn write, foreign damage), is a miss, never an error.
 
-Bounded: ``trim`` (the driver, once per run) deletes the oldest entries (by modification
-time: on local disk a hit refreshes it, so least recently used; on an object store the write
-time) until the store is under ``max_bytes``, and the temporary files of writers that died
-between their write and their rename (older than ``TEMP_GRACE_S``: a live writer's file is
-seconds old at most). docs/cache.md says what it costs and where the layout stops scaling.
+Bounded: ``trim`` (the driver, once per run) deletes the least recently used entries until
+the store is under ``max_bytes`` (on an object store, by write time: first in, first out).
+A local store an earlier version wrote (a file per entry) is read on a miss and moved into
+the database by the first trim, which deletes the temporary files its writers left when
+killed between write and rename. docs/cache.md says what it costs and where it stops scaling.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -44,12 +47,13 @@ from typing import Any
 from batch_inference import speckeys
 from batch_inference.engines import Completion, EngineConfig, Prompt, SamplingParams
 from batch_inference.pool.dedup import request_identity
+from batch_inference.pool.result_db import ResultDb
 from batch_inference.storage.urls import fs_for, is_local
 
 log = logging.getLogger(__name__)
 
 FORMAT = "v1"  # in every key: a change of what an entry means starts a fresh keyspace
-TEMP_SUFFIX = ".tmp"  # a local writer's file before its rename: ``.<key>.json.<pid>.<ns>.tmp``
+TEMP_SUFFIX = ".tmp"  # an earlier version's local writer's file before its rename: ``.<key>.json.<pid>.<ns>.tmp``
 # A temporary file older than this is a dead writer's: a live one renames its file (a few
 # hundred bytes) within milliseconds of opening it, so an hour leaves a stalled disk room.
 TEMP_GRACE_S = 3600.0
@@ -140,12 +144,17 @@ class TrimReport:
 
 
 class ResultCache:
-    """The store at ``url`` (local or any fsspec URL): bulk ``get_many`` / ``put_many``, ``trim``."""
+    """The store at ``url``: bulk ``get_many`` / ``put_many``, ``trim``. On local disk one
+    SQLite file (``pool.result_db``); on an object store one object per entry."""
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None) -> None:
         self.url = url.rstrip("/")
         self.fs, self.root = fs_for(self.url, dict(storage_options or {}))
         self.local = is_local(self.fs)
+        self.db = ResultDb(self.root) if self.local else None
+        # a local store an earlier version wrote holds a file per entry: read (and moved into
+        # the database) on a miss until the driver's trim has moved them all
+        self._legacy = self.local and _has_entry_folders(self.root)
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key[:2]}/{key[2:4]}/{key}.json"
@@ -156,69 +165,46 @@ class ResultCache:
         """The entries found among ``keys`` (missing and unreadable ones left out)."""
         if not keys:
             return {}
+        if self.db is not None:
+            blobs = self.db.get_many(keys)
+            if self._legacy and (missed := [k for k in dict.fromkeys(keys) if k not in blobs]):
+                blobs.update(self._adopt_legacy(missed))
+            return _decoded(blobs)
         paths = {self._path(k): k for k in dict.fromkeys(keys)}
-        if self.local:  # one open per key: no listing, no exists() round trip
-            blobs: dict[str, bytes] = {}
-            for p in paths:
-                try:
-                    with open(p, "rb") as f:
-                        blobs[p] = f.read()
-                    os.utime(p)  # a hit is a use: trim evicts the least recently used
-                except OSError:
-                    continue
-        else:
-            try:
-                blobs = self.fs.cat(list(paths), on_error="omit")
-            except FileNotFoundError:
-                blobs = {}
-            blobs = {self.fs._strip_protocol(p) if p not in paths else p: b for p, b in blobs.items()}
-        found: dict[str, Completion] = {}
-        for path, blob in blobs.items():
-            key = paths.get(path)
-            if key is None:
-                continue
-            if (completion := _decode(key, blob)) is not None:
-                found[key] = completion
-        return found
+        try:
+            found = self.fs.cat(list(paths), on_error="omit")
+        except FileNotFoundError:
+            found = {}
+        return _decoded({key: blob for path, blob in found.items()
+                         if (key := paths.get(path, paths.get(self.fs._strip_protocol(path)))) is not None})
 
     def put_many_sync(self, entries: Mapping[str, Completion]) -> None:
         """Store successful completions (a failed one is never an answer to reuse)."""
-        blobs = {self._path(k): _encode(k, c) for k, c in entries.items() if c.error is None}
+        blobs = {k: _encode(k, c) for k, c in entries.items() if c.error is None}
         if not blobs:
             return
-        if self.local:
-            # the fewest system calls an entry: its folder made when missing (no makedirs stat
-            # first), its file written unbuffered; a thread writing thousands of them fights the
-            # task's event loop for the GIL at every call
-            pid, made = os.getpid(), set()
-            for path, blob in blobs.items():
-                parent, name = path.rsplit("/", 1)
-                if parent not in made:
-                    _make_folder(parent)
-                    made.add(parent)
-                tmp = f"{parent}/.{name}.{pid}.{time.monotonic_ns()}{TEMP_SUFFIX}"
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # open()'s mode
-                try:
-                    os.write(fd, blob)  # an entry is a few hundred bytes: one write
-                finally:
-                    os.close(fd)
-                os.replace(tmp, path)  # atomic: a reader sees the whole entry or none
+        if self.db is not None:
+            self.db.put_many(blobs)  # one transaction
         else:
-            self.fs.pipe(blobs)  # one PUT per entry, run concurrently; an object store PUT is atomic
+            self.fs.pipe({self._path(k): b for k, b in blobs.items()})  # one PUT per entry, run concurrently; each atomic
 
     def trim(self, max_bytes: int, *, temp_grace_s: float = TEMP_GRACE_S) -> TrimReport:
-        """Delete the oldest entries until the store holds at most ``max_bytes``, and every
-        temporary file older than ``temp_grace_s`` (a writer killed before its rename left it;
-        a younger one may be a live writer's, so it stays) (blocking)."""
+        """Delete the least recently used entries until the store holds at most ``max_bytes``
+        (blocking). On local disk, first move an earlier version's entry files into the
+        database and delete them, with the temporary files its writers left when killed
+        between write and rename (older than ``temp_grace_s``; a younger one may be live)."""
+        if self.db is not None:
+            leaked = self._adopt_all_legacy(temp_grace_s) if _has_entry_folders(self.root) else (0, 0)
+            evicted, evicted_bytes = self.db.evict(max_bytes)
+            entries, total = self.db.totals()
+            return TrimReport(entries, total, evicted, evicted_bytes, *leaked)
         try:
             self.fs.invalidate_cache(self.root)
             listing = self.fs.find(self.root, detail=True)
         except FileNotFoundError:
             return TrimReport(0, 0, 0, 0)
-        files = [(info.get("size") or 0, _mtime(info), path) for path, info in listing.items() if info.get("type", "file") == "file"]
-        entries = [f for f in files if f[2].endswith(".json")]
-        cutoff = time.time() - temp_grace_s
-        leaked = [f for f in files if _is_temporary(f[2]) and f[1] < cutoff]
+        entries = [(info.get("size") or 0, _mtime(info), path) for path, info in listing.items()
+                   if info.get("type", "file") == "file" and path.endswith(".json")]
         total = sum(size for size, _, _ in entries)
         evicted: list[str] = []
         evicted_bytes = 0
@@ -228,14 +214,64 @@ class ResultCache:
                     break
                 evicted.append(path)
                 evicted_bytes += size
-        doomed = evicted + [path for _, _, path in leaked]
-        for i in range(0, len(doomed), 1000):
+        for i in range(0, len(evicted), 1000):
             try:
-                self.fs.rm(doomed[i:i + 1000])
-            except FileNotFoundError:  # another run trimmed it first (or its writer renamed it after all)
+                self.fs.rm(evicted[i:i + 1000])
+            except FileNotFoundError:  # another run trimmed it first
                 pass
-        return TrimReport(len(entries) - len(evicted), total - evicted_bytes, len(evicted), evicted_bytes,
-                          len(leaked), sum(size for size, _, _ in leaked))
+        return TrimReport(len(entries) - len(evicted), total - evicted_bytes, len(evicted), evicted_bytes)
+
+    # -- an earlier version's local layout: a file per entry ------------------------------
+
+    def _adopt_legacy(self, keys: Sequence[str]) -> dict[str, bytes]:
+        """The entry files of ``keys`` that exist, moved into the database."""
+        blobs: dict[str, bytes] = {}
+        for key in keys:
+            try:
+                with open(self._path(key), "rb") as f:
+                    blobs[key] = f.read()
+            except OSError:
+                continue
+        if blobs:
+            assert self.db is not None
+            self.db.put_many(blobs)
+            for key in blobs:
+                with contextlib.suppress(OSError):
+                    os.unlink(self._path(key))
+        return blobs
+
+    def _adopt_all_legacy(self, temp_grace_s: float) -> tuple[int, int]:
+        """Every entry file moved into the database (its mtime its last use) and deleted, with
+        the dead writers' temporary files: (temporaries deleted, their bytes)."""
+        assert self.db is not None
+        cutoff = time.time() - temp_grace_s
+        leaked = [0, 0]
+        for top in _entry_folders(self.root):
+            for folder, _, names in os.walk(top, topdown=False):
+                blobs: dict[str, bytes] = {}
+                used: dict[str, float] = {}
+                for name in names:
+                    path = os.path.join(folder, name)
+                    try:
+                        st = os.stat(path)
+                        if _is_temporary(name):
+                            if st.st_mtime < cutoff:
+                                os.unlink(path)
+                                leaked[0] += 1
+                                leaked[1] += st.st_size
+                        elif name.endswith(".json"):
+                            with open(path, "rb") as f:
+                                blobs[name[:-5]] = f.read()
+                            used[name[:-5]] = st.st_mtime
+                    except OSError:
+                        continue
+                self.db.put_many(blobs, used=used)
+                for key in blobs:
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(folder, key + ".json"))
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)  # left while a live writer's temporary is in it
+        return leaked[0], leaked[1]
 
     # -- async ---------------------------------------------------------------------------
 
@@ -246,18 +282,28 @@ class ResultCache:
         await asyncio.to_thread(self.put_many_sync, entries)
 
 
-def _make_folder(path: str) -> None:
-    """``os.makedirs(path, exist_ok=True)`` with one call when only the last level is missing."""
+def _decoded(blobs: Mapping[str, bytes]) -> dict[str, Completion]:
+    """The blobs that are whole entries of their own keys, as completions."""
+    return {key: c for key, blob in blobs.items() if (c := _decode(key, blob)) is not None}
+
+
+_ENTRY_FOLDER = re.compile(r"[0-9a-f]{2}")
+
+
+def _entry_folders(root: str) -> list[str]:
+    """The top folders of an earlier version's layout (``<k[:2]>/<k[2:4]>/<k>.json``)."""
     try:
-        os.mkdir(path)
-    except FileExistsError:
-        pass
-    except FileNotFoundError:
-        os.makedirs(path, exist_ok=True)
+        return [os.path.join(root, n) for n in os.listdir(root) if _ENTRY_FOLDER.fullmatch(n) and os.path.isdir(os.path.join(root, n))]
+    except OSError:
+        return []
+
+
+def _has_entry_folders(root: str) -> bool:
+    return bool(_entry_folders(root))
 
 
 def _is_temporary(path: str) -> bool:
-    """Whether ``path`` is a local writer's file before its rename (``put_many_sync``)."""
+    """Whether ``path`` is an earlier version's local writer's file before its rename."""
     name = path.rsplit("/", 1)[-1]
     return name.startswith(".") and name.endswith(TEMP_SUFFIX)
 

@@ -10,6 +10,7 @@ it off.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 from typing import Any
@@ -177,49 +178,83 @@ async def test_off_per_spec(tmp_path: Path) -> None:
     assert off.result_cache_lookups == 0 and off.engine_requests == 80 and off.result_cache == {}
 
 
+def _stored(store: Path) -> dict[str, tuple[bytes, float]]:
+    """The local store's entries: key -> (blob, last use)."""
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(store / "entries.sqlite3")) as conn:
+        return {k: (b, u) for k, b, u in conn.execute("SELECT key, blob, used FROM entries")}
+
+
 async def test_the_store_is_bounded(tmp_path: Path) -> None:
     src = _corpus(tmp_path / "in.jsonl", 100)
     summary = await run_pipeline(_spec(tmp_path, "a", src, cache={"max_bytes": 1 << 20}))
     assert summary.result_cache["evicted"] == 0 and summary.result_cache["bytes"] <= 1 << 20
-    files = sorted((tmp_path / "out" / "_result_cache").rglob("*.json"))
-    assert len(files) == 200
+    store = tmp_path / "out" / "_result_cache"
+    stored = _stored(store)
+    size = sum(len(blob) for blob, _ in stored.values())
+    assert len(stored) == summary.result_cache["entries"] == 200 and summary.result_cache["bytes"] == size
+    assert list(store.iterdir()) and not list(store.rglob("*.json"))  # one database, no file per entry
     from batch_inference.pool.result_cache import ResultCache
 
-    size = sum(f.stat().st_size for f in files)
-    report = ResultCache(str(tmp_path / "out" / "_result_cache")).trim(size // 2)
+    cache = ResultCache(str(store))
+    used = sorted(stored, key=lambda k: stored[k][1])
+    cache.get_many_sync(used[:10])  # the 10 least recently used are used now: kept
+    report = cache.trim(size // 2)
     assert report.bytes <= size // 2 and report.evicted > 0 and report.entries + report.evicted == 200
-    assert len(list((tmp_path / "out" / "_result_cache").rglob("*.json"))) == report.entries
+    left = _stored(store)
+    assert len(left) == report.entries and set(used[:10]) <= set(left) and sum(len(b) for b, _ in left.values()) == report.bytes
+    assert cache.trim(size // 2).evicted == 0  # bounded already
 
 
-async def test_the_trim_removes_dead_writers_temporary_files_but_not_a_live_ones(tmp_path: Path) -> None:
-    """A writer killed between its write and its rename leaves ``.<key>.json.<pid>.<ns>.tmp``
-    beside the entries; nothing renames or reads it again, so only the trim can remove it."""
+async def test_a_store_an_earlier_version_wrote_is_read_and_moved_into_the_database(tmp_path: Path) -> None:
+    """An earlier version kept a file per entry (``<k[:2]>/<k[2:4]>/<k>.json``) and left
+    ``.<key>.json.<pid>.<ns>.tmp`` where a writer was killed before its rename. After the
+    upgrade a lookup reads those files (moving what it finds into the database), and the
+    first trim moves the rest and deletes the dead writers' temporaries, not a live one's."""
     import os
     import time
+
+    from batch_inference.pool.result_cache import ResultCache
 
     src = _corpus(tmp_path / "in.jsonl", 30)
     first = await run_pipeline(_spec(tmp_path, "a", src))
     store = tmp_path / "out" / "_result_cache"
-    entries = sorted(store.rglob("*.json"))
-    assert first.result_cache["entries"] == len(entries) == 60
+    stored = _stored(store)
+    assert first.result_cache["entries"] == len(stored) == 60
+    (store / "entries.sqlite3").unlink()  # the same entries, as the earlier version laid them out
+    for name in ("entries.sqlite3-wal", "entries.sqlite3-shm"):
+        (store / name).unlink(missing_ok=True)
+    files = {}
+    for key, (blob, _) in stored.items():
+        files[key] = store / key[:2] / key[2:4] / f"{key}.json"
+        files[key].parent.mkdir(parents=True, exist_ok=True)
+        files[key].write_bytes(blob)
+        os.utime(files[key], (time.time() - 60, time.time() - 60))
+    keys = sorted(files)
     dead = []
-    for i, entry in enumerate(entries[:5]):  # as a writer killed before os.replace leaves them
-        tmp = entry.parent / f".{entry.name}.{40000 + i}.{123456789 + i}.tmp"
-        tmp.write_bytes(entry.read_bytes()[:17])
+    for i, key in enumerate(keys[:5]):
+        tmp = files[key].parent / f".{key}.json.{40000 + i}.{123456789 + i}.tmp"
+        tmp.write_bytes(b'{"key": "0123456')
         os.utime(tmp, (time.time() - 2 * 3600, time.time() - 2 * 3600))
         dead.append(tmp)
-    live = entries[5].parent / f".{entries[5].name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+    live = files[keys[5]].parent / f".{keys[5]}.json.{os.getpid()}.{time.monotonic_ns()}.tmp"
     live.write_bytes(b'{"key": "')  # a writer still writing: seconds old
-    again = await run_pipeline(_spec(tmp_path, "b", src))  # its end trims the store
-    assert again.result_cache["leaked_temporaries"] == 5 and again.result_cache["leaked_temporary_bytes"] == 5 * 17
-    assert not any(t.exists() for t in dead) and live.exists()
-    assert again.result_cache["entries"] == 60 and again.result_cache["evicted"] == 0
-    assert sorted(store.rglob("*.json")) == entries
-    assert "5 leaked temporary file(s) removed" in "\n".join(run_lines(PipelineRun(_spec(tmp_path, "b", src)).ledger.view()))
-    from batch_inference.pool.result_cache import ResultCache
 
+    found = ResultCache(str(store)).get_many_sync(keys[:3])  # a lookup before any trim
+    assert sorted(found) == keys[:3] and all(c.from_cache for c in found.values())
+    assert not any(files[k].exists() for k in keys[:3]) and set(_stored(store)) == set(keys[:3])
+
+    again = await run_pipeline(_spec(tmp_path, "b", src))  # every request answered; its end trims
+    assert (again.result_cache_hits, again.engine_requests) == (60, 0)
+    assert again.result_cache["leaked_temporaries"] == 5 and again.result_cache["leaked_temporary_bytes"] == 5 * 16
+    assert again.result_cache["entries"] == 60 and again.result_cache["evicted"] == 0
+    assert not any(t.exists() for t in dead) and live.exists() and not list(store.rglob("*.json"))
+    assert {k: b for k, (b, _) in _stored(store).items()} == {k: b for k, (b, _) in stored.items()}
+    assert "5 leaked temporary file(s) removed" in "\n".join(run_lines(PipelineRun(_spec(tmp_path, "b", src)).ledger.view()))
     report = ResultCache(str(store)).trim(1 << 30, temp_grace_s=0.0)  # past its grace, the last one goes too
     assert (report.leaked_temporaries, report.entries) == (1, 60) and not live.exists()
+    assert [p.name for p in store.iterdir() if p.is_dir()] == []
 
 
 async def test_on_s3_a_rerun_hits_and_the_store_is_trimmed(tmp_path: Path, s3_store: Any, s3_store_bucket: str) -> None:
@@ -248,13 +283,28 @@ async def test_on_s3_a_rerun_hits_and_the_store_is_trimmed(tmp_path: Path, s3_st
 
 
 async def test_a_damaged_or_unwritable_store_costs_reuse_never_records(tmp_path: Path) -> None:
+    import sqlite3
+
     src = _corpus(tmp_path / "in.jsonl", 40)
     await run_pipeline(_spec(tmp_path, "a", src))
-    entries = list((tmp_path / "out" / "_result_cache").rglob("*.json"))
-    for i, f in enumerate(entries):  # torn, foreign, another key's entry
-        f.write_bytes(b'{"key": "nope", "text": "x"' if i % 2 else entries[0].read_bytes() if i else b"\x00\xff")
+    store = tmp_path / "out" / "_result_cache"
+    keys = sorted(_stored(store))
+    with contextlib.closing(sqlite3.connect(store / "entries.sqlite3")) as conn, conn:
+        for i, key in enumerate(keys):  # torn, foreign, another key's entry
+            blob = b'{"key": "nope", "text": "x"' if i % 2 else _stored(store)[keys[0]][0] if i else b"\x00\xff"
+            conn.execute("UPDATE entries SET blob = ? WHERE key = ?", (blob, key))
     damaged = await run_pipeline(_spec(tmp_path, "b", src))
     assert damaged.conservation["ok"] and damaged.result_cache_hits <= 1 and damaged.engine_requests >= 79
+    third = await run_pipeline(_spec(tmp_path, "b2", src))  # the damaged run wrote its answers over them
+    assert third.result_cache_hits == 80 and third.result_cache["entries"] == 80
+    (store / "entries.sqlite3").write_bytes(b"not a database" * 1000)  # the file itself damaged
+    for name in ("entries.sqlite3-wal", "entries.sqlite3-shm"):
+        (store / name).unlink(missing_ok=True)
+    ruined = await run_pipeline(_spec(tmp_path, "b3", src))
+    assert ruined.conservation["ok"] and ruined.approved == 40 and ruined.engine_requests == 80
+    assert "error" in ruined.result_cache  # the trim could not read it either: said, not raised
+    view = PipelineRun(_spec(tmp_path, "b3", src)).ledger.view()
+    assert any("result cache lookup" in w and "entries.sqlite3" in w for p in view.rounds[0].phases for w in p.warnings)
     (tmp_path / "blocker").write_text("a file where the store's folder would be")
     blocked = await run_pipeline(_spec(tmp_path, "c", src, cache={"url": str(tmp_path / "blocker" / "cache")}))
     assert blocked.conservation["ok"] and blocked.approved == 40 and blocked.engine_requests == 80
@@ -319,4 +369,4 @@ async def test_a_cache_outside_the_output_is_a_storage_root_of_the_workers(local
         first = await run_pipeline(spec("a"), runner=client)
         again = await run_pipeline(spec("b"), runner=client)
     assert first.quarantined == again.quarantined == 0
-    assert (again.result_cache_hits, again.engine_requests) == (60, 0) and list(elsewhere.rglob("*.json"))
+    assert (again.result_cache_hits, again.engine_requests) == (60, 0) and (elsewhere / "entries.sqlite3").exists()

@@ -99,7 +99,14 @@ def test_a_profile_measures_engine_work_whatever_the_result_cache_holds(tmp_path
         return spec_for(tmp_path, str(src), engine=engine, run=run, cache={"url": str(cache)})
 
     def entries(cache: Path) -> dict[str, float]:
-        return {str(p): p.stat().st_mtime for p in cache.rglob("*.json")}
+        """Each stored key's last use (a hit refreshes it)."""
+        import contextlib
+        import sqlite3
+
+        if not (cache / "entries.sqlite3").exists():
+            return {}
+        with contextlib.closing(sqlite3.connect(cache / "entries.sqlite3")) as conn:
+            return dict(conn.execute("SELECT key, used FROM entries"))
 
     warm_cache, cold_cache = tmp_path / "warm-cache", tmp_path / "cold-cache"
     from batch_inference.pipeline import run_pipeline

@@ -80,4 +80,4 @@ async def test_a_finished_tasks_results_are_in_the_cache(tmp_path: Path, inproce
     async with inprocess_pool() as pool:
         result = await pool.run_task(spec)
     assert result.records_in == 7 and result.result_cache_hits == 0
-    assert len(list((tmp_path / "cache").rglob("*.json"))) == 7
+    assert ResultCache(str(tmp_path / "cache")).trim(1 << 30).entries == 7
