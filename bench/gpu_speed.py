@@ -150,13 +150,14 @@ async def alone(shape: Shape, prompts: list[str]) -> dict[str, float]:
     return {"tok_s": tokens / wall, "req_s": len(prompts) / wall, "tokens": tokens, "wall_s": wall, "busy_s": modelled, "cpu_us": cpu_us}
 
 
-async def pipeline(shape: Shape, prompts: list[str], base: Path, tag: str, shards: int) -> dict[str, float]:
+async def pipeline(shape: Shape, prompts: list[str], base: Path, tag: str, shards: int, result_cache: bool = False) -> dict[str, float]:
     src = base / f"{tag}.jsonl"
     with open(src, "wb") as f:
         f.write(b"".join(orjson.dumps({"id": f"r{i}", "prompt": t}) + b"\n" for i, t in enumerate(prompts)))
     run = f"gpu-speed-{tag}"
     spec = PipelineSpec.parse({
-        "cache": {"enabled": False}, "run": run, "input": str(src), "output": str(base / "out"),
+        # the result cache off unless asked (a user's default: on, every request a miss and a write here)
+        "cache": {"enabled": result_cache}, "run": run, "input": str(src), "output": str(base / "out"),
         "engine": {"kind": "simulated", "max_model_len": MAX_MODEL_LEN, "simulated": shape.options()},
         "infer": {"template": "{prompt}", "sampling": {"max_tokens": shape.max_tokens, "temperature": 0.0}},
         "strategy": "rounds", "max_rounds": 1, "layout": {"prefix": False},
@@ -208,7 +209,7 @@ async def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             ide = ideal(shape, prompts)
             load0 = os.getloadavg()[0]
             a = await alone(shape, prompts)
-            pipe = await pipeline(shape, prompts, base, f"{k}", args.shards)
+            pipe = await pipeline(shape, prompts, base, f"{k}", args.shards, args.result_cache)
             assert a["tokens"] == pipe["tokens"] == ide["tokens"], (a["tokens"], pipe["tokens"], ide["tokens"])
             row = {"shape": shape.name, "profile": shape.profile, "records": shape.records,
                    "prompt_tokens": list(shape.prompt_tokens), "output_mean": shape.output_mean, "max_tokens": shape.max_tokens,
@@ -225,7 +226,7 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, took: float) ->
     lines = [
         "# The pipeline at GPU speed: one worker against a simulated H200",
         "",
-        f"`python bench/gpu_speed.py{f' --scale {args.scale}' if args.scale != 1 else ''}{f' --only {args.only}' if args.only else ''}{' --no-sweep' if args.no_sweep else ''}{f' --shards {args.shards}' if args.shards != 20 else ''}` on "
+        f"`python bench/gpu_speed.py{f' --scale {args.scale}' if args.scale != 1 else ''}{f' --only {args.only}' if args.only else ''}{' --no-sweep' if args.no_sweep else ''}{f' --shards {args.shards}' if args.shards != 20 else ''}{' --result-cache' if getattr(args, 'result_cache', False) else ''}` on "
         f"{platform.node()} ({os.cpu_count()} CPUs, shared), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; took {took:.0f} s. "
         "Real time: the simulated continuous engine sleeps each modelled step on the worker's event loop, so every "
         "figure depends on this machine's load (1-min load average per row).",
@@ -268,6 +269,8 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="shapes whose name starts with this (short, long, sweep)")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--shards", type=int, default=20, help="shard tasks a run's records are cut into (10 run at once)")
+    ap.add_argument("--result-cache", action="store_true",
+                    help="the pipeline with the cross-run result cache on (the spec default; fresh, so every request a miss and a write)")
     ap.add_argument("--report", type=Path, default=REPORT)
     ap.add_argument("--render", action="store_true", help="rebuild the report from its .json (no measurement)")
     args = ap.parse_args()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,11 +28,11 @@ from batch_inference.engines import (
 from batch_inference.engines.base import unconstrained_error
 from batch_inference.engines.blocks import BLOCK_HASH_BYTES, DistinctBlocks
 from batch_inference.engines.structured import format_error
-from batch_inference.pool.dedup import Orphaned, request_key
+from batch_inference.pool.dedup import Orphaned, identity_text, memo_key
 from batch_inference.pool.engine_host import EngineHost
 from batch_inference.pool.protocol import TaskRunner, TaskSpec
 from batch_inference.pool.request import GenRequest
-from batch_inference.pool.result_cache import ResultCache, cache_key
+from batch_inference.pool.result_cache import ResultCache, store_key
 from batch_inference.pool.slices import give_way
 from batch_inference.prompting import Request, RequestBuilder, RequestError
 from batch_inference.prompting.prefix import prompt_order_key
@@ -207,9 +207,18 @@ class TaskContext:
         scope = self.spec.dedup_scope
         memo = self.host.memo if scope is not None else None
         ignores_seed = greedy_ignores_seed(self.host.engine)
+        cache = self.result_cache
+        # what makes each request the same computation as another, made once for both keys
+        identities: dict[int, str | None] = {}
+        if memo is not None or cache is not None:
+            for n, i in enumerate(live):
+                await give_way(n)
+                r = requests[i]
+                assert isinstance(r, Request)
+                identities[i] = identity_text(r.prompt, r.params, greedy_ignores_seed=ignores_seed)
         cache_keys: dict[int, str] = {}
-        if (cache := self.result_cache) is not None and live:
-            live, cache_keys = await self._from_cache(cache, requests, attempts, live, out, ignores_seed)
+        if cache is not None and live:
+            live, cache_keys = await self._from_cache(cache, requests, attempts, live, out, identities)
         leaders: list[int] = []  # go to the engine
         keys: dict[int, bytes] = {}  # leaders under a memo key
         waits: dict[int, asyncio.Future[Completion]] = {}  # every live request's future
@@ -219,8 +228,8 @@ class TaskContext:
                 await give_way(n)
                 r = requests[i]
                 assert isinstance(r, Request)
-                key = None if memo is None or scope is None else request_key(
-                    scope, r.prompt, r.params, attempts[i] if attempts is not None else 0, greedy_ignores_seed=ignores_seed)
+                key = None if memo is None or scope is None or (text := identities[i]) is None else memo_key(
+                    scope, attempts[i] if attempts is not None else 0, text)
                 hit = None if key is None or memo is None else memo.answer(key)
                 if hit is None:
                     leaders.append(i)
@@ -281,7 +290,7 @@ class TaskContext:
         return out
 
     async def _from_cache(self, cache: ResultCache, requests: Sequence[Request | BaseException], attempts: Sequence[int] | None,
-                          live: list[int], out: list[Completion | BaseException], ignores_seed: bool,
+                          live: list[int], out: list[Completion | BaseException], identities: Mapping[int, str | None],
                           ) -> tuple[list[int], dict[int, str]]:
         """Answer what the result cache holds (one bulk lookup for the chunk): the requests left
         to compute, and the cache keys of those that may be stored once computed."""
@@ -292,14 +301,14 @@ class TaskContext:
                 self.warnings.append(f"result cache not used: {self.host.uncacheable}")
             return live, {}
         keys: dict[int, str] = {}
-        for i in live:
+        for n, i in enumerate(live):
+            await give_way(n)
             r = requests[i]
             assert isinstance(r, Request)
             if not r.explicit_seed:  # sampled under a seed nobody asked for: a fresh sample each run
                 continue
-            key = cache_key(identity, r.prompt, r.params, attempts[i] if attempts is not None else 0, greedy_ignores_seed=ignores_seed)
-            if key is not None:
-                keys[i] = key
+            if (text := identities[i]) is not None:
+                keys[i] = store_key(identity, attempts[i] if attempts is not None else 0, text)
         self.meter.cache_lookups += len(keys)
         if not keys:
             return live, keys

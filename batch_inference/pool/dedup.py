@@ -28,6 +28,7 @@ same shard, and affinity dispatch sends a prefix family to one worker.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
@@ -44,27 +45,38 @@ class Orphaned(Exception):
     """The request this one waited on failed or was cancelled: run it on its own."""
 
 
-def request_identity(prompt: Prompt, params: SamplingParams, *, greedy_ignores_seed: bool) -> tuple[Any, ...] | None:
-    """What makes two requests the same computation (the prompt as rendered by the builder and
-    the sampling), or None when the outcome is not deterministic: the one rule the memo and
-    the cross-run cache (``pool.result_cache``) share."""
+def identity_text(prompt: Prompt, params: SamplingParams, *, greedy_ignores_seed: bool) -> str | None:
+    """What makes two requests the same computation, as the text both keys hash (the memo's
+    and the cross-run cache's, ``pool.result_cache``: the one rule they share), or None when
+    the outcome is not deterministic: ``repr(((kind, prompt), sampling))``, the prompt as
+    rendered by the builder (text, or chat messages) and the sampling, its seed left out
+    where greedy decoding ignores it. Made once per request for both keys; a chunk's requests
+    share one ``SamplingParams`` object, whose part is made once (``_params_text``)."""
     if params.temperature > 0 and params.seed is None:
         return None
-    if params.temperature == 0 and greedy_ignores_seed:
-        params = replace(params, seed=None)
     body = ("chat", prompt.messages) if isinstance(prompt, ChatPrompt) else ("text", prompt)
-    return (body, params)
+    try:
+        sampling = _params_text(params, params.temperature == 0 and greedy_ignores_seed)
+    except TypeError:  # a field that cannot be hashed: made here
+        sampling = _params_text.__wrapped__(params, params.temperature == 0 and greedy_ignores_seed)
+    return f"({body!r}, {sampling})"
+
+
+@functools.lru_cache(maxsize=256)
+def _params_text(params: SamplingParams, drop_seed: bool) -> str:
+    return repr(replace(params, seed=None) if drop_seed else params)
 
 
 def request_key(scope: str, prompt: Prompt, params: SamplingParams, attempt: int, *,
                 greedy_ignores_seed: bool) -> bytes | None:
     """The memo key of one request, or None when its outcome is not deterministic."""
-    identity = request_identity(prompt, params, greedy_ignores_seed=greedy_ignores_seed)
-    if identity is None:
-        return None
-    body, params = identity
-    digest = hashlib.blake2b(repr((scope, attempt, body, params)).encode("utf-8", "surrogatepass"), digest_size=16)
-    return digest.digest()
+    text = identity_text(prompt, params, greedy_ignores_seed=greedy_ignores_seed)
+    return None if text is None else memo_key(scope, attempt, text)
+
+
+def memo_key(scope: str, attempt: int, identity: str) -> bytes:
+    """The memo key of a request's ``identity_text`` in the phase ``scope`` at ``attempt``."""
+    return hashlib.blake2b(f"({scope!r}, {attempt!r}, {identity[1:-1]})".encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 @dataclass

@@ -3,7 +3,7 @@
 A scheduled run over a corpus that grew by a few records recomputes nothing it computed
 before. The run's request memo (``pool.dedup``) computes identical requests of one phase
 once per worker; this is its persistent sibling, with the same rule of what may be reused
-(``dedup.request_identity``: temperature 0, or an explicit seed) and the same request
+(``dedup.identity_text``: temperature 0, or an explicit seed) and the same request
 identity (the prompt as rendered by the builder: text, or the chat messages the engine
 renders with its one template; the sampling, adapter included; the attempt), plus the
 model's identity (``engine_identity``: every engine config key that decides results, a
@@ -46,7 +46,7 @@ from typing import Any
 
 from batch_inference import speckeys
 from batch_inference.engines import Completion, EngineConfig, Prompt, SamplingParams
-from batch_inference.pool.dedup import request_identity
+from batch_inference.pool.dedup import identity_text
 from batch_inference.pool.result_db import ResultDb
 from batch_inference.storage.urls import fs_for, is_local
 
@@ -120,11 +120,16 @@ def _version(package: str) -> str | None:
 def cache_key(identity: str, prompt: Prompt, params: SamplingParams, attempt: int, *, greedy_ignores_seed: bool) -> str | None:
     """The store's key of one request on the model ``identity`` (hex), or None when its outcome
     is not deterministic (temperature > 0 without a seed): never reused."""
-    body = request_identity(prompt, params, greedy_ignores_seed=greedy_ignores_seed)
-    if body is None:
-        return None
-    digest = hashlib.blake2b(repr((FORMAT, identity, attempt, body)).encode("utf-8", "surrogatepass"), digest_size=20)
-    return digest.hexdigest()
+    text = identity_text(prompt, params, greedy_ignores_seed=greedy_ignores_seed)
+    return None if text is None else store_key(identity, attempt, text)
+
+
+def store_key(identity: str, attempt: int, request: str) -> str:
+    """The store's key of a request's ``dedup.identity_text`` on the model ``identity``: the
+    hex blake2b of ``repr((FORMAT, identity, attempt, ((kind, prompt), sampling)))``, as every
+    version wrote it (a stored entry keeps answering)."""
+    text = f"({FORMAT!r}, {identity!r}, {attempt!r}, {request})"
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=20).hexdigest()
 
 
 @dataclass
@@ -340,4 +345,4 @@ def _decode(key: str, blob: bytes) -> Completion | None:
         return None
 
 
-__all__ = ["FORMAT", "TEMP_GRACE_S", "NotCacheable", "ResultCache", "TrimReport", "cache_key", "engine_identity"]
+__all__ = ["FORMAT", "TEMP_GRACE_S", "NotCacheable", "ResultCache", "TrimReport", "cache_key", "engine_identity", "store_key"]

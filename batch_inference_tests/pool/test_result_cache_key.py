@@ -137,3 +137,43 @@ def test_the_sidecar_spares_hashing_an_unchanged_model_and_any_change_invalidate
     copied = DigestStats()
     assert folder_digest(str(copy), stats=copied) == folder_digest(str(model))
     assert copied.files_hashed == 3
+
+
+def _key_as_written_before(identity: str, prompt: Any, params: Any, attempt: int, ignores_seed: bool) -> str | None:
+    """The store key as every earlier version computed it, spelled out: a stored entry keeps
+    answering only while this formula holds."""
+    import dataclasses
+    import hashlib
+
+    from batch_inference.engines import ChatPrompt
+
+    if params.temperature > 0 and params.seed is None:
+        return None
+    if params.temperature == 0 and ignores_seed:
+        params = dataclasses.replace(params, seed=None)
+    body = (("chat", prompt.messages) if isinstance(prompt, ChatPrompt) else ("text", prompt), params)
+    return hashlib.blake2b(repr(("v1", identity, attempt, body)).encode("utf-8", "surrogatepass"), digest_size=20).hexdigest()
+
+
+@pytest.mark.parametrize("ignores_seed", [True, False])
+def test_the_store_key_is_the_one_earlier_versions_wrote(ignores_seed: bool) -> None:
+    from batch_inference.engines import ChatPrompt, ResponseFormat, SamplingParams
+    from batch_inference.pool.dedup import identity_text, memo_key, request_key
+    from batch_inference.pool.result_cache import cache_key
+
+    prompts = ["plain", "quotes ' \" and \\ and unicode é 漢字 \ud800", ChatPrompt((("system", "be terse"), ("user", "hi 'x'")))]
+    params = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, seed=7), SamplingParams(temperature=0.7, seed=3, stop=("\n", "END")),
+              SamplingParams(temperature=0.7), SamplingParams(adapter="sql", min_tokens=2, max_tokens=9, presence_penalty=0.5),
+              SamplingParams(response_format=ResponseFormat("json_object"))]
+    seen: set[str] = set()
+    for prompt in prompts:
+        for p in params:
+            for attempt in (0, 3):
+                key = cache_key("model-id", prompt, p, attempt, greedy_ignores_seed=ignores_seed)
+                assert key == _key_as_written_before("model-id", prompt, p, attempt, ignores_seed), (prompt, p, attempt)
+                text = identity_text(prompt, p, greedy_ignores_seed=ignores_seed)
+                assert (text is None) == (key is None)
+                if text is not None:
+                    assert request_key("scope", prompt, p, attempt, greedy_ignores_seed=ignores_seed) == memo_key("scope", attempt, text)
+                    seen.add(key)
+    assert len(seen) == len(prompts) * (len(params) - 1) * 2 - (len(prompts) * 2 if ignores_seed else 0)
