@@ -452,14 +452,14 @@ while True:
 
 
 @contextlib.contextmanager
-def busy_beside(share: float) -> Iterator[None]:
+def busy_beside(share: float) -> Iterator[subprocess.Popen[bytes] | None]:
     """A process that keeps ``share`` of one core busy (in 20 ms periods) while the bench runs."""
     if share <= 0:
-        yield
+        yield None
         return
     proc = subprocess.Popen([sys.executable, "-c", BUSY_SCRIPT, str(share)])
     try:
-        yield
+        yield proc
     finally:
         proc.kill()
         proc.wait()
