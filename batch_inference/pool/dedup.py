@@ -55,10 +55,7 @@ def identity_text(prompt: Prompt, params: SamplingParams, *, greedy_ignores_seed
     if params.temperature > 0 and params.seed is None:
         return None
     body = ("chat", prompt.messages) if isinstance(prompt, ChatPrompt) else ("text", prompt)
-    try:
-        sampling = _params_text(params, params.temperature == 0 and greedy_ignores_seed)
-    except TypeError:  # a field that cannot be hashed: made here
-        sampling = _params_text.__wrapped__(params, params.temperature == 0 and greedy_ignores_seed)
+    sampling = _params_text(params, params.temperature == 0 and greedy_ignores_seed)  # SamplingParams is hashable
     return f"({body!r}, {sampling})"
 
 
@@ -75,8 +72,9 @@ def request_key(scope: str, prompt: Prompt, params: SamplingParams, attempt: int
 
 
 def memo_key(scope: str, attempt: int, identity: str) -> bytes:
-    """The memo key of a request's ``identity_text`` in the phase ``scope`` at ``attempt``."""
-    return hashlib.blake2b(f"({scope!r}, {attempt!r}, {identity[1:-1]})".encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    """The memo key of a request's ``identity_text`` in the phase ``scope`` at ``attempt`` (a
+    worker's own: no stored key depends on its text)."""
+    return hashlib.blake2b(f"({scope!r}, {attempt!r}, {identity})".encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 @dataclass
